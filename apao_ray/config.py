@@ -1,0 +1,186 @@
+"""Frozen configuration dataclasses; plain nested dicts at the edges (Tune, MLflow, checkpoints).
+
+``from_dict`` rejects unknown keys and wrong types and names the key, so a typo in a sweep's
+search space fails before any trial starts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+C = TypeVar("C", bound="_Config")
+
+BACKBONE_NAMES = ("tiger", "llama")
+WEIGHTING_MODES = ("mirror", "per_batch", "uniform", "exp_decay", "hard_max")
+
+
+class _Config:
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[C], values: dict[str, Any] | None) -> C:
+        values = dict(values or {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} key(s) {unknown}; allowed: {sorted(fields)}")
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for name, value in values.items():
+            sub = _config_class(hints[name])
+            if sub is not None and isinstance(value, dict):
+                value = sub.from_dict(value)
+            else:
+                value = _coerce(cls.__name__, name, hints[name], value)
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    def replace(self: C, **changes: Any) -> C:
+        return type(self).from_dict({**self.to_dict(), **changes})
+
+
+def _config_class(hint: Any) -> type[_Config] | None:
+    return hint if isinstance(hint, type) and issubclass(hint, _Config) else None
+
+
+def _coerce(owner: str, name: str, hint: Any, value: Any) -> Any:
+    """Checks ``value`` against the annotation; ints are accepted for floats (Tune, JSON)."""
+    options = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return None
+        if option is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, float) and value.is_integer():
+            return int(value)  # Tune/Optuna hand back 100.0 for an int grid sometimes
+        if option in (str, bool) and isinstance(value, option):
+            return value
+        if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
+            return tuple(value)
+    raise ValueError(f"{owner}.{name} must be {hint}, got {value!r} ({type(value).__name__})")
+
+
+def _check_choice(owner: str, name: str, value: Any, allowed: typing.Iterable[Any]) -> None:
+    allowed = list(allowed)
+    if value not in allowed:
+        raise ValueError(f"{owner}.{name}={value!r} is not allowed; choose from {allowed}")
+
+
+def _check_range(owner: str, name: str, value: float | int | None, low: float, high: float = float("inf")) -> None:
+    if value is not None and not (low <= value <= high):
+        raise ValueError(f"{owner}.{name}={value!r} is out of range; allowed: [{low}, {high}]")
+
+
+@dataclass(frozen=True)
+class DataConfig(_Config):
+    """Which dataset and how it is cut into samples."""
+
+    dataset: str = "synthetic"
+    data_dir: str | None = None
+    max_history: int = 20
+    synthetic_seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check_range("DataConfig", "max_history", self.max_history, 1, 1000)
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Config):
+    """Backbone and its size; None means the paper's size for that backbone (SPEC §2)."""
+
+    backbone: str = "tiger"
+    d_model: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    head_dim: int | None = None
+    d_ff: int | None = None
+    dropout: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_choice("ModelConfig", "backbone", self.backbone, BACKBONE_NAMES)
+        for name in ("d_model", "num_layers", "num_heads", "head_dim", "d_ff"):
+            _check_range("ModelConfig", name, getattr(self, name), 1, 1 << 16)
+        _check_range("ModelConfig", "dropout", self.dropout, 0.0, 1.0)
+
+
+@dataclass(frozen=True)
+class LossConfig(_Config):
+    """Every knob of SPEC §3. ``name`` is a key of ``apao_ray.losses.LOSSES``."""
+
+    name: str = "ce"
+    beta: float = 0.1                  # weight of the prefix loss (APAO) / lambda of one-stage CE+S-DPO
+    eta: float = 1e-4                  # step size of the adaptive weights
+    tau: float = 1.0                   # MSL temperature
+    num_negatives: int = 100           # pairwise / preference losses only
+    weighting: str = "mirror"
+    exp_decay_lambda: float = 0.5      # w_m proportional to exp(-lambda * m) for weighting="exp_decay"
+    pairwise_divide_by_m: bool = True
+    pairwise_scale_negatives: bool = True
+    pairwise_mask_duplicates: bool = True
+    use_ce: bool = True                # ablation: without CE
+    use_prefix_loss: bool = True       # ablation: without the prefix loss
+    drop_level: int | None = None      # ablation: no supervision at prefix level m (1..T)
+    beta_pref: float = 1.0             # DPO / DMPO / S-DPO temperature
+    pretrain_ce_epochs: int = 0        # two-stage: CE for this many epochs, then this loss
+
+    def __post_init__(self) -> None:
+        _check_choice("LossConfig", "weighting", self.weighting, WEIGHTING_MODES)
+        _check_range("LossConfig", "beta", self.beta, 0.0)
+        _check_range("LossConfig", "eta", self.eta, 0.0)
+        _check_range("LossConfig", "tau", self.tau, 1e-6)
+        _check_range("LossConfig", "num_negatives", self.num_negatives, 1, 1 << 20)
+        _check_range("LossConfig", "drop_level", self.drop_level, 1, 64)
+        _check_range("LossConfig", "pretrain_ce_epochs", self.pretrain_ce_epochs, 0)
+
+
+@dataclass(frozen=True)
+class TrainConfig(_Config):
+    """Optimisation and evaluation schedule (SPEC §5 defaults)."""
+
+    epochs: int = 200
+    batch_size: int = 256              # per optimizer micro-step
+    effective_batch_size: int = 1024   # reached by gradient accumulation
+    lr: float = 5e-4
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.01
+    patience: int = 20
+    metric: str = "ndcg_at_10"         # validation metric that picks the best epoch
+    seed: int = 0
+    max_train_samples: int | None = None
+    num_workers: int = 1
+    use_gpu: bool = False
+    bf16: bool = False
+    grad_clip: float = 1.0
+    beam_size: int = 20
+    eval_batch_size: int = 256
+    eval_max_users: int | None = None  # validate on a fixed random subset of users (recorded)
+    retention_users: int = 128         # users whose full-sort top-K gives beam retention (0 = off)
+    topk: tuple[int, ...] = (5, 10, 20)
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size", "effective_batch_size", "patience", "num_workers",
+                     "beam_size", "eval_batch_size"):
+            _check_range("TrainConfig", name, getattr(self, name), 1)
+        _check_range("TrainConfig", "lr", self.lr, 1e-12, 10.0)
+        _check_range("TrainConfig", "warmup_fraction", self.warmup_fraction, 0.0, 1.0)
+        _check_range("TrainConfig", "max_train_samples", self.max_train_samples, 1)
+        _check_range("TrainConfig", "eval_max_users", self.eval_max_users, 1)
+        if self.effective_batch_size < self.batch_size:
+            raise ValueError(f"TrainConfig.effective_batch_size={self.effective_batch_size} must be "
+                             f">= batch_size={self.batch_size}")
+
+
+@dataclass(frozen=True)
+class TrialConfig(_Config):
+    """One trial = dataset x backbone x loss x training schedule x seed."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)

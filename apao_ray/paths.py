@@ -1,0 +1,40 @@
+"""Where things live on disk: dataset directories, the user cache, study storage, MLflow."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+DATA_DIR_ENV = "APAO_DATA_DIR"
+_PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def check_plain_name(kind: str, name: str) -> str:
+    """Rejects names that could escape their directory (``..``, separators, absolute paths)."""
+    if not isinstance(name, str) or not _PLAIN_NAME.match(name) or ".." in name:
+        raise ValueError(f"{kind} name {name!r} must be a plain name (letters, digits, '_', '-', '.'; "
+                         "no path separators, no '..', at most 128 characters)")
+    return name
+
+
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/apao_ray`` (default ``~/.cache/apao_ray``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "apao_ray"
+
+
+def data_dir_candidates(data_dir: str | os.PathLike | None = None) -> list[Path]:
+    """Directories searched for datasets, in order: explicit, ``$APAO_DATA_DIR``, ./data, cache."""
+    candidates = []
+    if data_dir:
+        candidates.append(Path(data_dir))
+    if os.environ.get(DATA_DIR_ENV):
+        candidates.append(Path(os.environ[DATA_DIR_ENV]))
+    candidates += [Path("data"), user_cache_dir() / "datasets"]
+    return [c.expanduser().resolve() for c in candidates]
+
+
+def download_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """Where a missing dataset is downloaded: the first explicit location, else the cache."""
+    return data_dir_candidates(data_dir)[0] if (data_dir or os.environ.get(DATA_DIR_ENV)) \
+        else user_cache_dir() / "datasets"
