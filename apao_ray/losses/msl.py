@@ -1,0 +1,61 @@
+"""Masked softmax loss (MSL): CE normalised over the trie's valid next codes only (SPEC §3)."""
+from __future__ import annotations
+
+import torch
+
+from ..config import LossConfig
+from ..data.catalog import CatalogTensors
+from .base import LossInputs, LossOutput
+from .registry import Loss, at_least_float32, register
+
+
+def valid_token_mask(catalog: CatalogTensors, prefix_nodes: torch.Tensor,
+                     token_offsets: list[int] | None = None) -> torch.Tensor:
+    """Tokens that extend each ground-truth prefix to a prefix present in the catalog.
+
+    Args:
+        catalog: trie tables, on the device of ``prefix_nodes``.
+        prefix_nodes: (B, T + 1) or (B, T) node of the target's length-t prefix at column t.
+        token_offsets: ``catalog.token_offsets`` as a list, to skip a device-to-host copy.
+
+    Returns:
+        (B, T, V) bool: True at token ``token_offsets[t] + c`` when code c is a valid child of
+        the length-t prefix; False for every other token (special tokens, other levels).
+    """
+    num_rows, num_levels = prefix_nodes.shape[0], len(catalog.level_sizes)
+    offsets = catalog.token_offsets.tolist() if token_offsets is None else token_offsets
+    mask = torch.zeros(num_rows, num_levels, catalog.vocab_size, dtype=torch.bool, device=prefix_nodes.device)
+    for t in range(num_levels):  # T is 4: one fancy-index per level
+        offset, size = offsets[t], catalog.level_sizes[t]
+        mask[:, t, offset:offset + size] = catalog.child_node[t][prefix_nodes[:, t]] >= 0  # (B, |codes_t|)
+    return mask
+
+
+@register("msl")
+class MaskedSoftmaxLoss(Loss):
+    """L_MSL = -(1 / (B T)) sum_b sum_t log softmax_{v in A_t}(z^t / tau)[y^t].
+
+    A_t is the set of valid children of the ground-truth prefix y^{<t} in the catalog trie
+    (tokens outside it get logit -inf), tau = ``config.tau``. Reads candidate 0 and its
+    ``candidate_nodes``; also logs the plain full-vocabulary CE as ``loss_ce`` for comparison.
+    """
+
+    num_negatives = 0
+
+    def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
+        super().__init__(config, catalog)
+        self.tau = config.tau
+        self.token_offsets = catalog.token_offsets.tolist()  # once: avoids a GPU sync per batch
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        self.check_candidates(inputs)
+        logits = at_least_float32(inputs.logits[:, 0])                      # (B, T, V)
+        labels = inputs.candidates[:, 0]                                    # (B, T)
+        nodes = inputs.candidate_nodes[:, 0]                                # (B, T + 1)
+        allowed = valid_token_mask(self.catalog, nodes, self.token_offsets)  # (B, T, V)
+        masked = (logits / self.tau).masked_fill(~allowed, float("-inf"))  # (B, T, V)
+        picked = masked.gather(-1, labels.unsqueeze(-1)).squeeze(-1)        # (B, T)
+        loss = (torch.logsumexp(masked, dim=-1) - picked).mean()
+        with torch.no_grad():
+            ce = (torch.logsumexp(logits, -1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)).mean()
+        return LossOutput(loss=loss, metrics={"loss": loss.detach(), "loss_msl": loss.detach(), "loss_ce": ce})

@@ -1,0 +1,112 @@
+"""The Loss interface every loss implements, and the ``LOSSES`` name registry.
+
+Loss modules register their classes with ``@register("name")``; importing
+``apao_ray.losses`` imports them all, so ``LOSSES`` is complete whenever this module is.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..config import LossConfig
+from ..data.catalog import CatalogTensors
+from ..models.base import label_log_probs
+from .base import LossInputs, LossOutput
+
+
+class Loss:
+    """One training objective, built from a LossConfig and the catalog, called once per micro-batch.
+
+    What the training loop must provide:
+        * ``inputs.logits`` of shape (B, 1 + num_negatives, T, V), candidate 0 the target;
+          losses without negatives accept any C and read candidate 0 only.
+        * ``inputs.ref_token_logp`` (B, C, T) from a frozen reference when ``needs_reference``.
+        * ``after_optimizer_step(output)`` once per optimizer step, after ``optimizer.step()``,
+          with ``output.prefix_losses`` averaged over that step's accumulation micro-batches
+          (and all-reduced across data-parallel ranks, so every rank keeps the same state).
+        * ``state_dict()`` in the checkpoint and ``load_state_dict()`` on resume.
+
+    Attributes:
+        name: the registry key.
+        num_negatives: N, sampled negatives per target (C = 1 + N).
+        needs_reference: whether ``ref_token_logp`` is required.
+    """
+
+    name: str = ""
+    num_negatives: int = 0
+    needs_reference: bool = False
+
+    def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
+        self.config = config
+        self.catalog = catalog
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        raise NotImplementedError
+
+    def after_optimizer_step(self, output: LossOutput) -> None:
+        """Updates training state (APAO's mirror weights) once per optimizer step; default: none."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"loss {self.name!r} has no state; got keys {sorted(state)}")
+
+    # --- helpers shared by the subclasses ---------------------------------------------------
+    def check_candidates(self, inputs: LossInputs) -> None:
+        """Raises when the inputs do not carry 1 + num_negatives candidates per row."""
+        if inputs.logits.dim() != 4:
+            raise ValueError(f"loss {self.name!r}: logits must be (B, C, T, V), got {tuple(inputs.logits.shape)}")
+        num_candidates = inputs.logits.shape[1]
+        if self.num_negatives and num_candidates != 1 + self.num_negatives:
+            raise ValueError(f"loss {self.name!r} needs C = 1 + num_negatives = {1 + self.num_negatives} "
+                             f"candidates per row; got C={num_candidates}")
+
+    def token_log_probs(self, inputs: LossInputs, num_candidates: int | None = None) -> torch.Tensor:
+        """(B, C', T) label log-probs s^t (log-softmax over the full vocabulary).
+
+        Only the first ``num_candidates`` candidates are scored (all when None). Half
+        precision is upcast first: bf16 log-probs are off by ~1e-2, too coarse for the weights.
+        """
+        logits, candidates = inputs.logits, inputs.candidates
+        if num_candidates is not None:
+            logits, candidates = logits[:, :num_candidates], candidates[:, :num_candidates]
+        return label_log_probs(at_least_float32(logits), candidates)      # (B, C', T)
+
+
+def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
+    """Upcasts float16/bfloat16 to float32; float32/float64 pass unchanged."""
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
+LossFactory = Callable[[LossConfig, CatalogTensors], Loss]
+LOSSES: dict[str, LossFactory] = {}
+
+
+def register(name: str) -> Callable[[type[Loss]], type[Loss]]:
+    """Class decorator: adds the class to ``LOSSES`` under ``name`` and sets its ``name``."""
+    def add(cls: type[Loss]) -> type[Loss]:
+        if name in LOSSES:
+            raise ValueError(f"loss {name!r} is registered twice")
+        cls.name = name
+        LOSSES[name] = cls
+        return cls
+    return add
+
+
+def build_loss(config: LossConfig, catalog: CatalogTensors) -> Loss:
+    """Builds the loss named ``config.name`` (a key of ``LOSSES``).
+
+    Args:
+        config: every loss knob (SPEC §3).
+        catalog: trie tables on the training device (MSL masks, P_m for the pairwise scaling).
+
+    Raises:
+        ValueError: unknown name, listing the registered ones.
+    """
+    name = config.name
+    if name not in LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose from {sorted(LOSSES)}")
+    return LOSSES[name](config, catalog)
