@@ -1,0 +1,70 @@
+"""The backbone interface every model implements, and what decoding and losses rely on.
+
+A backbone reads a history once (``encode``) and then scores any number of short candidate
+code sequences against it (``decode``): the C candidates of a row share that row's history
+encoding, so the pairwise loss (1 + N candidates), beam search (K beams) and full sorting
+(every semantic ID) never copy the history per candidate.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+# an opaque per-backbone object (TIGER: encoder output + mask; Llama: the history's key/value
+# cache + positions); only the backbone that made it reads it.
+Context = Any
+
+
+class Backbone(nn.Module):
+    """Base class. Subclasses set ``vocab_size`` and ``num_levels`` and implement encode/decode."""
+
+    vocab_size: int
+    num_levels: int
+
+    def encode(self, history_ids: torch.Tensor, history_mask: torch.Tensor) -> Context:
+        """Encodes the histories once.
+
+        Args:
+            history_ids: (B, L) token ids, left-padded with PAD, ending with EOS.
+            history_mask: (B, L) bool, True on real tokens.
+        """
+        raise NotImplementedError
+
+    def decode(self, context: Context, prefix: torch.Tensor) -> torch.Tensor:
+        """Next-token logits for C candidate prefixes per row, sharing the row's context.
+
+        Args:
+            context: what ``encode`` returned for the same B rows.
+            prefix: (B, C, t) code token ids already generated (t may be 0).
+
+        Returns:
+            (B, C, t + 1, V) logits; position j is the distribution of the (j+1)-th code given
+            the history and ``prefix[..., :j]``.
+        """
+        raise NotImplementedError
+
+    def candidate_logits(self, history_ids: torch.Tensor, history_mask: torch.Tensor,
+                         candidates: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits of full candidates: (B, C, T) tokens -> (B, C, T, V)."""
+        context = self.encode(history_ids, history_mask)
+        return self.decode(context, candidates[..., :-1])
+
+    def forward(self, history_ids: torch.Tensor, history_mask: torch.Tensor,
+                candidates: torch.Tensor) -> torch.Tensor:
+        """Training entry point (what DDP wraps): same as :meth:`candidate_logits`."""
+        return self.candidate_logits(history_ids, history_mask, candidates)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def label_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """(..., T, V) logits and (..., T) labels -> (..., T) log-softmax of each label token.
+
+    Computed as ``logit[label] - logsumexp(logits)`` so no (..., T, V) log-prob tensor is kept
+    for backward beyond the logits themselves.
+    """
+    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
