@@ -1,0 +1,149 @@
+"""Constrained beam search over the catalog trie (SPEC §4).
+
+The history is encoded once per row; every step scores the K kept prefixes of a row in one
+``decode`` call that shares the row's context (no per-beam copy of the encoder output or of
+the history's key/value cache). The trie constraint is one gather into
+``catalog.child_node[t]`` per step. Python loops only over the T code levels, and over
+chunks of rows (cache blocking, see ``CPU_ROW_CHUNK``) -- never over beams, rows or tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..data.catalog import CatalogTensors
+
+
+@dataclass(frozen=True)
+class BeamResult:
+    """What a beam search returns, best first within each row.
+
+    Attributes:
+        sem_ids: (B, K) int64 semantic-ID index of each returned item (= leaf node id of the
+            trie). Since K <= U, always K real items; consumers still treat -1 as padding.
+        scores: (B, K) cumulative log-probability S^T of each item (-inf where -1).
+        prefix_nodes: T tensors; entry m-1 is (B, K_m) int64, K_m = min(K, K_{m-1} * S_{m-1}),
+            K_0 = 1, the trie node ids (depth m) of the prefixes kept after step m, best first, -1 in
+            slots beyond the min(K, P_m) distinct length-m prefixes that exist.
+    """
+
+    sem_ids: torch.Tensor
+    scores: torch.Tensor
+    prefix_nodes: tuple[torch.Tensor, ...]
+
+
+def check_beam_size(beam_size: int, num_semantic_ids: int) -> None:
+    """Raises ValueError unless 1 <= beam_size <= the number of semantic IDs."""
+    if not isinstance(beam_size, int) or isinstance(beam_size, bool) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive int, got {beam_size!r}")
+    if beam_size > num_semantic_ids:
+        raise ValueError(f"beam_size={beam_size} exceeds the number of semantic IDs in the "
+                         f"catalog ({num_semantic_ids}); choose beam_size <= {num_semantic_ids}")
+
+
+def level_log_probs(logits: torch.Tensor, offset: int, size: int) -> torch.Tensor:
+    """Log-softmax over the FULL vocabulary, kept only on one level's code tokens.
+
+    Args:
+        logits: (..., V) next-token logits.
+        offset: token id of code 0 at this level.
+        size: number of codes at this level.
+
+    Returns:
+        (..., size) float log-probabilities ``s^t`` of the level's codes (SPEC §3: the
+        normaliser covers every token, so invalid and special tokens keep their mass).
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # the normaliser loses digits in half precision
+    # logsumexp + slice instead of a full (..., V) log_softmax: only `size` columns are written
+    return logits[..., offset:offset + size] - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+
+# Rows decoded together on a CPU. At 256 rows x 20 beams the decoder's (B*K, t+1, d_ff)
+# activations outgrow the CPU caches; 64-row chunks ran 1.4-2x faster on the 2-CPU benchmark
+# machine (benchmarks/RESULTS.md, "Decoding"). Accelerators take the whole batch at once.
+CPU_ROW_CHUNK = 64
+
+
+@torch.inference_mode()
+def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
+                catalog: CatalogTensors, beam_size: int = 20, row_chunk_size: int | None = None) -> BeamResult:
+    """Constrained beam search (SPEC §4): keep the K best valid prefixes by S^t at every step.
+
+    At step t every kept prefix is extended by every code of level t that is a child of its
+    trie node; the extension's score is S^{t+1} = S^t + s^{t+1} with s the log-softmax over the
+    full vocabulary; the K best extensions over (beams x codes) of the row are kept. Step 0
+    starts from the single root prefix, so fewer than K beams exist while the trie is narrow
+    (those slots are padded with -inf / -1 and never win).
+
+    Rows are independent: they are searched in chunks of ``row_chunk_size`` (cache blocking),
+    each chunk's history trimmed of columns that are padding in all of its rows. The model's
+    train/eval mode is left as it is; call ``model.eval()`` first (``evaluate`` does). Ties
+    between equal scores are broken by ``torch.topk``'s order.
+
+    Args:
+        model: a :class:`~apao_ray.models.base.Backbone` (``encode`` / ``decode``).
+        history_ids: (B, L) history tokens, left-padded, ending with EOS.
+        history_mask: (B, L) bool, True on real tokens.
+        catalog: trie tables on the model's device.
+        beam_size: K, 1 <= K <= number of semantic IDs.
+        row_chunk_size: rows per search; default ``CPU_ROW_CHUNK`` on CPU, all rows elsewhere.
+
+    Returns:
+        :class:`BeamResult` with (B, K) items ordered by score, best first.
+
+    Raises:
+        ValueError: if ``beam_size`` is not in [1, number of semantic IDs].
+    """
+    check_beam_size(beam_size, catalog.leaf_prefix_nodes.shape[0])
+    num_rows = history_ids.shape[0]
+    if row_chunk_size is None:
+        row_chunk_size = CPU_ROW_CHUNK if history_ids.device.type == "cpu" else max(1, num_rows)
+    if row_chunk_size < 1:
+        raise ValueError(f"row_chunk_size must be >= 1, got {row_chunk_size}")
+    parts = []
+    for start in range(0, num_rows, row_chunk_size) or [0]:  # [0]: an empty batch still returns
+        ids, mask = history_ids[start:start + row_chunk_size], history_mask[start:start + row_chunk_size]
+        first_real = int(mask.any(dim=0).long().argmax())  # left padding: trim all-PAD columns
+        parts.append(_search(model, ids[:, first_real:], mask[:, first_real:], catalog, beam_size))
+    if len(parts) == 1:
+        return parts[0]
+    return BeamResult(sem_ids=torch.cat([p.sem_ids for p in parts]),
+                      scores=torch.cat([p.scores for p in parts]),
+                      prefix_nodes=tuple(torch.cat(nodes) for nodes in zip(*(p.prefix_nodes for p in parts))))
+
+
+def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
+            catalog: CatalogTensors, beam_size: int) -> BeamResult:
+    """The beam search of :func:`beam_search` on one chunk of rows; a loop over the T steps."""
+    num_rows = history_ids.shape[0]
+    device = history_ids.device
+    offsets = catalog.token_offsets.tolist()  # T small ints; one host copy per call
+    context = model.encode(history_ids, history_mask)  # the only pass over the history
+
+    nodes = torch.zeros(num_rows, 1, dtype=torch.long, device=device)          # (B, 1) root
+    scores = torch.zeros(num_rows, 1, device=device)                           # (B, 1)
+    prefix = torch.empty(num_rows, 1, 0, dtype=torch.long, device=device)      # (B, 1, 0)
+    kept_nodes = []
+    for t, level_size in enumerate(catalog.level_sizes):
+        logits = model.decode(context, prefix)[:, :, -1]                       # (B, K_t, V)
+        step = level_log_probs(logits, offsets[t], level_size)                 # (B, K_t, S_t)
+        scores = scores.to(step.dtype)
+        # dead beams (node -1) read row 0 of the table; their -inf score keeps them dead
+        children = catalog.child_node[t][nodes.clamp(min=0)]                   # (B, K_t, S_t)
+        total = torch.where(children >= 0, scores.unsqueeze(-1) + step, float("-inf"))
+        num_beams = min(beam_size, total.shape[1] * level_size)
+        scores, flat = total.flatten(1).topk(num_beams, dim=1)                 # (B, K_{t+1})
+        beam = torch.div(flat, level_size, rounding_mode="floor")              # (B, K_{t+1})
+        code = flat - beam * level_size                                        # (B, K_{t+1})
+        nodes = children.flatten(1).gather(1, flat)                            # (B, K_{t+1})
+        nodes = torch.where(torch.isneginf(scores), -1, nodes)
+        parent = beam.unsqueeze(-1).expand(-1, -1, prefix.shape[2])            # (B, K_t+1, t)
+        prefix = torch.cat([prefix.gather(1, parent), (code + offsets[t]).unsqueeze(-1)], dim=2)
+        kept_nodes.append(nodes)
+
+    # K <= U leaves: every depth keeps min(K, nodes at that depth) real beams, so the last
+    # step has K slots and K real items (only prefix_nodes of narrow depths hold -1)
+    return BeamResult(sem_ids=nodes, scores=scores, prefix_nodes=tuple(kept_nodes))

@@ -1,0 +1,99 @@
+"""Evaluation of a model on batches of users: beam search, then the SPEC §4 metrics.
+
+Per-user quantities (target rank, prefix hits, retention) are collected on the CPU and
+averaged once at the end, so the figures are exact means over users whatever the batching.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from .. import metrics
+from ..data.batches import Batch
+from ..data.catalog import CatalogTensors
+from .beam import beam_search, check_beam_size
+from .full_sort import full_sort, topk_from_scores
+
+
+def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors,
+             topk: tuple[int, ...] = (5, 10, 20), beam_size: int = 20, with_full_sort: bool = False,
+             device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None) -> dict[str, float]:
+    """Recall@K / NDCG@K, prefix recall and (optionally) beam retention (SPEC §4).
+
+    A hit is a generated semantic ID equal to the target's semantic ID (``Batch.target_sem``),
+    the paper's convention: with a code collision, every item sharing the target's ID counts.
+    Sets ``model.eval()`` for the pass and restores the previous mode afterwards.
+
+    Args:
+        model: a :class:`~apao_ray.models.base.Backbone`.
+        batches: evaluation batches (e.g. ``iter_batches(catalog, split, 256)``; ordering the
+            split by history length there cuts padding and speeds this up).
+        catalog: trie tables on ``device``.
+        topk: cutoffs K, each <= ``beam_size``.
+        beam_size: beam width; the beam's ranked list is what is scored.
+        with_full_sort: also score every semantic ID exactly and report beam retention at
+            ``beam_size`` (costly: U candidates per user).
+        device: where to run; default the model's parameters' device.
+        amp_dtype: run the model under ``torch.autocast(dtype=amp_dtype)`` (e.g.
+            ``torch.bfloat16``: ~2.4x faster beams on CPUs with AMX, top-20 lists agree with
+            fp32 on ~98-99% of items); None (default) runs in the model's own precision.
+            Scores are always normalised in float32.
+
+    Returns:
+        ``recall_at_{k}``, ``ndcg_at_{k}`` for each k, ``prefix_recall_at_{K}_m{m}`` for
+        m = 1..T, ``beam_retention_at_{K}`` when ``with_full_sort``, and ``num_users``.
+
+    Raises:
+        ValueError: a cutoff above ``beam_size``, a bad ``beam_size``, or no users.
+    """
+    check_beam_size(beam_size, catalog.leaf_prefix_nodes.shape[0])
+    bad = [k for k in topk if not isinstance(k, int) or not 1 <= k <= beam_size]
+    if bad:
+        raise ValueError(f"topk cutoffs {bad} must be ints in [1, beam_size={beam_size}]")
+    if device is None:
+        device = next(model.parameters()).device
+    device = torch.device(device)
+
+    def precision() -> torch.autocast:
+        return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
+
+    ranks, prefix_hits, retention = [], [], []
+    was_training = model.training
+    model.eval()
+    try:
+        for batch in batches:
+            batch = batch.to(device)
+            with precision():
+                result = beam_search(model, batch.history_ids, batch.history_mask, catalog, beam_size)
+            ranks.append(metrics.target_ranks(result.sem_ids, batch.target_sem))
+            target_nodes = catalog.leaf_prefix_nodes[batch.target_sem]          # (B, T+1)
+            prefix_hits.append(metrics.prefix_hits(result.prefix_nodes, target_nodes))
+            if with_full_sort:
+                with precision():
+                    scores = full_sort(model, batch.history_ids, batch.history_mask, catalog)
+                exact_ids, _ = topk_from_scores(scores, beam_size)
+                retention.append(metrics.retention_per_user(result.sem_ids, exact_ids))
+    finally:
+        model.train(was_training)
+    if not ranks:
+        raise ValueError("evaluate got no batches")
+    return summarize(torch.cat(ranks), torch.cat(prefix_hits),
+                     torch.cat(retention) if with_full_sort else None, topk, beam_size)
+
+
+def summarize(ranks: torch.Tensor, prefix_hits: torch.Tensor, retention: torch.Tensor | None,
+              topk: tuple[int, ...], beam_size: int) -> dict[str, float]:
+    """Per-user (U,) ranks, (U, T) prefix hits and (U,) retention -> the named means."""
+    results: dict[str, float] = {}
+    for k in topk:
+        results[metrics.metric_name("recall", k)] = float(metrics.recall_from_ranks(ranks, k).mean())
+        results[metrics.metric_name("ndcg", k)] = float(metrics.ndcg_from_ranks(ranks, k).mean())
+    for m in range(1, prefix_hits.shape[1] + 1):
+        name = metrics.metric_name("prefix_recall", beam_size, m)
+        results[name] = float(prefix_hits[:, m - 1].double().mean())
+    if retention is not None:
+        results[metrics.metric_name("beam_retention", beam_size)] = float(retention.mean())
+    results["num_users"] = float(ranks.shape[0])
+    return results

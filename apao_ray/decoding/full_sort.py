@@ -1,0 +1,81 @@
+"""Full item sorting: the exact score S^T of every semantic ID for every row (SPEC §4).
+
+The ground truth a beam search approximates. Every semantic ID is scored teacher-forced as a
+candidate of the row; candidates are processed in chunks of ``chunk_size`` so the (B, C, T, V)
+logits stay bounded, and every chunk shares the row's history encoding.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..data.catalog import CatalogTensors
+from ..models.base import label_log_probs
+
+# default bound on the elements of one chunk's (B, C, T, V) logits (~256 MiB in fp32)
+MAX_LOGIT_ELEMENTS = 1 << 26
+
+
+def semantic_id_tokens(catalog: CatalogTensors) -> torch.Tensor:
+    """(U, T) token ids of every semantic ID, in semantic-ID index order.
+
+    Read off the trie: the code of leaf u at level m is the column of ``child_node[m]`` at its
+    length-m prefix node that leads to its length-(m+1) prefix node.
+    """
+    nodes = catalog.leaf_prefix_nodes                                        # (U, T+1)
+    columns = []
+    for m, table in enumerate(catalog.child_node):
+        is_child = table[nodes[:, m]] == nodes[:, m + 1].unsqueeze(1)        # (U, S_m)
+        columns.append(is_child.long().argmax(dim=1) + catalog.token_offsets[m])
+    return torch.stack(columns, dim=1)                                       # (U, T)
+
+
+@torch.inference_mode()
+def full_sort(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
+              catalog: CatalogTensors, chunk_size: int | None = None) -> torch.Tensor:
+    """Exact S^T = sum_t log p(y^t | y^{<t}, x) of every semantic ID (SPEC §3-4).
+
+    Args:
+        model: a :class:`~apao_ray.models.base.Backbone`; its train/eval mode is left as is.
+        history_ids: (B, L) history tokens, left-padded, ending with EOS.
+        history_mask: (B, L) bool, True on real tokens.
+        catalog: trie tables on the model's device.
+        chunk_size: semantic IDs scored per ``decode`` call; default keeps one chunk's logits
+            under ``MAX_LOGIT_ELEMENTS`` elements.
+
+    Returns:
+        (B, U) float scores; column u is semantic ID u (the index ``beam_search`` returns).
+    """
+    candidates = semantic_id_tokens(catalog)                                 # (U, T)
+    num_rows = history_ids.shape[0]
+    num_semantic_ids, num_levels = candidates.shape
+    if chunk_size is None:
+        chunk_size = max(1, MAX_LOGIT_ELEMENTS // max(1, num_rows * num_levels * catalog.vocab_size))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    context = model.encode(history_ids, history_mask)                        # once per row
+    chunks = []
+    for start in range(0, num_semantic_ids, chunk_size):
+        chunk = candidates[start:start + chunk_size]                          # (C, T)
+        labels = chunk.unsqueeze(0).expand(num_rows, -1, -1)                  # (B, C, T) view
+        logits = model.decode(context, labels[..., :-1])                      # (B, C, T, V)
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        chunks.append(label_log_probs(logits, labels).sum(-1))               # (B, C)
+    return torch.cat(chunks, dim=1)                                          # (B, U)
+
+
+def topk_from_scores(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k best semantic IDs of each row of a full-sort score matrix.
+
+    Args:
+        scores: (B, U) scores from :func:`full_sort`.
+        k: 1 <= k <= U.
+
+    Returns:
+        ``(sem_ids, scores)``, both (B, k), best first (ties in ``torch.topk``'s order).
+    """
+    if not 1 <= k <= scores.shape[1]:
+        raise ValueError(f"k={k} must be in [1, {scores.shape[1]}] (the number of semantic IDs)")
+    values, indices = scores.topk(k, dim=1)
+    return indices, values

@@ -1,0 +1,46 @@
+"""Shared fixtures: the synthetic dataset, tiny configs, a quiet environment for Ray/MLflow."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_DATASETS = Path(os.environ.get("APAO_DATA_DIR") or ROOT.parent / "shared" / "datasets")
+
+# quiet, deterministic Ray for every test process and the subprocesses they start
+for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "disabled",
+                   "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}.items():
+    os.environ.setdefault(key, value)
+
+TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
+
+
+@pytest.fixture(scope="session")
+def synthetic():
+    from apao_ray.data import load_dataset
+
+    return load_dataset("synthetic")
+
+
+@pytest.fixture(scope="session")
+def popularity_recall_at_10(synthetic) -> float:
+    """Recall@10 on the synthetic test split of recommending the 10 most frequent training targets."""
+    import numpy as np
+
+    train, test = synthetic.splits["train"], synthetic.splits["test"]
+    sem = synthetic.catalog.item_sem
+    counts = np.bincount(sem[train.targets], minlength=synthetic.catalog.num_semantic_ids)
+    top = np.argsort(-counts, kind="stable")[:10]
+    return float(np.isin(sem[test.targets], top).mean())
+
+
+def run_script(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None):
+    """Runs a studies/ script (or module) in a subprocess with the repo importable."""
+    import subprocess
+
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
