@@ -32,15 +32,15 @@ class _Config:
         kwargs = {}
         for name, value in values.items():
             sub = _config_class(hints[name])
-            if sub is not None and isinstance(value, dict):
-                value = sub.from_dict(value)
+            if sub is not None and isinstance(value, (dict, sub)):
+                value = sub.from_dict(value.to_dict() if isinstance(value, sub) else value)
             else:
                 value = _coerce(cls.__name__, name, hints[name], value)
             kwargs[name] = value
         return cls(**kwargs)
 
     def replace(self: C, **changes: Any) -> C:
-        return type(self).from_dict({**self.to_dict(), **changes})
+        return type(self).from_dict({**self.to_dict(), **changes})  # re-validated, unlike dataclasses.replace
 
 
 def _config_class(hint: Any) -> type[_Config] | None:

@@ -1,0 +1,61 @@
+"""How the training loop talks to whatever runs it: plain Python (tests, notebooks) or Ray Train.
+
+The loop itself never imports Ray; ``training/worker.py`` provides the Ray Train version.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpoint import latest_checkpoint_in
+
+
+class TrainingHooks:
+    """Single-process defaults: CPU (or the given device), checkpoints under ``output_dir``."""
+
+    def __init__(self, output_dir: str | Path, device: str | torch.device = "cpu", keep_checkpoints: int = 2,
+                 resume: bool = True, verbose: bool = True) -> None:
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(device)
+        self.keep_checkpoints = keep_checkpoints
+        self.resume = resume
+        self.verbose = verbose
+        self.reports: list[dict[str, Any]] = []
+
+    rank = 0
+    world_size = 1
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        return model.to(self.device)
+
+    def restore_checkpoint(self) -> Path | None:
+        return latest_checkpoint_in(self.output_dir / "checkpoints") if self.resume else None
+
+    def new_checkpoint_dir(self, epoch: int) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"apao-ckpt-{epoch:04d}-"))
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        self.reports.append(dict(metrics))
+        with open(self.output_dir / "metrics.jsonl", "a") as handle:
+            handle.write(json.dumps(metrics) + "\n")
+        if checkpoint_dir is not None:
+            root = self.output_dir / "checkpoints"
+            root.mkdir(exist_ok=True)
+            # the final checkpoint (best weights + test metrics) sorts after its last epoch's
+            target = root / (f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else ""))
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.move(str(checkpoint_dir), target)
+            for old in sorted(root.glob("epoch_*"))[:-self.keep_checkpoints]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def log(self, line: str) -> None:
+        if self.verbose and self.rank == 0:
+            print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,172 @@
+"""One trial's training loop (SPEC §5), with no Ray in it: train, validate, checkpoint,
+early-stop, then test the best epoch once. ``TrainingHooks`` decide where it runs.
+
+Determinism: the sample order and the negatives of epoch e are functions of (seed, e), and the
+torch RNG (dropout) is checkpointed, so a run resumed from its epoch-e checkpoint continues
+exactly as an uninterrupted one (same CPU, same thread count).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import LossConfig, TrialConfig
+from ..data import Dataset, load_dataset
+from ..losses import build_loss
+from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
+from .evaluation import evaluate_split, select_users
+from .hooks import TrainingHooks
+from .steps import EpochRunner
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the trial stops with this reason."""
+
+
+def _optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    decay = [p for p in model.parameters() if p.ndim >= 2]       # matrices and embeddings
+    no_decay = [p for p in model.parameters() if p.ndim < 2]     # norms
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def _schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_fraction: float) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = max(1, int(round(warmup_fraction * total_steps)))
+
+    def factor(step: int) -> float:  # linear warmup, then cosine decay to 0 (SPEC §5)
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") else model
+
+
+def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None = None) -> dict[str, Any]:
+    """Trains one trial to the end (or early stop) and returns its final metrics (incl. test/*)."""
+    from ..models import build_model  # models import torch only; kept local for a light import
+
+    train_cfg, loss_cfg = config.train, config.loss
+    torch.manual_seed(train_cfg.seed)
+    dataset = dataset or load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
+                                      config.data.synthetic_seed)
+    catalog = dataset.catalog
+    device = hooks.device
+    tensors = catalog.tensors(device)
+    model = build_model(config.model, catalog.vocab_size, catalog.num_levels)
+    main_loss = build_loss(loss_cfg, tensors)
+    if main_loss.num_negatives >= catalog.num_semantic_ids:
+        raise ValueError(f"num_negatives={main_loss.num_negatives} must be < the catalog's "
+                         f"{catalog.num_semantic_ids} semantic IDs")
+    if main_loss.needs_reference and loss_cfg.pretrain_ce_epochs == 0:
+        raise ValueError(f"loss {loss_cfg.name!r} needs a CE stage first: set pretrain_ce_epochs >= 1")
+    ce_loss = build_loss(LossConfig(name="ce"), tensors)
+    model = hooks.prepare_model(model)
+    runner = EpochRunner(config, dataset, tensors, device, hooks.rank, hooks.world_size)
+    optimizer = _optimizer(model, train_cfg.lr, train_cfg.weight_decay)
+    scheduler = _schedule(optimizer, train_cfg.epochs * runner.optimizer_steps_per_epoch, train_cfg.warmup_fraction)
+    valid_users = select_users(len(dataset.splits["valid"]), train_cfg.eval_max_users, train_cfg.seed)
+    metric_key = f"val/{train_cfg.metric}"
+
+    state: dict[str, Any] = {"epoch": 0, "best_value": -math.inf, "best_epoch": 0, "history": []}
+    best_weights = copy.deepcopy(_unwrap(model).state_dict())
+    reference: nn.Module | None = None
+    restored = hooks.restore_checkpoint()
+    if restored is not None:
+        if (restored / FINAL_METRICS_FILE).exists():  # finished before the interruption: re-report
+            final = json.loads((restored / FINAL_METRICS_FILE).read_text())
+            hooks.report(final, None)
+            return final
+        saved, best_weights, reference_weights = load_checkpoint(restored)
+        _unwrap(model).load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        main_loss.load_state_dict(saved["loss"])
+        torch.set_rng_state(saved["torch_rng"])
+        state = {k: saved[k] for k in ("epoch", "best_value", "best_epoch", "history")}
+        if reference_weights is not None:
+            reference = _frozen_copy(_unwrap(model), reference_weights)
+        hooks.log(f"resumed from {restored} after epoch {state['epoch']}")
+
+    started = time.perf_counter()
+    epoch_times: list[float] = []
+    for epoch in range(state["epoch"] + 1, train_cfg.epochs + 1):
+        in_ce_stage = epoch <= loss_cfg.pretrain_ce_epochs
+        loss_fn = ce_loss if in_ce_stage else main_loss
+        if loss_fn.needs_reference and reference is None:  # entering the preference stage
+            reference = _frozen_copy(_unwrap(model), _unwrap(model).state_dict())
+        tick = time.perf_counter()
+        train_metrics = runner.train_epoch(epoch, model, loss_fn, optimizer, scheduler,
+                                           reference if loss_fn.needs_reference else None)
+        if not math.isfinite(train_metrics["train/loss"]):
+            raise NonFiniteLossError(f"training loss became {train_metrics['train/loss']} in epoch {epoch} "
+                                     f"(loss {loss_fn.name!r}, lr {train_cfg.lr}); stopping this trial")
+        train_seconds = time.perf_counter() - tick
+        metrics: dict[str, Any] = {"epoch": epoch, **train_metrics}
+        if hooks.rank == 0:
+            metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device, valid_users))
+        epoch_seconds = time.perf_counter() - tick
+        epoch_times.append(epoch_seconds)
+        value = metrics.get(metric_key, -math.inf)
+        if hooks.rank == 0 and value > state["best_value"]:
+            state["best_value"], state["best_epoch"] = value, epoch
+            best_weights = copy.deepcopy(_unwrap(model).state_dict())
+        state["epoch"] = epoch
+        metrics.update({
+            f"best/{metric_key}": state["best_value"], "best/epoch": state["best_epoch"],
+            "perf/epoch_seconds": epoch_seconds, "perf/train_seconds": train_seconds,
+            "perf/samples_per_second": train_metrics["train/num_samples"] * hooks.world_size / train_seconds,
+            "val/num_users_evaluated": len(valid_users) if valid_users is not None else len(dataset.splits["valid"]),
+        })
+        state["history"].append({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+        checkpoint_dir = None
+        if hooks.rank == 0:
+            checkpoint_dir = save_checkpoint(
+                hooks.new_checkpoint_dir(epoch),
+                {**state, "model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                 "scheduler": scheduler.state_dict(), "loss": main_loss.state_dict(),
+                 "torch_rng": torch.get_rng_state()},
+                best_weights, config.to_dict(),
+                reference.state_dict() if reference is not None else None)
+        should_stop = epoch - state["best_epoch"] >= train_cfg.patience
+        remaining = (train_cfg.epochs - epoch) * float(np.median(epoch_times))
+        hooks.log(f"epoch {epoch}/{train_cfg.epochs} loss {metrics['train/loss']:.4f} "
+                  f"{metrics['perf/samples_per_second']:.0f} samples/s | {metric_key} {value:.4f} "
+                  f"(best {state['best_value']:.4f} @ {state['best_epoch']}) | {epoch_seconds:.1f}s/epoch, "
+                  f"ETA <= {remaining / 60:.1f} min" + (" | early stop" if should_stop else ""))
+        hooks.report(metrics, checkpoint_dir)  # barrier on Ray Train: every rank reports every epoch
+        if should_stop:
+            break
+
+    final: dict[str, Any] = dict(state["history"][-1]) if state["history"] else {}
+    final.update({"epochs_trained": state["epoch"], "best/epoch": state["best_epoch"],
+                  "perf/total_seconds": time.perf_counter() - started, "done": True})
+    if hooks.rank == 0:
+        _unwrap(model).load_state_dict(best_weights)
+        final.update(evaluate_split(_unwrap(model), dataset, "test", tensors, train_cfg, device, None))
+        final_dir = hooks.new_checkpoint_dir(state["epoch"])
+        save_checkpoint(final_dir, {**state, "model": best_weights}, best_weights, config.to_dict())
+        save_catalog(final_dir, catalog.item_ids, catalog.item_codes)
+        (final_dir / FINAL_METRICS_FILE).write_text(json.dumps(final, indent=2, sort_keys=True))
+        hooks.report(final, final_dir)
+    else:
+        hooks.report(final, None)
+    return final
+
+
+def _frozen_copy(model: nn.Module, weights: dict[str, Any]) -> nn.Module:
+    reference = copy.deepcopy(model)
+    reference.load_state_dict(weights)
+    reference.eval().requires_grad_(False)
+    return reference

@@ -1,0 +1,109 @@
+"""One training epoch: shuffled micro-batches, per-epoch negatives, gradient accumulation."""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..config import TrialConfig
+from ..data import CatalogTensors, Dataset, collate
+from ..losses import sample_negatives
+from ..losses.base import LossInputs, LossOutput
+from ..models.base import label_log_probs
+from .evaluation import select_users
+
+
+class EpochRunner:
+    """Holds what every epoch reuses (sample indices, token tables) and runs one epoch."""
+
+    def __init__(self, config: TrialConfig, dataset: Dataset, tensors: CatalogTensors, device: torch.device,
+                 rank: int = 0, world_size: int = 1) -> None:
+        self.config, self.dataset, self.tensors, self.device = config, dataset, tensors, device
+        self.rank, self.world_size = rank, world_size
+        train = config.train
+        split = dataset.splits["train"]
+        self.indices = select_users(len(split), train.max_train_samples, train.seed)
+        if self.indices is None:
+            self.indices = np.arange(len(split))
+        self.per_rank = len(self.indices) // world_size  # equal shards keep DDP ranks in lockstep
+        if self.per_rank == 0:
+            raise ValueError(f"{len(self.indices)} training samples cannot be split over {world_size} workers")
+        self.accumulation = max(1, round(train.effective_batch_size / (train.batch_size * world_size)))
+        micro_batches = math.ceil(self.per_rank / train.batch_size)
+        self.optimizer_steps_per_epoch = math.ceil(micro_batches / self.accumulation)
+        self.item_tokens = dataset.catalog.item_tokens
+        self.sem_tokens = torch.as_tensor(dataset.catalog.sem_tokens, device=device)          # (U, T)
+
+    def _candidates(self, batch: Any, num_negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positive first, then negatives: tokens (B, 1+N, T) and prefix nodes (B, 1+N, T+1)."""
+        sem = batch.target_sem[:, None]                                                      # (B, 1)
+        if num_negatives:
+            negatives = sample_negatives(batch.target_sem.cpu(), len(self.sem_tokens), num_negatives, generator)
+            sem = torch.cat([sem, negatives.to(self.device)], dim=1)                         # (B, 1+N)
+        return self.sem_tokens[sem], self.tensors.leaf_prefix_nodes[sem]
+
+    def train_epoch(self, epoch: int, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, reference: nn.Module | None) -> dict[str, float]:
+        train = self.config.train
+        model.train()
+        order = np.random.default_rng([train.seed, epoch]).permutation(self.indices)
+        local = order[self.rank::self.world_size][:self.per_rank]
+        generator = torch.Generator().manual_seed(train.seed * 1_000_003 + epoch * 101 + self.rank)
+        split = self.dataset.splits["train"]
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  enabled=train.bf16 and self.device.type == "cuda")
+        sums: dict[str, float] = defaultdict(float)
+        step_size = train.batch_size * self.accumulation
+        for start in range(0, len(local), step_size):
+            step_indices = local[start:start + step_size]
+            chunks = [step_indices[i:i + train.batch_size] for i in range(0, len(step_indices), train.batch_size)]
+            optimizer.zero_grad(set_to_none=True)
+            prefix_sum = None
+            for position, chunk in enumerate(chunks):
+                batch = collate(self.dataset.catalog, split, chunk, self.item_tokens).to(self.device)
+                candidates, nodes = self._candidates(batch, loss_fn.num_negatives, generator)
+                is_last = position == len(chunks) - 1
+                # gradients are all-reduced once per optimizer step, not per micro-batch
+                sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
+                with sync:
+                    with autocast:
+                        logits = model(batch.history_ids, batch.history_mask, candidates)     # (B, C, T, V)
+                    ref_logp = None
+                    if reference is not None:
+                        with torch.no_grad(), autocast:
+                            ref_logits = reference(batch.history_ids, batch.history_mask, candidates)
+                        ref_logp = label_log_probs(ref_logits.float(), candidates)           # (B, C, T)
+                    output = loss_fn(LossInputs(logits.float(), candidates, nodes, ref_logp))
+                    (output.loss * (len(chunk) / len(step_indices))).backward()
+                weight = len(chunk)
+                for name, value in output.metrics.items():
+                    if value.numel() == 1:
+                        sums[name] += float(value) * weight
+                if output.prefix_losses is not None:
+                    contribution = output.prefix_losses.detach() * (len(chunk) / len(step_indices))
+                    prefix_sum = contribution if prefix_sum is None else prefix_sum + contribution
+                sums["_samples"] += weight
+            if train.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            if prefix_sum is not None:
+                if self.world_size > 1 and torch.distributed.is_initialized():
+                    # every rank must apply the same adaptive-weight update
+                    torch.distributed.all_reduce(prefix_sum, op=torch.distributed.ReduceOp.AVG)
+                loss_fn.after_optimizer_step(LossOutput(loss=prefix_sum.sum(), prefix_losses=prefix_sum))
+        num_samples = sums.pop("_samples")
+        metrics = {f"train/{name}": total / num_samples for name, total in sums.items()}
+        metrics.setdefault("train/loss", float("nan"))
+        metrics["train/num_samples"] = num_samples
+        metrics["train/lr"] = scheduler.get_last_lr()[0]
+        # the weights as they stand after the epoch (= the checkpointed state), not the epoch's average
+        prefix_weights = getattr(loss_fn, "prefix_weights", None)
+        for m, weight in enumerate(prefix_weights.weights.tolist() if prefix_weights is not None else [], start=1):
+            metrics[f"train/apao_weight_m{m}"] = weight
+        return metrics

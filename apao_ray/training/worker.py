@@ -1,0 +1,58 @@
+"""The Ray Train per-worker function: the plain training loop with Ray Train hooks."""
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import ray.train
+import ray.train.torch
+import torch
+from torch import nn
+
+from ..config import TrialConfig
+from .hooks import TrainingHooks
+from .loop import run_trial
+
+
+class RayTrainHooks(TrainingHooks):
+    """Rank, device and DDP from Ray Train; checkpoints go to the run's storage via report."""
+
+    def __init__(self, verbose: bool = True) -> None:
+        context = ray.train.get_context()
+        self.rank = context.get_world_rank()
+        self.world_size = context.get_world_size()
+        self.device = ray.train.torch.get_device()
+        self.verbose = verbose
+        self.reports: list[dict[str, Any]] = []
+        self._scratch = Path(tempfile.mkdtemp(prefix="apao-worker-"))
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        return ray.train.torch.prepare_model(model)  # moves to the device; DDP when world_size > 1
+
+    def restore_checkpoint(self) -> Path | None:
+        checkpoint = ray.train.get_checkpoint()  # set when Ray restarts this run after a failure
+        if checkpoint is None:
+            return None
+        return Path(checkpoint.to_directory(str(self._scratch / "restored")))
+
+    def new_checkpoint_dir(self, epoch: int) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"epoch_{epoch:04d}-", dir=self._scratch))
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        self.reports.append(dict(metrics))
+        name = f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else "")
+        checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
+        # barrier: every rank calls report every epoch; only rank 0 passes a checkpoint
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name if checkpoint else None,
+                         delete_local_checkpoint_after_upload=checkpoint is not None)
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Entry point given to ``TorchTrainer``; ``loop_config = {"trial": TrialConfig dict, ...}``."""
+    threads = int(loop_config.get("cpus_per_worker") or 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+    run_trial(TrialConfig.from_dict(loop_config["trial"]), RayTrainHooks(verbose=loop_config.get("verbose", True)))
