@@ -1,0 +1,189 @@
+"""Argument parsing for ``studies/sweep.py`` and ``studies/best.py``."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from ..config import BACKBONE_NAMES, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+from ..paths import check_plain_name
+from .cli_train import TINY_MODEL, add_common_arguments, check_against_catalog, train_config_from_args
+
+SWEEP_EPILOG = """\
+defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials),
+up to 20 epochs each (patience 5), ASHA stopping weak APAO trials after 5 epochs. On Office that is a
+few hours on an 8-core laptop CPU and well under an hour on one GPU (--gpus-per-trial 0.25 runs 4 at
+once). --quick finishes in a few minutes on 2 CPUs (tiny model, a data subset, 2 epochs, 4 trials).
+
+examples:
+  python studies/sweep.py --dataset grocery
+  python studies/sweep.py --dataset office --quick
+  python studies/sweep.py --dataset beauty --backbones tiger,llama --losses ce,apao_pairwise --num-samples 10
+  python studies/sweep.py --dataset office --address auto --gpus-per-trial 0.25 --max-concurrent 8
+then: python studies/best.py --dataset grocery ;  mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db
+"""
+
+
+def parse_range(text: str, cast: type = float) -> tuple:
+    """'LOW:HIGH' (or one value) -> (low, high)."""
+    parts = text.split(":")
+    try:
+        values = tuple(cast(float(p)) if cast is int else cast(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not LOW:HIGH numbers") from None
+    if len(values) == 1:
+        values = values * 2
+    if len(values) != 2:
+        raise argparse.ArgumentTypeError(f"{text!r} must be LOW:HIGH")
+    return values
+
+
+def comma_list(text: str) -> tuple[str, ...]:
+    items = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not items:
+        raise argparse.ArgumentTypeError("give at least one name")
+    return items
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="studies/sweep.py", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SWEEP_EPILOG,
+        description="Hyperparameter study: Ray Tune + Optuna TPE over beta, eta and negatives for each "
+                    "(backbone, loss), every trial recorded in MLflow.")
+    add_common_arguments(parser)
+    parser.set_defaults(epochs=20, patience=5)
+    parser.add_argument("--backbones", type=comma_list, default=("tiger",), help=f"comma list of {list(BACKBONE_NAMES)}")
+    parser.add_argument("--losses", type=comma_list, default=("ce", "apao_pointwise", "apao_pairwise"),
+                        help="comma list from apao_ray.losses.LOSSES (default ce,apao_pointwise,apao_pairwise); "
+                             "losses with nothing to tune are baselines and run once per backbone")
+    parser.add_argument("--num-samples", type=int, default=3, help="Optuna trials per tuned (backbone, loss) (default 3)")
+    parser.add_argument("--beta", type=parse_range, default=(0.05, 0.4), help="LOW:HIGH (default 0.05:0.4, paper grid)")
+    parser.add_argument("--eta", type=parse_range, default=(5e-6, 5e-4), help="LOW:HIGH, log scale (default 5e-6:5e-4)")
+    parser.add_argument("--negatives", type=lambda t: parse_range(t, int), default=(10, 200),
+                        help="LOW:HIGH negatives for pairwise losses, log scale (default 10:200)")
+    parser.add_argument("--pretrain-ce-epochs", type=int, default=None,
+                        help="CE epochs before a preference loss (dpo/dmpo/sdpo; default half the epochs)")
+    parser.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: CPUs // cpus-per-trial)")
+    parser.add_argument("--cpus-per-trial", type=int, default=1, help="CPUs per trial (default 1)")
+    parser.add_argument("--gpus-per-trial", type=float, default=0.0, help="GPUs per trial; fractions share a GPU (0.25)")
+    parser.add_argument("--time-budget", type=float, default=None, help="stop starting trials after this many seconds")
+    parser.add_argument("--max-failures", type=int, default=1, help="restarts of a failed trial from its checkpoint")
+    parser.add_argument("--asha-grace-period", type=int, default=5, help="epochs before ASHA may stop a trial")
+    parser.add_argument("--study-name", help="default <dataset>-study; re-running the same name resumes it")
+    parser.add_argument("--overwrite", action="store_true", help="start the study again from scratch")
+    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                        help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db)")
+    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPUs: tiny model, data subset, 2 epochs, "
+                        "4 trials, no ASHA stopping")
+    return parser
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    if args.quick or args.smoke:
+        args.model_size = "tiny"
+        # 2 epochs leave ASHA nothing to compare: grace past the last epoch keeps every trial to its test
+        args.epochs, args.patience, args.asha_grace_period = 2, 2, 3
+        args.max_train_samples = min(args.max_train_samples or 2048, 2048)
+        args.eval_max_users = min(args.eval_max_users or 256, 256)
+        args.batch_size, args.effective_batch_size = 128, 256
+        args.num_samples = min(args.num_samples, 3)
+        args.losses = args.losses if args.losses != ("ce", "apao_pointwise", "apao_pairwise") else ("ce", "apao_pointwise")
+        args.negatives = (min(args.negatives[0], 20), min(args.negatives[1], 20))
+    if args.smoke:
+        args.dataset = "synthetic"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_quick(args)
+    try:
+        from ..data import load_dataset
+        from ..losses import LOSSES
+        from ..tracking import check_tracking_uri, resolve_tracking_uri
+        from .space import SearchSpec
+        from .sweep import StudyOptions
+
+        unknown = [b for b in args.backbones if b not in BACKBONE_NAMES]
+        if unknown:
+            raise ValueError(f"unknown backbone(s) {unknown}; choose from {list(BACKBONE_NAMES)}")
+        unknown = [name for name in args.losses if name not in LOSSES]
+        if unknown:
+            raise ValueError(f"unknown loss(es) {unknown}; choose from {sorted(LOSSES)}")
+        spec = SearchSpec(tuple(args.backbones), tuple(args.losses), args.beta, args.eta, args.negatives,
+                          args.num_samples)
+        study_name = check_plain_name("study", args.study_name or f"{args.dataset.lower()}-study")
+        dataset = load_dataset(args.dataset, args.data_dir)
+        pretrain = args.pretrain_ce_epochs if args.pretrain_ce_epochs is not None else max(1, args.epochs // 2)
+        needs_stage = any(name in ("dpo", "dmpo", "sdpo") for name in args.losses)
+        base = TrialConfig(
+            DataConfig(dataset=args.dataset.lower(), data_dir=str(Path(args.data_dir).resolve()) if args.data_dir else None),
+            ModelConfig(**(TINY_MODEL if args.model_size == "tiny" else {})),
+            LossConfig(num_negatives=args.negatives[1], pretrain_ce_epochs=pretrain if needs_stage else 0),
+            TrainConfig(**train_config_from_args(args, use_gpu=args.gpus_per_trial > 0,
+                                                 retention_users=32 if args.quick or args.smoke else 128)))
+        for name in args.losses:  # every loss against the catalog, with the most negatives asked for
+            check_against_catalog(base.replace(loss=base.loss.replace(name=name).to_dict()), dataset.catalog)
+        tracking_uri = resolve_tracking_uri(args.tracking_uri)
+        check_tracking_uri(tracking_uri)
+        cpus = os.cpu_count() or 2
+        max_concurrent = args.max_concurrent or max(1, cpus // max(1, args.cpus_per_trial))
+        options = StudyOptions(base=base, spec=spec, study_name=study_name, output_dir=Path(args.output_dir).resolve(),
+                               tracking_uri=tracking_uri, address=args.address, max_concurrent=max_concurrent,
+                               cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
+                               time_budget_s=args.time_budget, max_failures=args.max_failures,
+                               asha_grace_period=args.asha_grace_period, seed=args.seed, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, ConnectionError) as error:
+        parser.error(str(error))
+    from .report import best_rows, format_rows
+    from .sweep import run_study
+    from ..tracking import Tracker, experiment_name
+
+    train_split = dataset.splits["train"]
+    example = [dataset.catalog.item_ids[i] for i in train_split.histories[0] if i >= 0]
+    rows = run_study(options, dataset.checksums, example)
+    failed = sum(1 for row in rows if row["error"])
+    print(f"study {study_name}: {len(rows)} trials ({failed} failed); best per (backbone, loss) by validation:",
+          file=sys.stderr)
+    table = best_rows(Tracker(tracking_uri, experiment_name(base.data.dataset)), study=study_name)
+    print(format_rows(table, "markdown"))
+    return 0
+
+
+def build_best_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="studies/best.py", description="Best trial per (backbone, loss) of a "
+                                     "dataset's studies, chosen by validation, read from MLflow alone (no Ray).")
+    parser.add_argument("--dataset", required=True, help="dataset whose experiment (apao-<dataset>) to read")
+    parser.add_argument("--study-name", help="only this study (default: every study of the dataset)")
+    parser.add_argument("--metric", default="best/val/ndcg_at_10", help="validation metric that picks the best trial")
+    parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
+    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
+                        help="default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db")
+    parser.add_argument("--no-register", action="store_true", help="do not register/alias the best models")
+    return parser
+
+
+def best_main(argv: list[str] | None = None) -> int:
+    parser = build_best_parser()
+    args = parser.parse_args(argv)
+    from ..tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
+    from .report import best_rows, format_rows, register_best
+
+    try:
+        uri = resolve_tracking_uri(args.tracking_uri)
+        check_tracking_uri(uri)
+        if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
+            raise ValueError(f"no MLflow database at {uri}; run a study first or pass --tracking-uri")
+    except (ValueError, ConnectionError) as error:
+        parser.error(str(error))
+    tracker = Tracker(uri, experiment_name(args.dataset.lower()))
+    rows = best_rows(tracker, args.metric, args.study_name)
+    if not rows:
+        print(f"no finished trials for dataset {args.dataset!r} in {uri}", file=sys.stderr)
+        return 1
+    if not args.no_register:
+        for row, name in zip(rows, register_best(tracker, rows, args.dataset.lower())):
+            row["registered_model"] = name
+    print(format_rows(rows, args.format))
+    return 0

@@ -1,0 +1,159 @@
+"""Argument parsing and the run for ``studies/train.py`` (one trial on Ray Train)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..config import BACKBONE_NAMES, WEIGHTING_MODES, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+from ..data import known_dataset_names
+
+TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
+    return value
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by train.py and sweep.py: data, compute, Ray."""
+    parser.add_argument("--dataset", default="synthetic", help=f"one of {known_dataset_names()} (any case); "
+                        "default synthetic (no files needed)")
+    parser.add_argument("--data-dir", help="directory with <Name>/<Name>.inter.json (default: $APAO_DATA_DIR, "
+                        "./data, then the user cache; downloaded when absent)")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
+                        help="Ray cluster to join, e.g. 'auto' or ray://host:10001 (default: $RAY_ADDRESS, "
+                             "else a local Ray on this machine)")
+    parser.add_argument("--output-dir", default="apao_runs", help="where runs and checkpoints are stored "
+                        "(default ./apao_runs; must be shared storage on a multi-node cluster)")
+    parser.add_argument("--max-train-samples", type=positive_int, help="train on a fixed random subset (quick runs)")
+    parser.add_argument("--eval-max-users", type=positive_int, help="validate on a fixed random subset of users")
+    parser.add_argument("--epochs", type=positive_int, default=200, help="maximum epochs (default 200, SPEC §5)")
+    parser.add_argument("--patience", type=positive_int, default=20, help="early-stopping patience (default 20)")
+    parser.add_argument("--batch-size", type=positive_int, default=256, help="micro-batch size (default 256)")
+    parser.add_argument("--effective-batch-size", type=positive_int, default=1024,
+                        help="samples per optimizer step via gradient accumulation (default 1024)")
+    parser.add_argument("--lr", type=non_negative_float, default=5e-4, help="AdamW learning rate (default 5e-4)")
+    parser.add_argument("--beam-size", type=positive_int, default=20, help="beam size for evaluation (default 20)")
+    parser.add_argument("--seed", type=int, default=0, help="seed for init, data order and negatives (default 0)")
+    parser.add_argument("--model-size", choices=("paper", "tiny"), default="paper",
+                        help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs")
+    parser.add_argument("--smoke", action="store_true", help="tiny synthetic run on CPU (what the tests run)")
+
+
+def train_config_from_args(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    values = dict(epochs=args.epochs, patience=args.patience, batch_size=args.batch_size,
+                  effective_batch_size=max(args.effective_batch_size, args.batch_size), lr=args.lr,
+                  beam_size=args.beam_size, seed=args.seed, max_train_samples=args.max_train_samples,
+                  eval_max_users=args.eval_max_users)
+    values.update(overrides)
+    return values
+
+
+def apply_smoke(args: argparse.Namespace) -> None:
+    """--smoke: synthetic data, tiny model, a few epochs — seconds of training on CPU."""
+    if args.smoke:
+        args.dataset, args.model_size = "synthetic", "tiny"
+        args.epochs = min(args.epochs, 3)
+        args.batch_size, args.effective_batch_size = 128, 128
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="studies/train.py", description="Train one trial (dataset x backbone x "
+                                     "loss) on Ray Train; prints the final metrics as JSON.")
+    add_common_arguments(parser)
+    parser.add_argument("--backbone", choices=BACKBONE_NAMES, default="tiger", help="default tiger")
+    parser.add_argument("--loss", default="ce", help="a name from apao_ray.losses.LOSSES (default ce)")
+    parser.add_argument("--beta", type=non_negative_float, default=0.1, help="weight of the prefix loss (default 0.1)")
+    parser.add_argument("--eta", type=non_negative_float, default=1e-4, help="adaptive-weight step size (default 1e-4)")
+    parser.add_argument("--num-negatives", type=positive_int, default=100, help="pairwise/preference negatives (default 100)")
+    parser.add_argument("--weighting", choices=WEIGHTING_MODES, default="mirror", help="prefix weighting (default mirror)")
+    parser.add_argument("--pretrain-ce-epochs", type=int, default=0, help="two-stage: CE epochs before the loss")
+    parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default 1)")
+    parser.add_argument("--cpus-per-worker", type=positive_int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="CPUs (torch threads) per worker (default: all but one)")
+    parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU only)")
+    parser.add_argument("--max-failures", type=int, default=0, help="worker restarts from the last checkpoint")
+    parser.add_argument("--run-name", help="name of the run under --output-dir (default from the flags)")
+    parser.add_argument("--resume", action="store_true", help="continue the run of the same name from its checkpoint")
+    parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
+    parser.add_argument("--json-out", help="also write the final metrics to this JSON file")
+    parser.add_argument("--quiet", action="store_true", help="no per-epoch lines")
+    return parser
+
+
+def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
+    from ..losses import LOSSES
+
+    if args.loss not in LOSSES:
+        raise ValueError(f"unknown loss {args.loss!r}; choose from {sorted(LOSSES)}")
+    model = ModelConfig(backbone=args.backbone, **(TINY_MODEL if args.model_size == "tiny" else {}))
+    loss = LossConfig(name=args.loss, beta=args.beta, eta=args.eta, num_negatives=args.num_negatives,
+                      weighting=args.weighting, pretrain_ce_epochs=args.pretrain_ce_epochs)
+    train = TrainConfig(**train_config_from_args(args, num_workers=args.num_workers, use_gpu=args.use_gpu,
+                                                 bf16=args.bf16))
+    return TrialConfig(DataConfig(dataset=args.dataset.lower(), data_dir=_abs(args.data_dir)), model, loss, train)
+
+
+def check_against_catalog(config: TrialConfig, catalog: Any) -> None:
+    """Refuses negatives or a beam the catalog cannot supply, naming the values."""
+    from ..losses import build_loss
+
+    num_negatives = build_loss(config.loss, catalog.tensors()).num_negatives
+    if num_negatives >= catalog.num_semantic_ids:
+        raise ValueError(f"num_negatives={num_negatives} must be < the {catalog.num_semantic_ids} semantic IDs "
+                         f"of {config.data.dataset!r}")
+    if config.train.beam_size > catalog.num_semantic_ids:
+        raise ValueError(f"beam_size={config.train.beam_size} exceeds the {catalog.num_semantic_ids} semantic IDs "
+                         f"of {config.data.dataset!r}")
+
+
+def _abs(path: str | None) -> str | None:
+    return str(Path(path).resolve()) if path else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    apply_smoke(args)
+    try:
+        config = trial_config_from_args(args)
+        from ..data import load_dataset
+
+        dataset = load_dataset(config.data.dataset, config.data.data_dir)  # fails fast on bad data
+        check_against_catalog(config, dataset.catalog)
+    except (ValueError, FileNotFoundError, ConnectionError) as error:
+        parser.error(str(error))
+    output_dir = Path(args.output_dir).resolve()
+    name = args.run_name or f"train-{config.data.dataset}-{args.backbone}-{args.loss}-seed{args.seed}"
+    run_dir = output_dir / name
+    if run_dir.exists() and not args.resume:
+        if not args.overwrite:
+            parser.error(f"run {name!r} already exists in {output_dir}; pass --resume to continue it, "
+                         "--overwrite to start again, or --run-name for a new one")
+        shutil.rmtree(run_dir)
+    from .runner import run_single_trial
+
+    metrics = run_single_trial(config, name=name, storage_path=output_dir, address=args.address,
+                               cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures,
+                               verbose=not args.quiet)
+    text = json.dumps(metrics, indent=2, sort_keys=True)
+    print(text)
+    if args.json_out:
+        Path(args.json_out).write_text(text + "\n")
+    return 0

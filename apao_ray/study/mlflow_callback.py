@@ -1,0 +1,115 @@
+"""Driver-side Tune callback: one MLflow child run per trial, metrics per epoch, the model.
+
+Runs in the Tune driver only, so every MLflow write comes from one process: concurrent trials
+never lock the SQLite store, and a trial's metrics are logged exactly once per result.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ray import tune
+
+from ..tracking import Tracker
+from . import plots
+from .space import trial_choices
+
+TRIAL_TAG = "apao.trial_id"
+STUDY_TAG = "apao.study"
+
+
+def describe(choices: dict[str, Any]) -> str:
+    """Run name that says backbone/loss/beta/eta/N, e.g. ``tiger/apao_pairwise b=0.2 eta=3e-05 N=100``."""
+    parts = [f"{choices['backbone']}/{choices['loss']}"]
+    if "beta" in choices:
+        parts.append(f"b={choices['beta']:.3g}")
+    if "eta" in choices:
+        parts.append(f"eta={choices['eta']:.2g}")
+    if "num_negatives" in choices:
+        parts.append(f"N={int(choices['num_negatives'])}")
+    return " ".join(parts)
+
+
+def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
+    """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished."""
+    matches = sorted((train_root / f"train-trial_id={trial_id}").glob("**/epoch_*_final"))
+    return matches[-1] if matches else None
+
+
+class MlflowStudyCallback(tune.Callback):
+    def __init__(self, tracking_uri: str, experiment: str, parent_run_id: str, study_name: str,
+                 train_root: str, trial_params: dict[str, Any], example_history: list[str]) -> None:
+        self.tracking_uri, self.experiment = tracking_uri, experiment
+        self.parent_run_id, self.study_name = parent_run_id, study_name
+        self.train_root = Path(train_root)
+        self.trial_params = trial_params
+        self.example_history = example_history
+        self.run_ids: dict[str, str] = {}
+        self.logged_metrics = 0
+        self._tracker: Tracker | None = None
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled into Tune's experiment state
+        state = dict(self.__dict__)
+        state["_tracker"] = None
+        return state
+
+    @property
+    def tracker(self) -> Tracker:
+        if self._tracker is None:
+            self._tracker = Tracker(self.tracking_uri, self.experiment)
+        return self._tracker
+
+    def _run_for(self, trial: Any) -> str:
+        run_id = self.run_ids.get(trial.trial_id)
+        if run_id is None:  # a resumed study reuses the child run of the same trial
+            run_id = self.tracker.find_run({TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name})
+            if run_id is not None:
+                self.tracker.reopen(run_id)
+        if run_id is None:
+            choices = trial_choices(trial.config)
+            params = {**self.trial_params, **choices}
+            run_id = self.tracker.start_run(describe(choices), {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name,
+                                                                "backbone": choices["backbone"], "loss": choices["loss"]},
+                                            params, parent_run_id=self.parent_run_id)
+        self.run_ids[trial.trial_id] = run_id
+        return run_id
+
+    def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._run_for(trial)
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        metrics = {k: v for k, v in result.items() if "/" in k and not k.startswith("config/")}
+        if result.get("done"):  # the final report repeats the last epoch's values: log only what is new
+            metrics = {k: v for k, v in metrics.items() if k.startswith("test/") or k == "perf/total_seconds"}
+        step = int(result.get("epoch", result.get("training_iteration", 0)))
+        self.logged_metrics += self.tracker.log_metrics(self._run_for(trial), metrics, step)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        run_id = self._run_for(trial)
+        last = trial.last_result or {}
+        checkpoint = final_checkpoint_dir(self.train_root, trial.trial_id)
+        if checkpoint is None or not last.get("done"):
+            self.tracker.set_tags(run_id, {"apao.outcome": "stopped early by the scheduler (ASHA)"})
+            self.tracker.end_run(run_id, "KILLED")
+            return
+        self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
+        self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
+        self.tracker.log_recommender(run_id, checkpoint, self.example_history)
+        weights = {key: self.tracker.metric_history(run_id, key) for key in
+                   (f"train/apao_weight_m{m}" for m in range(1, 5))}
+        if any(weights.values()):
+            figure = plots.adaptive_weights_figure({k: v for k, v in weights.items() if v})
+            self.tracker.log_figure(run_id, figure, "adaptive_weights.png")
+            plots.close(figure)
+        self.tracker.set_tags(run_id, {"apao.outcome": "finished", "apao.checkpoint": str(checkpoint)})
+        self.tracker.end_run(run_id, "FINISHED")
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        run_id = self._run_for(trial)
+        reason = "unknown error"
+        error_file = getattr(trial, "error_file", None) or ""
+        if error_file and Path(error_file).exists():
+            lines = [line for line in Path(error_file).read_text().splitlines() if line.strip()]
+            reason = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else reason)
+        self.tracker.set_tags(run_id, {"apao.outcome": "failed", "apao.error": reason[-4000:]})
+        self.tracker.end_run(run_id, "FAILED")

@@ -1,0 +1,41 @@
+"""Concise study progress in the driver: one line per finished epoch and per finished trial."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from ray import tune
+
+from .mlflow_callback import describe
+from .space import trial_choices
+
+
+class ProgressCallback(tune.Callback):
+    def __init__(self, metric: str, num_trials: int) -> None:
+        self.metric, self.num_trials = metric, num_trials
+        self.finished = 0
+        self.started = time.time()
+
+    def _line(self, text: str) -> None:
+        elapsed = (time.time() - self.started) / 60
+        print(f"[{elapsed:6.1f} min | {self.finished}/{self.num_trials} trials done] {text}", file=sys.stderr, flush=True)
+
+    def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        if result.get("done"):
+            return
+        self._line(f"{describe(trial_choices(trial.config))} epoch {result.get('epoch')}: "
+                   f"{self.metric} {result.get(self.metric, float('nan')):.4f}, "
+                   f"{result.get('perf/samples_per_second', 0):.0f} samples/s")
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.finished += 1
+        last = trial.last_result or {}
+        test = last.get("test/ndcg_at_10")
+        self._line(f"finished {describe(trial_choices(trial.config))}: {self.metric} "
+                   f"{last.get(self.metric, float('nan')):.4f}" + (f", test ndcg_at_10 {test:.4f}" if test is not None else
+                                                                   " (stopped early)"))
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self.finished += 1
+        self._line(f"FAILED {describe(trial_choices(trial.config))} (see MLflow tag apao.error)")

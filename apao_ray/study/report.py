@@ -1,0 +1,92 @@
+"""Best configurations out of MLflow alone (no Ray): tables, registry aliases, study figures."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+from ..tracking import Tracker
+from . import plots
+
+KNOBS = ("beta", "eta", "num_negatives")
+TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
+
+
+def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None) -> list[dict[str, Any]]:
+    """For each (backbone, loss): the finished child run with the highest *validation* metric."""
+    query = "attributes.status = 'FINISHED'" + (f" and tags.`apao.study` = '{study}'" if study else "")
+    best: dict[tuple[str, str], Any] = {}
+    for run in tracker.child_runs(filter_string=query):
+        key = (run.data.tags.get("backbone", "?"), run.data.tags.get("loss", "?"))
+        value = run.data.metrics.get(metric)
+        if value is None or "test/ndcg_at_10" not in run.data.metrics:
+            continue
+        if key not in best or value > best[key].data.metrics[metric]:
+            best[key] = run
+    rows = []
+    for (backbone, loss), run in sorted(best.items()):
+        row: dict[str, Any] = {"backbone": backbone, "loss": loss}
+        row.update({k: _number(run.data.params.get(k)) for k in KNOBS})
+        row[metric] = run.data.metrics[metric]
+        row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
+        row.update({"run_id": run.info.run_id, "model_uri": f"runs:/{run.info.run_id}/model",
+                    "study": run.data.tags.get("apao.study")})
+        rows.append(row)
+    return rows
+
+
+def _number(text: str | None) -> float | int | None:
+    if text is None or text == "None":
+        return None
+    value = float(text)
+    return int(value) if value.is_integer() and "." not in text and "e" not in text else value
+
+
+def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
+    if fmt == "json":
+        return json.dumps(rows, indent=2)
+    selection = [k for k in rows[0] if k.startswith("best/")] if rows else []
+    columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, "run_id"]
+    if fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        return buffer.getvalue()
+    if fmt != "markdown":
+        raise ValueError(f"unknown format {fmt!r}; choose from ['csv', 'json', 'markdown']")
+    cell = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str, alias: str = "best") -> list[str]:
+    """Registers each row's model as ``apao-<dataset>-<backbone>-<loss>`` with ``@best``."""
+    names = []
+    for row in rows:
+        name = f"apao-{dataset}-{row['backbone']}-{row['loss']}"
+        tracker.register_best(row["model_uri"], name, alias)
+        names.append(f"models:/{name}@{alias}")
+    return names
+
+
+def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str, Any]], beam_size: int) -> None:
+    """Per-prefix recall of the best trial per method, and a slice plot per tuned knob."""
+    best: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        label = f"{row['choices']['backbone']}/{row['choices']['loss']}"
+        value = row["metrics"].get("best/val/ndcg_at_10", -1.0)
+        if "test/ndcg_at_10" in row["metrics"] and value > best.get(label, {}).get("value", -2.0):
+            best[label] = {"label": label, "metrics": row["metrics"], "value": value}
+    if best:
+        figure = plots.prefix_recall_figure(list(best.values()), beam_size)
+        tracker.log_figure(parent_run_id, figure, "prefix_recall_per_method.png")
+        plots.close(figure)
+    points = [(r["choices"], r["metrics"].get("best/val/ndcg_at_10")) for r in rows]
+    points = [(c, v) for c, v in points if v is not None and any(k in c for k in KNOBS)]
+    if points:
+        figure = plots.slice_figure(points, KNOBS)
+        tracker.log_figure(parent_run_id, figure, "optuna_slice.png")
+        plots.close(figure)

@@ -1,0 +1,50 @@
+"""Starting Ray (local or an existing cluster) and running one trial to completion."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import TrialConfig
+
+QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+                 "RAY_TRAIN_V2_ENABLED": "1", "RAY_AIR_NEW_OUTPUT": "0",
+                 "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}  # else every worker line is printed twice
+
+
+def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
+    """Joins ``address`` (a running cluster) or starts a local Ray, once per process."""
+    for key, value in QUIET_RAY_ENV.items():
+        os.environ.setdefault(key, value)
+    import ray
+
+    if ray.is_initialized():
+        return
+    project_root = str(Path(__file__).resolve().parents[2])
+    # workers import apao_ray from this checkout even when it is not installed on the cluster
+    runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                                **{k: os.environ[k] for k in QUIET_RAY_ENV}}}
+    try:
+        if address:
+            ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        else:
+            # the dashboard (bound to 127.0.0.1) serves the State API, which Ray Train's placement-group
+            # cleaner needs to free the workers of a trial that Tune stopped (ASHA, time budget)
+            ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                     runtime_env=runtime_env, log_to_driver=True)
+    except ConnectionError as error:
+        raise ConnectionError(f"cannot reach the Ray cluster at address {address!r}: {error}") from None
+
+
+def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path, address: str | None = None,
+                     cpus_per_worker: int = 1, max_failures: int = 0, verbose: bool = True) -> dict[str, Any]:
+    """Runs one trial as a TorchTrainer job and returns its final metrics."""
+    from .trial import Resources, make_trainer, read_final_metrics
+
+    init_ray(address)
+    resources = Resources(num_workers=config.train.num_workers, cpus_per_worker=cpus_per_worker,
+                          gpus_per_worker=1.0 if config.train.use_gpu else 0.0)
+    trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources,
+                           max_failures=max_failures, verbose=verbose)
+    result = trainer.fit()
+    return read_final_metrics(result)

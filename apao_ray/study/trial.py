@@ -1,0 +1,60 @@
+"""One trial as a Ray Train job: a ``TorchTrainer`` around the per-worker training loop."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray.train
+from ray.train.torch import TorchTrainer
+
+from ..config import TrialConfig
+from ..training.checkpoint import FINAL_METRICS_FILE
+from ..training.worker import train_loop_per_worker
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Per-trial compute: workers (data parallel), CPUs and (fractional) GPUs per worker."""
+
+    num_workers: int = 1
+    cpus_per_worker: float = 1.0
+    gpus_per_worker: float = 0.0
+
+    def scaling_config(self) -> ray.train.ScalingConfig:
+        resources = {"CPU": self.cpus_per_worker}
+        if self.gpus_per_worker:
+            resources["GPU"] = self.gpus_per_worker
+        return ray.train.ScalingConfig(num_workers=self.num_workers, use_gpu=self.gpus_per_worker > 0,
+                                       resources_per_worker=resources)
+
+
+def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
+                 max_failures: int = 0, callbacks: list[Any] | None = None, verbose: bool = True) -> TorchTrainer:
+    """Builds (does not run) the trial's ``TorchTrainer``.
+
+    ``name`` must be stable across restarts (derive it from the Tune trial id, never a
+    timestamp): Ray finds the run's checkpoints to resume from by (storage_path, name).
+    """
+    loop_config = {"trial": config.to_dict(), "verbose": verbose,
+                   "cpus_per_worker": max(1, int(resources.cpus_per_worker))}
+    run_config = ray.train.RunConfig(
+        name=name, storage_path=str(Path(storage_path).resolve()),
+        checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
+        failure_config=ray.train.FailureConfig(max_failures=max_failures),
+        callbacks=callbacks or None,
+    )
+    return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
+                        scaling_config=resources.scaling_config(), run_config=run_config)
+
+
+def read_final_metrics(result: ray.train.Result) -> dict[str, Any]:
+    """Final metrics of a finished run: from its final checkpoint when present, else the last report."""
+    checkpoint = result.checkpoint
+    if checkpoint is not None:
+        with checkpoint.as_directory() as directory:
+            path = Path(directory) / FINAL_METRICS_FILE
+            if path.exists():
+                return json.loads(path.read_text())
+    return dict(result.metrics or {})

@@ -1,0 +1,199 @@
+"""MLflow: the only module that imports it. Runs, metrics, artifacts, the logged model.
+
+All writes of a study happen in the driver process (see ``study/mlflow_callback.py``), so
+concurrent trials never contend for the SQLite database.
+"""
+from __future__ import annotations
+
+import os
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Iterable
+
+import mlflow
+import mlflow.pyfunc
+import pandas as pd
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.tracking import MlflowClient
+
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+DEFAULT_DB_NAME = "mlflow.db"
+PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests children by
+MODEL_NAME = "model"
+_MAX_BATCH = 900  # log_batch accepts at most 1000 metrics
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """``--tracking-uri`` > ``$MLFLOW_TRACKING_URI`` > ``sqlite:///<cwd>/mlflow.db``, made absolute.
+
+    Inside a trial the working directory is a per-trial folder, so a relative SQLite path would
+    create a second database: every path is resolved here, in the driver.
+    """
+    uri = uri or os.environ.get(TRACKING_URI_ENV) or DEFAULT_DB_NAME
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):]
+        return "sqlite:///" + str(Path(path).expanduser().resolve()) if not path.startswith("/") else uri
+    if uri.startswith(("http://", "https://", "databricks", "postgresql", "mysql", "mssql")):
+        return uri
+    if uri.startswith("file:") or "://" in uri:
+        raise ValueError(f"tracking URI {uri!r} is not supported: use a SQLite file (sqlite:////abs/mlflow.db or a "
+                         "plain path), a database URI, or an MLflow server http://host:port (MLflow 3 refuses file stores)")
+    return "sqlite:///" + str(Path(uri).expanduser().resolve())  # a plain path -> a SQLite database
+
+
+def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
+    """Fails fast, naming the URI, when a tracking server cannot be reached or a DB not created."""
+    if uri.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
+                response.read()
+        except (urllib.error.URLError, OSError) as error:
+            raise ConnectionError(f"MLflow tracking server {uri!r} is unreachable: {error}") from None
+    elif uri.startswith("sqlite:///"):
+        directory = Path(uri[len("sqlite:///"):]).parent
+        if not directory.is_dir() or not os.access(directory, os.W_OK):
+            raise ValueError(f"tracking URI {uri!r}: directory {directory} does not exist or is not writable")
+
+
+def experiment_name(dataset: str) -> str:
+    return f"apao-{dataset}"
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config dict -> ``{"loss.beta": 0.3, ...}`` (MLflow params)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+class Tracker:
+    """Thin wrapper over ``MlflowClient`` for one experiment."""
+
+    def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        existing = self.client.get_experiment_by_name(experiment)
+        if existing is None:
+            try:  # created once, in the driver, before any trial starts
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_location)
+            except mlflow.exceptions.MlflowException:  # created concurrently by another driver
+                self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
+        else:
+            self.experiment_id = existing.experiment_id
+
+    def find_run(self, tags: dict[str, str]) -> str | None:
+        """The newest run whose tags match all of ``tags`` (how a resumed study finds its runs)."""
+        query = " and ".join(f"tags.`{k}` = '{v}'" for k, v in tags.items())
+        runs = self.client.search_runs([self.experiment_id], query, max_results=1, order_by=["attributes.start_time DESC"])
+        return runs[0].info.run_id if runs else None
+
+    def start_run(self, name: str, tags: dict[str, str], params: dict[str, Any] | None = None,
+                  parent_run_id: str | None = None) -> str:
+        run_tags = dict(tags)
+        if parent_run_id:
+            run_tags[PARENT_TAG] = parent_run_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=run_tags)
+        if params:
+            self.log_params(run.info.run_id, params)
+        return run.info.run_id
+
+    def reopen(self, run_id: str) -> None:
+        self.client.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+
+    def log_params(self, run_id: str, params: dict[str, Any]) -> None:
+        items = [Param(k, str(v)[:6000]) for k, v in flatten(params).items()]
+        for start in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[start:start + 100])
+
+    def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
+        self.client.log_batch(run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
+
+    def log_metrics(self, run_id: str, metrics: dict[str, Any], step: int) -> int:
+        """Logs every finite numeric value; returns how many were logged."""
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items()
+                 if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")]
+        for start in range(0, len(items), _MAX_BATCH):
+            self.client.log_batch(run_id, metrics=items[start:start + _MAX_BATCH])
+        return len(items)
+
+    def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
+        return [(m.step, m.value) for m in self.client.get_metric_history(run_id, key)]
+
+    def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
+        self.client.log_figure(run_id, figure, artifact_file)
+
+    def end_run(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status=status)
+
+    def log_recommender(self, run_id: str, checkpoint_dir: str | Path, example_history: list[str]) -> str:
+        """Logs the final checkpoint as a pyfunc model (``runs:/<run>/model``); returns its URI."""
+        import numpy
+        import torch
+
+        package_dir = str(Path(__file__).resolve().parent)
+        requirements = [f"torch=={torch.__version__.split('+')[0]}", f"numpy=={numpy.__version__}",
+                        f"pandas=={pd.__version__}", f"mlflow=={mlflow.__version__}"]
+        previous = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.tracking_uri)
+        try:
+            with mlflow.start_run(run_id=run_id):
+                info = mlflow.pyfunc.log_model(
+                    name=MODEL_NAME, python_model=RecommenderModel(),
+                    artifacts={"checkpoint": str(checkpoint_dir)}, code_paths=[package_dir],
+                    pip_requirements=requirements,
+                    # (data, params): the signature then accepts predict(..., params={"k": ...})
+                    input_example=(pd.DataFrame({"history": [example_history]}), {"k": 10}))
+        finally:
+            mlflow.set_tracking_uri(previous)
+            self.reopen(run_id)  # start_run's context closed the run; its owner ends it
+        return info.model_uri
+
+    def register_best(self, model_uri: str, name: str, alias: str = "best") -> int:
+        """Registers ``model_uri`` as a new version of ``name`` and points ``@alias`` at it."""
+        previous = mlflow.get_tracking_uri()
+        mlflow.set_tracking_uri(self.tracking_uri)
+        try:
+            version = mlflow.register_model(model_uri, name)
+        finally:
+            mlflow.set_tracking_uri(previous)
+        self.client.set_registered_model_alias(name, alias, version.version)
+        return int(version.version)
+
+    def child_runs(self, parent_run_id: str | None = None, filter_string: str = "") -> list[Any]:
+        parts = [f"tags.`{PARENT_TAG}` = '{parent_run_id}'"] if parent_run_id else [f"tags.`{PARENT_TAG}` != ''"]
+        if filter_string:
+            parts.append(filter_string)
+        return list(self.client.search_runs([self.experiment_id], " and ".join(parts), max_results=50000))
+
+
+class RecommenderModel(mlflow.pyfunc.PythonModel):
+    """pyfunc wrapper: predict on a DataFrame with a ``history`` column of item-id lists."""
+
+    def load_context(self, context: Any) -> None:
+        from .inference import Recommender
+
+        self.checkpoint_dir = context.artifacts["checkpoint"]
+        self.recommender = Recommender.from_checkpoint(self.checkpoint_dir)
+
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
+        k = int((params or {}).get("k", 10))
+        histories: Iterable[Any] = model_input["history"]
+        recommended = self.recommender.recommend([[str(i) for i in h] for h in histories], k=k)
+        return pd.DataFrame({"items": [[item for item, _ in row] for row in recommended],
+                             "scores": [[score for _, score in row] for row in recommended]})
+
+
+def load_checkpoint_dir_from_model(model_uri: str) -> str:
+    """Downloads a logged model and returns its local checkpoint directory."""
+    return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().checkpoint_dir

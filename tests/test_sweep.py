@@ -1,0 +1,158 @@
+"""studies/sweep.py + studies/best.py end to end: real local Ray, real SQLite MLflow store."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, run_script
+
+SWEEP, BEST = str(ROOT / "studies" / "sweep.py"), str(ROOT / "studies" / "best.py")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """One --smoke study: tiger x {ce, apao_pointwise}, 4 trials, 2 at a time, 2 epochs each."""
+    workdir = tmp_path_factory.mktemp("study")
+    uri = f"sqlite:///{workdir}/mlflow.db"
+    result = run_script([SWEEP, "--smoke", "--output-dir", str(workdir / "runs"), "--tracking-uri", uri,
+                         "--lr", "2e-3"], cwd=workdir)
+    assert result.returncode == 0, result.stderr[-4000:]
+    from apao_ray.tracking import Tracker
+
+    return {"dir": workdir, "uri": uri, "stdout": result.stdout, "stderr": result.stderr,
+            "tracker": Tracker(uri, "apao-synthetic")}
+
+
+def _children(study):
+    return study["tracker"].child_runs()
+
+
+def test_parent_and_one_child_per_trial(study):
+    tracker = study["tracker"]
+    parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    assert parent.data.tags["command_line"].endswith("--lr 2e-3") and parent.data.tags["code_version"]
+    assert "num_trials" in parent.data.params and json.loads(parent.data.params["space"])["losses"] == ["ce", "apao_pointwise"]
+    children = _children(study)
+    assert len(children) == int(parent.data.params["num_trials"]) == 4
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}
+    assert len({c.data.tags["apao.trial_id"] for c in children}) == 4  # no duplicates
+    assert {c.data.tags["loss"] for c in children} == {"ce", "apao_pointwise"}
+    assert all(c.info.status in ("FINISHED", "KILLED") for c in children)  # KILLED = stopped by ASHA
+    names = {c.info.run_name for c in children}
+    assert "tiger/ce" in names and any(n.startswith("tiger/apao_pointwise b=") and "eta=" in n for n in names)
+
+
+def test_per_epoch_and_per_prefix_metrics_are_logged_without_loss(study):
+    tracker = study["tracker"]
+    finished = [c for c in _children(study) if c.info.status == "FINISHED"]
+    assert len(finished) >= 2  # the CE baseline is never stopped early
+    for run in finished:
+        history = tracker.metric_history(run.info.run_id, "val/ndcg_at_10")
+        assert sorted(step for step, _ in history) == [1, 2], history  # every epoch, exactly once
+        for m in range(1, 5):
+            assert len(tracker.metric_history(run.info.run_id, f"val/prefix_recall_at_20_m{m}")) == 2
+        metrics = run.data.metrics
+        for key in ("test/recall_at_10", "test/ndcg_at_10", "test/prefix_recall_at_20_m4", "val/beam_retention_at_20",
+                    "perf/samples_per_second", "train/loss"):
+            assert key in metrics, key
+        # prefix recall cannot grow with depth: a length-m prefix survives only if its parent did
+        recalls = [metrics[f"test/prefix_recall_at_20_m{m}"] for m in range(1, 5)]
+        assert recalls == sorted(recalls, reverse=True)
+        if run.data.tags["loss"] == "apao_pointwise":
+            weights = [metrics[f"train/apao_weight_m{m}"] for m in range(1, 5)]
+            assert sum(weights) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_checkpoint_model_and_plots_are_artifacts(study):
+    client = study["tracker"].client
+    finished = [c for c in _children(study) if c.info.status == "FINISHED"]
+    for run in finished:
+        files = {a.path for a in client.list_artifacts(run.info.run_id)}
+        assert {"final_metrics.json", "trial_config.json"} <= files, files
+        if run.data.tags["loss"] == "apao_pointwise":
+            assert "adaptive_weights.png" in files
+    parent = client.search_runs([study["tracker"].experiment_id], "tags.`apao.role` = 'study'")[0]
+    assert {"prefix_recall_per_method.png", "optuna_slice.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+
+
+def test_best_table_registers_models_and_recommender_matches_the_trial(study):
+    result = run_script([BEST, "--dataset", "synthetic", "--tracking-uri", study["uri"], "--format", "json"],
+                        cwd=study["dir"], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout)
+    assert {(r["backbone"], r["loss"]) for r in rows} == {("tiger", "ce"), ("tiger", "apao_pointwise")}
+    for row in rows:  # chosen by validation, reported with test metrics
+        runs = [c for c in _children(study) if c.data.tags["loss"] == row["loss"] and c.info.status == "FINISHED"]
+        assert row["best/val/ndcg_at_10"] == max(c.data.metrics["best/val/ndcg_at_10"] for c in runs)
+        assert 0 <= row["test/ndcg_at_10"] <= row["test/recall_at_10"] <= 1
+    markdown = run_script([BEST, "--dataset", "synthetic", "--tracking-uri", study["uri"], "--no-register"],
+                          cwd=study["dir"], timeout=300)
+    assert markdown.stdout.startswith("| backbone | loss | beta | eta | num_negatives |")
+
+    import mlflow
+    import pandas as pd
+    import torch
+
+    import apao_ray
+    from apao_ray.data import load_dataset
+    from apao_ray.decoding import beam_search
+    from apao_ray.data.batches import iter_batches
+    from apao_ray.inference import Recommender
+
+    mlflow.set_tracking_uri(study["uri"])
+    recommender = apao_ray.load_recommender("models:/apao-synthetic-tiger-apao_pointwise@best")
+    # the trial's own evaluation path: its final checkpoint's weights through beam_search on test batches
+    run = study["tracker"].client.get_run(next(r["run_id"] for r in rows if r["loss"] == "apao_pointwise"))
+    trial = Recommender.from_checkpoint(run.data.tags["apao.checkpoint"])
+    dataset = load_dataset("synthetic")
+    batch = next(iter_batches(dataset.catalog, dataset.splits["test"], 8))
+    beam = beam_search(trial.model, batch.history_ids, batch.history_mask, dataset.catalog.tensors(), 20)
+    expected = [[dataset.catalog.item_ids[dataset.catalog.sem_items[s]] for s in row[:10]] for row in beam.sem_ids.tolist()]
+    histories = [[dataset.catalog.item_ids[i] for i in h if i >= 0] for h in dataset.splits["test"].histories[:8]]
+    got = recommender.recommend(histories, k=10)
+    assert [[item for item, _ in row] for row in got] == expected
+    scores = np.array([[score for _, score in row] for row in got])
+    assert np.allclose(scores, beam.scores[:, :10].numpy(), atol=1e-5)
+    # the same model as a plain MLflow pyfunc on a DataFrame
+    frame = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model").predict(
+        pd.DataFrame({"history": histories[:3]}), params={"k": 5})
+    assert [list(items) for items in frame["items"]] == [row[:5] for row in expected[:3]]
+    with pytest.raises(ValueError, match="not in the model's catalog"):
+        recommender.recommend([["no-such-item"]])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sweep_joins_an_existing_ray_cluster(tmp_path):
+    ray = str(Path(__import__("sys").executable).with_name("ray"))
+    port = _free_port()
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    started = subprocess.run([ray, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
+                              "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}", "--disable-usage-stats"],
+                             capture_output=True, text=True, env=env, timeout=120)
+    assert started.returncode == 0, started.stderr[-3000:]
+    try:
+        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        result = run_script([SWEEP, "--smoke", "--num-samples", "1", "--address", f"127.0.0.1:{port}",
+                             "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-4000:]
+        assert "Started a local Ray instance" not in result.stderr  # it joined the running cluster
+        assert "Connected to Ray cluster" in result.stderr or "Connecting to existing Ray cluster" in result.stderr
+        from apao_ray.tracking import Tracker
+
+        children = Tracker(uri, "apao-synthetic").child_runs()
+        assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
+    finally:
+        subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)

@@ -1,0 +1,131 @@
+"""studies/train.py end to end on a real local Ray: learning, bad flags, kill-and-resume."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT, run_script
+
+TRAIN = str(ROOT / "studies" / "train.py")
+COMMON = ["--dataset", "synthetic", "--model-size", "tiny", "--batch-size", "128", "--effective-batch-size", "128",
+          "--lr", "2e-3", "--cpus-per-worker", "1"]
+
+
+def _metrics(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--loss", "nope"], "unknown loss 'nope'"),
+    (["--backbone", "gpt"], "invalid choice: 'gpt'"),
+    (["--epochs", "0"], "'0' must be an integer >= 1"),
+    (["--lr", "-1"], "'-1' must be a number >= 0"),
+    (["--loss", "apao_pairwise", "--num-negatives", "5000"], "num_negatives=5000 must be < the 399 semantic IDs"),
+    (["--beam-size", "1000"], "beam_size=1000 exceeds the 399 semantic IDs"),
+    (["--dataset", "../etc"], "must be a plain name"),
+])
+def test_bad_flags_are_refused_before_any_work(tmp_path, flags, problem):
+    result = run_script([TRAIN, "--output-dir", str(tmp_path / "runs"), *flags], cwd=tmp_path, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert problem in result.stderr, result.stderr
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_train_llama_pairwise_beats_popularity(tmp_path, popularity_recall_at_10):
+    out = tmp_path / "r.json"
+    result = run_script([TRAIN, *COMMON, "--backbone", "llama", "--loss", "apao_pairwise", "--num-negatives", "20",
+                         "--epochs", "3", "--output-dir", str(tmp_path / "runs"), "--json-out", str(out)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = _metrics(out)
+    recall = metrics["test/recall_at_10"]
+    assert recall > 2 * popularity_recall_at_10 and recall > popularity_recall_at_10 + 0.1, \
+        f"test recall@10 {recall:.4f} vs popularity {popularity_recall_at_10:.4f}"
+    assert metrics["epochs_trained"] == 3 and metrics["done"] is True
+    # one concise line per epoch, printed once (not duplicated by Ray's print patch)
+    assert sum("epoch 2/3" in line for line in result.stderr.splitlines()) == 1
+
+
+def _uninterrupted_reference(tmp_path: Path, epochs: int) -> dict:
+    """The same trial run in-process with the plain loop and the same thread count as the worker."""
+    from apao_ray.study.cli_train import apply_smoke, build_parser, trial_config_from_args
+    from apao_ray.training.hooks import TrainingHooks
+    from apao_ray.training.loop import run_trial
+
+    args = build_parser().parse_args([*COMMON, "--backbone", "tiger", "--loss", "apao_pointwise", "--eta", "0.01",
+                                      "--epochs", str(epochs)])
+    apply_smoke(args)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the Ray worker runs with --cpus-per-worker 1 thread
+    try:
+        return run_trial(trial_config_from_args(args), TrainingHooks(tmp_path / "reference", verbose=False))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _wait_for(path_glob: Path, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not list(path_glob.parent.glob(path_glob.name)):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.time() < deadline, f"no {path_glob} after {timeout} s"
+        time.sleep(0.5)
+
+
+def _ray_train_worker_pids() -> list[int]:
+    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in listing.splitlines() if "ray::RayTrainWorker" in line]
+
+
+def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
+    """SIGKILL the Ray Train worker mid-run: Ray restarts it from its last checkpoint (FailureConfig)."""
+    epochs, out = 4, tmp_path / "r.json"
+    command = [sys.executable, TRAIN, *COMMON, "--backbone", "tiger", "--loss", "apao_pointwise", "--eta", "0.01",
+               "--epochs", str(epochs), "--max-failures", "2", "--output-dir", str(tmp_path / "runs"),
+               "--run-name", "killed", "--json-out", str(out)]
+    process = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # once epoch 2's checkpoint directory appears, epoch 1's is surely registered with Ray
+    _wait_for(tmp_path / "runs" / "killed" / "epoch_0002", process)
+    pids = _ray_train_worker_pids()
+    assert pids, "no Ray Train worker process found"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "resumed from" in stderr, "the restarted worker did not restore the checkpoint"
+    resumed = _metrics(out)
+    reference = _uninterrupted_reference(tmp_path, epochs)
+    test_keys = sorted(k for k in reference if k.startswith("test/"))
+    assert test_keys and {k: resumed[k] for k in test_keys} == pytest.approx({k: reference[k] for k in test_keys},
+                                                                           abs=1e-9)
+    for m in range(1, 5):  # the adaptive weights were restored, not restarted from uniform
+        assert resumed[f"train/apao_weight_m{m}"] == pytest.approx(reference[f"train/apao_weight_m{m}"], abs=1e-9)
+
+
+def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
+    """Ctrl-C the driver after epoch 1; `--resume` lets Ray Train restore the run by name from storage."""
+    runs, out = tmp_path / "runs", tmp_path / "r.json"
+    command = [sys.executable, TRAIN, *COMMON, "--backbone", "tiger", "--loss", "ce", "--epochs", "3",
+               "--output-dir", str(runs), "--run-name", "interrupted", "--json-out", str(out)]
+    process = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for(runs / "interrupted" / "epoch_0001", process)
+    os.killpg(process.pid, signal.SIGINT)
+    process.communicate(timeout=120)
+    assert not out.exists()
+    # without --resume an existing run is refused with a clear message
+    refused = run_script([*command[1:]], cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    resumed = run_script([*command[1:], "--resume"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr
+    metrics = _metrics(out)
+    assert metrics["epochs_trained"] == 3
+    assert "epoch 1/3" not in resumed.stderr  # epoch 1 was not trained again
