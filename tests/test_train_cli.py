@@ -110,13 +110,13 @@ def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
 
 
 def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
-    """Ctrl-C the driver after epoch 1; `--resume` lets Ray Train restore the run by name from storage."""
+    """Ctrl-C the driver mid-run; `--resume` lets Ray Train restore the run by name from storage."""
     runs, out = tmp_path / "runs", tmp_path / "r.json"
-    command = [sys.executable, TRAIN, *COMMON, "--backbone", "tiger", "--loss", "ce", "--epochs", "3",
+    command = [sys.executable, TRAIN, *COMMON, "--backbone", "tiger", "--loss", "ce", "--epochs", "4",
                "--output-dir", str(runs), "--run-name", "interrupted", "--json-out", str(out)]
     process = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _wait_for(runs / "interrupted" / "epoch_0001", process)
+    _wait_for(runs / "interrupted" / "epoch_0002", process)  # epoch 1's checkpoint is registered by then
     os.killpg(process.pid, signal.SIGINT)
     process.communicate(timeout=120)
     assert not out.exists()
@@ -127,5 +127,5 @@ def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stderr
     metrics = _metrics(out)
-    assert metrics["epochs_trained"] == 3
-    assert "epoch 1/3" not in resumed.stderr  # epoch 1 was not trained again
+    assert metrics["epochs_trained"] == 4
+    assert "epoch 1/4" not in resumed.stderr  # epoch 1 was not trained again
