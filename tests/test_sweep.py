@@ -156,3 +156,26 @@ def test_sweep_joins_an_existing_ray_cluster(tmp_path):
         assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
     finally:
         subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--losses", "ce,nope"], "unknown loss(es) ['nope']"),
+    (["--backbones", "gpt"], "unknown backbone(s) ['gpt']"),
+    (["--beta", "0.4:0.1"], "range 0.4:0.1 is empty or inverted"),
+    (["--eta", "1e-3:1e-5"], "range 0.001:1e-05 is empty or inverted"),
+    (["--losses", "ce,apao_pointwise", "--negatives", "10:20"], "none of the losses ['ce', 'apao_pointwise'] uses negatives"),
+    (["--losses", "apao_pairwise", "--negatives", "10:5000"], "num_negatives=5000 must be < the 399 semantic IDs"),
+    (["--beam-size", "400"], "beam_size=400 exceeds the 399 semantic IDs"),
+    (["--tracking-uri", "http://127.0.0.1:9"], "MLflow tracking server 'http://127.0.0.1:9' is unreachable"),
+    (["--tracking-uri", "file:./mlruns"], "is not supported"),
+    (["--study-name", "../escape"], "study name '../escape' must be a plain name"),
+])
+def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, capsys, flags, problem):
+    from apao_ray.study.cli_sweep import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--dataset", "synthetic", "--output-dir", str(tmp_path / "runs"), *flags])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and problem in stderr, stderr[-2000:]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()

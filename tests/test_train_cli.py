@@ -31,11 +31,16 @@ def _metrics(path: Path) -> dict:
     (["--loss", "apao_pairwise", "--num-negatives", "5000"], "num_negatives=5000 must be < the 399 semantic IDs"),
     (["--beam-size", "1000"], "beam_size=1000 exceeds the 399 semantic IDs"),
     (["--dataset", "../etc"], "must be a plain name"),
+    (["--loss", "ce", "--num-negatives", "10"], "loss 'ce' uses no negatives"),
 ])
-def test_bad_flags_are_refused_before_any_work(tmp_path, flags, problem):
-    result = run_script([TRAIN, "--output-dir", str(tmp_path / "runs"), *flags], cwd=tmp_path, timeout=120)
-    assert result.returncode == 2, result.stderr
-    assert problem in result.stderr, result.stderr
+def test_bad_flags_are_refused_before_any_work(tmp_path, monkeypatch, capsys, flags, problem):
+    from apao_ray.study.cli_train import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--output-dir", str(tmp_path / "runs"), *flags])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2 and problem in stderr, stderr
     assert not (tmp_path / "runs").exists()  # nothing started
 
 

@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-samples", type=int, default=3, help="Optuna trials per tuned (backbone, loss) (default 3)")
     parser.add_argument("--beta", type=parse_range, default=(0.05, 0.4), help="LOW:HIGH (default 0.05:0.4, paper grid)")
     parser.add_argument("--eta", type=parse_range, default=(5e-6, 5e-4), help="LOW:HIGH, log scale (default 5e-6:5e-4)")
-    parser.add_argument("--negatives", type=lambda t: parse_range(t, int), default=(10, 200),
+    parser.add_argument("--negatives", type=lambda t: parse_range(t, int), default=None,
                         help="LOW:HIGH negatives for pairwise losses, log scale (default 10:200)")
     parser.add_argument("--pretrain-ce-epochs", type=int, default=None,
                         help="CE epochs before a preference loss (dpo/dmpo/sdpo; default half the epochs)")
@@ -89,7 +89,7 @@ def apply_quick(args: argparse.Namespace) -> None:
         args.batch_size, args.effective_batch_size = 128, 256
         args.num_samples = min(args.num_samples, 3)
         args.losses = args.losses if args.losses != ("ce", "apao_pointwise", "apao_pairwise") else ("ce", "apao_pointwise")
-        args.negatives = (min(args.negatives[0], 20), min(args.negatives[1], 20))
+        args.default_negatives = (10, 20)
     if args.smoke:
         args.dataset = "synthetic"
 
@@ -111,8 +111,13 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [name for name in args.losses if name not in LOSSES]
         if unknown:
             raise ValueError(f"unknown loss(es) {unknown}; choose from {sorted(LOSSES)}")
-        spec = SearchSpec(tuple(args.backbones), tuple(args.losses), args.beta, args.eta, args.negatives,
-                          args.num_samples)
+        from .space import TUNED_KNOBS
+
+        if args.negatives is not None and not any("num_negatives" in TUNED_KNOBS.get(n, ()) for n in args.losses):
+            raise ValueError(f"--negatives was given, but none of the losses {list(args.losses)} uses negatives; "
+                             "add apao_pairwise, dmpo, sdpo or ce_sdpo")
+        negatives = args.negatives or getattr(args, "default_negatives", (10, 200))
+        spec = SearchSpec(tuple(args.backbones), tuple(args.losses), args.beta, args.eta, negatives, args.num_samples)
         study_name = check_plain_name("study", args.study_name or f"{args.dataset.lower()}-study")
         dataset = load_dataset(args.dataset, args.data_dir)
         pretrain = args.pretrain_ce_epochs if args.pretrain_ce_epochs is not None else max(1, args.epochs // 2)
@@ -120,13 +125,16 @@ def main(argv: list[str] | None = None) -> int:
         base = TrialConfig(
             DataConfig(dataset=args.dataset.lower(), data_dir=str(Path(args.data_dir).resolve()) if args.data_dir else None),
             ModelConfig(**(TINY_MODEL if args.model_size == "tiny" else {})),
-            LossConfig(num_negatives=args.negatives[1], pretrain_ce_epochs=pretrain if needs_stage else 0),
+            LossConfig(num_negatives=negatives[1], pretrain_ce_epochs=pretrain if needs_stage else 0),
             TrainConfig(**train_config_from_args(args, use_gpu=args.gpus_per_trial > 0,
                                                  retention_users=32 if args.quick or args.smoke else 128)))
         for name in args.losses:  # every loss against the catalog, with the most negatives asked for
             check_against_catalog(base.replace(loss=base.loss.replace(name=name).to_dict()), dataset.catalog)
         tracking_uri = resolve_tracking_uri(args.tracking_uri)
         check_tracking_uri(tracking_uri)
+        from .runner import init_ray
+
+        init_ray(args.address)  # an unreachable cluster is refused here, before any trial
         cpus = os.cpu_count() or 2
         max_concurrent = args.max_concurrent or max(1, cpus // max(1, args.cpus_per_trial))
         options = StudyOptions(base=base, spec=spec, study_name=study_name, output_dir=Path(args.output_dir).resolve(),

@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loss", default="ce", help="a name from apao_ray.losses.LOSSES (default ce)")
     parser.add_argument("--beta", type=non_negative_float, default=0.1, help="weight of the prefix loss (default 0.1)")
     parser.add_argument("--eta", type=non_negative_float, default=1e-4, help="adaptive-weight step size (default 1e-4)")
-    parser.add_argument("--num-negatives", type=positive_int, default=100, help="pairwise/preference negatives (default 100)")
+    parser.add_argument("--num-negatives", type=positive_int, default=None,
+                        help="negatives for apao_pairwise/dmpo/sdpo/ce_sdpo (default 100; refused for other losses)")
     parser.add_argument("--weighting", choices=WEIGHTING_MODES, default="mirror", help="prefix weighting (default mirror)")
     parser.add_argument("--pretrain-ce-epochs", type=int, default=0, help="two-stage: CE epochs before the loss")
     parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default 1)")
@@ -103,18 +104,21 @@ def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
     if args.loss not in LOSSES:
         raise ValueError(f"unknown loss {args.loss!r}; choose from {sorted(LOSSES)}")
     model = ModelConfig(backbone=args.backbone, **(TINY_MODEL if args.model_size == "tiny" else {}))
-    loss = LossConfig(name=args.loss, beta=args.beta, eta=args.eta, num_negatives=args.num_negatives,
+    loss = LossConfig(name=args.loss, beta=args.beta, eta=args.eta, num_negatives=args.num_negatives or 100,
                       weighting=args.weighting, pretrain_ce_epochs=args.pretrain_ce_epochs)
     train = TrainConfig(**train_config_from_args(args, num_workers=args.num_workers, use_gpu=args.use_gpu,
                                                  bf16=args.bf16))
     return TrialConfig(DataConfig(dataset=args.dataset.lower(), data_dir=_abs(args.data_dir)), model, loss, train)
 
 
-def check_against_catalog(config: TrialConfig, catalog: Any) -> None:
+def check_against_catalog(config: TrialConfig, catalog: Any, requested_negatives: int | None = None) -> None:
     """Refuses negatives or a beam the catalog cannot supply, naming the values."""
     from ..losses import build_loss
 
     num_negatives = build_loss(config.loss, catalog.tensors()).num_negatives
+    if requested_negatives is not None and num_negatives == 0:
+        raise ValueError(f"--num-negatives {requested_negatives} was given, but loss {config.loss.name!r} uses no "
+                         "negatives; use it with apao_pairwise, dmpo, sdpo or ce_sdpo")
     if num_negatives >= catalog.num_semantic_ids:
         raise ValueError(f"num_negatives={num_negatives} must be < the {catalog.num_semantic_ids} semantic IDs "
                          f"of {config.data.dataset!r}")
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         from ..data import load_dataset
 
         dataset = load_dataset(config.data.dataset, config.data.data_dir)  # fails fast on bad data
-        check_against_catalog(config, dataset.catalog)
+        check_against_catalog(config, dataset.catalog, args.num_negatives)
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))
     output_dir = Path(args.output_dir).resolve()

@@ -94,14 +94,15 @@ class MlflowStudyCallback(tune.Callback):
             return
         self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
         self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
-        self.tracker.log_recommender(run_id, checkpoint, self.example_history)
+        model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history)
         weights = {key: self.tracker.metric_history(run_id, key) for key in
                    (f"train/apao_weight_m{m}" for m in range(1, 5))}
         if any(weights.values()):
             figure = plots.adaptive_weights_figure({k: v for k, v in weights.items() if v})
             self.tracker.log_figure(run_id, figure, "adaptive_weights.png")
             plots.close(figure)
-        self.tracker.set_tags(run_id, {"apao.outcome": "finished", "apao.checkpoint": str(checkpoint)})
+        self.tracker.set_tags(run_id, {"apao.outcome": "finished", "apao.checkpoint": str(checkpoint),
+                                       "apao.model_uri": model_uri})
         self.tracker.end_run(run_id, "FINISHED")
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:

@@ -30,7 +30,9 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
         row.update({k: _number(run.data.params.get(k)) for k in KNOBS})
         row[metric] = run.data.metrics[metric]
         row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
-        row.update({"run_id": run.info.run_id, "model_uri": f"runs:/{run.info.run_id}/model",
+        # MLflow 3 keeps models as LoggedModels (models:/m-...); runs:/<id>/model also loads
+        model_uri = run.data.tags.get("apao.model_uri", f"runs:/{run.info.run_id}/model")
+        row.update({"run_id": run.info.run_id, "model_uri": model_uri,
                     "study": run.data.tags.get("apao.study")})
         rows.append(row)
     return rows
