@@ -11,10 +11,11 @@ from ..paths import check_plain_name
 from .cli_train import TINY_MODEL, add_common_arguments, check_against_catalog, train_config_from_args
 
 SWEEP_EPILOG = """\
-defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials),
-up to 20 epochs each (patience 5), ASHA stopping weak APAO trials after 5 epochs. On Office that is a
-few hours on an 8-core laptop CPU and well under an hour on one GPU (--gpus-per-trial 0.25 runs 4 at
-once). --quick finishes in a few minutes on 2 CPUs (tiny model, a data subset, 2 epochs, 4 trials).
+defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to
+20 epochs each (patience 5), ASHA stopping weak APAO trials after 5 epochs. An Office epoch of the paper-size
+model takes minutes on a CPU (benchmarks/RESULTS.md has this machine's figures), so the defaults are an
+evening on a laptop and far less on a GPU (--gpus-per-trial 0.25 runs four trials per GPU). --quick finishes
+in a few minutes on 2 CPUs (tiny model, 2048-sample subset, 2 epochs, 4 trials): a check, not a result.
 
 examples:
   python studies/sweep.py --dataset grocery
