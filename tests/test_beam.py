@@ -131,10 +131,15 @@ def test_beam_pads_when_the_trie_is_narrow(setup):
 
 
 def test_row_chunks_and_trimmed_padding_change_nothing(setup):
-    """Chunk [0, 1] drops the PAD columns that only row 2's longer history needed."""
+    """Rows are chunked by history length, [0, 1] then [2]; chunk [0, 1] drops the PAD
+    columns that only row 2's longer history needed; results return in input order."""
     model, catalog, history_ids, history_mask, _ = setup
     whole = beam_search(model, history_ids, history_mask, catalog.tensors(), 8, row_chunk_size=NUM_ROWS)
-    chunked = beam_search(model, history_ids, history_mask, catalog.tensors(), 8, row_chunk_size=2)
+    flipped = torch.arange(NUM_ROWS - 1, -1, -1)  # longest history first: the order matters
+    chunked = beam_search(model, history_ids[flipped], history_mask[flipped], catalog.tensors(), 8,
+                          row_chunk_size=2)
+    chunked = type(chunked)(chunked.sem_ids[flipped], chunked.scores[flipped],
+                            tuple(nodes[flipped] for nodes in chunked.prefix_nodes))
     assert torch.equal(whole.sem_ids, chunked.sem_ids)
     torch.testing.assert_close(whole.scores, chunked.scores, atol=1e-9, rtol=0)
     assert all(torch.equal(a, b) for a, b in zip(whole.prefix_nodes, chunked.prefix_nodes))

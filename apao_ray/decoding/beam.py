@@ -24,9 +24,10 @@ class BeamResult:
         sem_ids: (B, K) int64 semantic-ID index of each returned item (= leaf node id of the
             trie). Since K <= U, always K real items; consumers still treat -1 as padding.
         scores: (B, K) cumulative log-probability S^T of each item (-inf where -1).
-        prefix_nodes: T tensors; entry m-1 is (B, K_m) int64, K_m = min(K, K_{m-1} * S_{m-1}),
-            K_0 = 1, the trie node ids (depth m) of the prefixes kept after step m, best first, -1 in
-            slots beyond the min(K, P_m) distinct length-m prefixes that exist.
+        prefix_nodes: T tensors; entry m-1 is (B, K_m) int64 with K_0 = 1 and
+            K_m = min(K, K_{m-1} * S_{m-1}): the trie node ids (depth m) of the prefixes kept
+            after step m, best first, -1 in slots beyond the min(K, P_m) length-m prefixes
+            that exist.
     """
 
     sem_ids: torch.Tensor
@@ -78,8 +79,9 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
     starts from the single root prefix, so fewer than K beams exist while the trie is narrow
     (those slots are padded with -inf / -1 and never win).
 
-    Rows are independent: they are searched in chunks of ``row_chunk_size`` (cache blocking),
-    each chunk's history trimmed of columns that are padding in all of its rows. The model's
+    Rows are independent: they are searched in chunks of ``row_chunk_size`` (cache blocking)
+    grouped by history length, each chunk's history trimmed of columns that are padding in
+    all of its rows; results come back in the input's row order. The model's
     train/eval mode is left as it is; call ``model.eval()`` first (``evaluate`` does). Ties
     between equal scores are broken by ``torch.topk``'s order.
 
@@ -103,16 +105,28 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
         row_chunk_size = CPU_ROW_CHUNK if history_ids.device.type == "cpu" else max(1, num_rows)
     if row_chunk_size < 1:
         raise ValueError(f"row_chunk_size must be >= 1, got {row_chunk_size}")
+    if num_rows <= row_chunk_size:
+        return _search(model, *_trim_padding(history_ids, history_mask), catalog, beam_size)
+    # chunks of rows of similar history length pad less; results go back to the input order
+    order = history_mask.sum(dim=1).argsort(stable=True)                       # (B,)
     parts = []
-    for start in range(0, num_rows, row_chunk_size) or [0]:  # [0]: an empty batch still returns
-        ids, mask = history_ids[start:start + row_chunk_size], history_mask[start:start + row_chunk_size]
-        first_real = int(mask.any(dim=0).long().argmax())  # left padding: trim all-PAD columns
-        parts.append(_search(model, ids[:, first_real:], mask[:, first_real:], catalog, beam_size))
-    if len(parts) == 1:
-        return parts[0]
-    return BeamResult(sem_ids=torch.cat([p.sem_ids for p in parts]),
-                      scores=torch.cat([p.scores for p in parts]),
-                      prefix_nodes=tuple(torch.cat(nodes) for nodes in zip(*(p.prefix_nodes for p in parts))))
+    for start in range(0, num_rows, row_chunk_size):
+        rows = order[start:start + row_chunk_size]
+        parts.append(_search(model, *_trim_padding(history_ids[rows], history_mask[rows]), catalog, beam_size))
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(num_rows, device=order.device)
+
+    def gather(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(tensors)[inverse]
+
+    return BeamResult(sem_ids=gather([p.sem_ids for p in parts]), scores=gather([p.scores for p in parts]),
+                      prefix_nodes=tuple(gather(list(nodes)) for nodes in zip(*(p.prefix_nodes for p in parts))))
+
+
+def _trim_padding(history_ids: torch.Tensor, history_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drops the leading columns that are PAD in every row (histories are left-padded)."""
+    first_real = int(history_mask.any(dim=0).long().argmax())  # host sync; 0 if nothing to drop
+    return history_ids[:, first_real:], history_mask[:, first_real:]
 
 
 def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
