@@ -14,7 +14,8 @@ on the weights). For each backbone and precision (fp32; bf16 = ``torch.autocast`
   computes one new position per beam per step (a prefix key/value cache) instead of the
   whole prefix;
 * full sorting (every semantic ID scored exactly) for the first ``--full-sort-users``;
-* the process's peak RSS (``resource.getrusage``; cumulative over the run).
+* peak RSS of each variant (VmHWM, reset before it; model and dataset included) and of the
+  whole process (``resource.getrusage``).
 
     .venv/bin/python benchmarks/bench_decoding.py [--data-dir DIR] [--batch-size 256]
 """
@@ -50,7 +51,25 @@ def log(message: str) -> None:
 
 
 def peak_rss_gib() -> float:
+    """Peak RSS since the last :func:`reset_peak_rss` (VmHWM), else of the whole process."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 2**20  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def reset_peak_rss() -> None:
+    """Restarts the peak-RSS count at the current RSS (Linux >= 4.0), so each variant's peak
+    is its own and not that of an earlier, hungrier one (full sorting, unchunked batches)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass
 
 
 def timed(fn) -> tuple[float, float]:
@@ -104,6 +123,7 @@ def bench_variant(name: str, model, catalog, test, orders, label: str, chunk: in
     row: dict[str, object] = {"backbone": name, "precision": label, "row_chunk": chunk,
                               "parameters": model.num_parameters(), "users": len(orders["given"]),
                               "batch_size": args.batch_size}
+    reset_peak_rss()
     for order, indices in orders.items():
         batches = list(iter_batches(catalog, test, args.batch_size, indices=indices))
 
@@ -124,7 +144,7 @@ def bench_variant(name: str, model, catalog, test, orders, label: str, chunk: in
                                            tensors, beam_size=args.beam_size, amp_dtype=dtype))
         row.update(full_test_users=len(test), full_test_s=wall, full_test_cpu_s=cpu)
         log(f"{name} {label} full test: {wall:.1f} s wall, {cpu:.1f} s cpu")
-    row["peak_rss_gib"] = peak_rss_gib()
+    row["peak_rss_gib"] = peak_rss_gib()  # model, dataset and this variant's beams
     return row
 
 
@@ -144,13 +164,13 @@ def bench_backbone(name: str, dataset, args) -> list[dict[str, object]]:
         model, next(iter_batches(catalog, test, CPU_ROW_CHUNK, indices=subset)), tensors, args.beam_size,
         args.repeats)
     if args.full_sort_users:
+        reset_peak_rss()
         users = subset[:args.full_sort_users]
         batch = next(iter_batches(catalog, test, len(users), indices=users))
         wall, cpu = timed(lambda: full_sort(model, batch.history_ids, batch.history_mask, tensors))
         rows[0].update(full_sort_users=len(users), full_sort_users_per_s=len(users) / wall,
-                       full_sort_users_per_cpu_s=len(users) / (cpu / threads))
+                       full_sort_users_per_cpu_s=len(users) / (cpu / threads), full_sort_peak_rss_gib=peak_rss_gib())
         log(f"{name} full sort: {wall:.1f} s wall for {len(users)} users")
-    rows[0]["peak_rss_gib"] = rows[-1]["peak_rss_gib"] = peak_rss_gib()
     return rows
 
 
@@ -202,6 +222,7 @@ def main() -> None:
         "torch": torch.__version__, "threads": torch.get_num_threads(),
         "load_average_before_after": [load_before, os.getloadavg()],
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "process_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "dataset": args.dataset, "beam_size": args.beam_size, "rows": rows,
     }
     print_table(rows)

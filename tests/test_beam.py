@@ -90,6 +90,16 @@ def padded(values: list, width: int, fill) -> list:
     return values + [fill] * (width - len(values))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared CPU every op of a 2-thread pool
+    waits for its descheduled second thread; restored for the modules after this one."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module", params=["tiger", "llama"])
 def setup(request):
     catalog = random_catalog()

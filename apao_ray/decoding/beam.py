@@ -63,8 +63,9 @@ def level_log_probs(logits: torch.Tensor, offset: int, size: int) -> torch.Tenso
 
 
 # Rows decoded together on a CPU. At 256 rows x 20 beams the decoder's (B*K, t+1, d_ff)
-# activations outgrow the CPU caches; 64-row chunks ran 1.4-2x faster on the 2-CPU benchmark
-# machine (benchmarks/RESULTS.md, "Decoding"). Accelerators take the whole batch at once.
+# activations outgrow the CPU caches: 64-row chunks ran Llama 1.7x faster on the 2-CPU
+# benchmark machine (TIGER: unchanged; 24-96 rows all within noise; benchmarks/RESULTS.md,
+# "Decoding"). Accelerators take the whole batch at once.
 CPU_ROW_CHUNK = 64
 
 
@@ -81,9 +82,9 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
 
     Rows are independent: they are searched in chunks of ``row_chunk_size`` (cache blocking)
     grouped by history length, each chunk's history trimmed of columns that are padding in
-    all of its rows; results come back in the input's row order. The model's
-    train/eval mode is left as it is; call ``model.eval()`` first (``evaluate`` does). Ties
-    between equal scores are broken by ``torch.topk``'s order.
+    all of its rows; results come back in the input's row order. The model's train/eval
+    mode is left as it is; call ``model.eval()`` first (``evaluate`` does). Ties between
+    equal scores are broken by ``torch.topk``'s order.
 
     Args:
         model: a :class:`~apao_ray.models.base.Backbone` (``encode`` / ``decode``).
