@@ -16,16 +16,22 @@ from ..training.worker import train_loop_per_worker
 
 @dataclass(frozen=True)
 class Resources:
-    """Per-trial compute: workers (data parallel), CPUs and (fractional) GPUs per worker."""
+    """Per-trial compute: workers (data parallel), CPUs, (fractional) GPUs and a memory cap per worker.
+
+    ``memory_bytes`` is reserved in Ray's scheduling and enforced in the worker (RLIMIT_DATA).
+    """
 
     num_workers: int = 1
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
+    memory_bytes: int | None = None
 
     def scaling_config(self) -> ray.train.ScalingConfig:
-        resources = {"CPU": self.cpus_per_worker}
+        resources: dict[str, float] = {"CPU": self.cpus_per_worker}
         if self.gpus_per_worker:
             resources["GPU"] = self.gpus_per_worker
+        if self.memory_bytes:
+            resources["memory"] = self.memory_bytes
         return ray.train.ScalingConfig(num_workers=self.num_workers, use_gpu=self.gpus_per_worker > 0,
                                        resources_per_worker=resources)
 
@@ -37,8 +43,8 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     ``name`` must be stable across restarts (derive it from the Tune trial id, never a
     timestamp): Ray finds the run's checkpoints to resume from by (storage_path, name).
     """
-    loop_config = {"trial": config.to_dict(), "verbose": verbose,
-                   "cpus_per_worker": max(1, int(resources.cpus_per_worker))}
+    loop_config = {"trial": config.to_dict(), "verbose": verbose, "max_memory_bytes": resources.memory_bytes,
+                   "cpus_per_worker": max(1, round(resources.cpus_per_worker))}
     run_config = ray.train.RunConfig(
         name=name, storage_path=str(Path(storage_path).resolve()),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),

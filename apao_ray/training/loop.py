@@ -7,11 +7,12 @@ exactly as an uninterrupted one (same CPU, same thread count).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -26,8 +27,37 @@ from .hooks import TrainingHooks
 from .steps import EpochRunner
 
 
+RESUMED_HISTORY_KEY = "resumed_history"  # per-epoch metrics so far, in the first report after a resume
+
+
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; the trial stops with this reason."""
+
+
+class TrialOutOfMemoryError(MemoryError):
+    """The trial could not allocate memory (host RAM, its memory cap, or GPU memory)."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """torch's CPU/GPU allocator failures and Python's MemoryError (a memory cap reached)."""
+    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
+
+
+@contextlib.contextmanager
+def _memory_errors_named(config: TrialConfig, doing: str, epoch: int, num_negatives: int) -> Iterator[None]:
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - re-raised unchanged unless it is an allocation failure
+        if not is_out_of_memory(error):
+            raise
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        raise TrialOutOfMemoryError(
+            f"out of memory while {doing} in epoch {epoch} (backbone {config.model.backbone!r}, loss "
+            f"{config.loss.name!r}, batch_size={config.train.batch_size}, num_negatives={num_negatives}): "
+            f"{first_line}; lower --batch-size or the negatives, or give the trial more memory") from None
 
 
 def _optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -83,10 +113,11 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     best_weights = copy.deepcopy(_unwrap(model).state_dict())
     reference: nn.Module | None = None
     restored = hooks.restore_checkpoint()
+    resumed_after = 0  # the epoch this run continued from after an interruption (0: it never was)
     if restored is not None:
         if (restored / FINAL_METRICS_FILE).exists():  # finished before the interruption: re-report
             final = json.loads((restored / FINAL_METRICS_FILE).read_text())
-            hooks.report(final, None)
+            hooks.report({**final, RESUMED_HISTORY_KEY: load_checkpoint(restored)[0]["history"]}, None)
             return final
         saved, best_weights, reference_weights = load_checkpoint(restored)
         _unwrap(model).load_state_dict(saved["model"])
@@ -97,7 +128,8 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         state = {k: saved[k] for k in ("epoch", "best_value", "best_epoch", "history")}
         if reference_weights is not None:
             reference = _frozen_copy(_unwrap(model), reference_weights)
-        hooks.log(f"resumed from {restored} after epoch {state['epoch']}")
+        resumed_after = state["epoch"]
+        hooks.log(f"resumed from {restored} after epoch {resumed_after}")
 
     started = time.perf_counter()
     epoch_times: list[float] = []
@@ -107,15 +139,20 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         if loss_fn.needs_reference and reference is None:  # entering the preference stage
             reference = _frozen_copy(_unwrap(model), _unwrap(model).state_dict())
         tick = time.perf_counter()
-        train_metrics = runner.train_epoch(epoch, model, loss_fn, optimizer, scheduler,
-                                           reference if loss_fn.needs_reference else None)
+        with _memory_errors_named(config, "training", epoch, loss_fn.num_negatives):
+            train_metrics = runner.train_epoch(epoch, model, loss_fn, optimizer, scheduler,
+                                               reference if loss_fn.needs_reference else None)
         if not math.isfinite(train_metrics["train/loss"]):
             raise NonFiniteLossError(f"training loss became {train_metrics['train/loss']} in epoch {epoch} "
                                      f"(loss {loss_fn.name!r}, lr {train_cfg.lr}); stopping this trial")
         train_seconds = time.perf_counter() - tick
         metrics: dict[str, Any] = {"epoch": epoch, **train_metrics}
+        if resumed_after:
+            metrics["train/resumed_after_epoch"] = resumed_after
+        report_history = epoch == resumed_after + 1 and resumed_after > 0  # lets a tracker fill what it missed
         if hooks.rank == 0:
-            metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device, valid_users))
+            with _memory_errors_named(config, "validating", epoch, loss_fn.num_negatives):
+                metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device, valid_users))
         epoch_seconds = time.perf_counter() - tick
         epoch_times.append(epoch_seconds)
         value = metrics.get(metric_key, -math.inf)
@@ -145,7 +182,8 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                   f"{metrics['perf/samples_per_second']:.0f} samples/s | {metric_key} {value:.4f} "
                   f"(best {state['best_value']:.4f} @ {state['best_epoch']}) | {epoch_seconds:.1f}s/epoch, "
                   f"ETA <= {remaining / 60:.1f} min" + (" | early stop" if should_stop else ""))
-        hooks.report(metrics, checkpoint_dir)  # barrier on Ray Train: every rank reports every epoch
+        # barrier on Ray Train: every rank reports every epoch
+        hooks.report({**metrics, RESUMED_HISTORY_KEY: state["history"][:-1]} if report_history else metrics, checkpoint_dir)
         if should_stop:
             break
 
@@ -159,7 +197,8 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         save_checkpoint(final_dir, {**state, "model": best_weights}, best_weights, config.to_dict())
         save_catalog(final_dir, catalog.item_ids, catalog.item_codes)
         (final_dir / FINAL_METRICS_FILE).write_text(json.dumps(final, indent=2, sort_keys=True))
-        hooks.report(final, final_dir)
+        # a resumed run may have trained nothing new: its history goes with the final report too
+        hooks.report({**final, RESUMED_HISTORY_KEY: state["history"]} if resumed_after else final, final_dir)
     else:
         hooks.report(final, None)
     return final

@@ -16,6 +16,22 @@ from .hooks import TrainingHooks
 from .loop import run_trial
 
 
+WORKER_NODE_KEY = "worker_node_id"
+
+
+def limit_memory(max_bytes: int) -> None:
+    """Caps this process's data segment (RLIMIT_DATA): allocations past it fail with an error the
+    loop reports as out of memory, instead of the kernel's OOM killer taking down the node."""
+    import resource
+
+    with open("/proc/self/status") as status:
+        in_use = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
+    if max_bytes <= in_use:
+        raise ValueError(f"memory cap {max_bytes / 2**30:.2f} GiB is below what this worker already maps "
+                         f"({in_use / 2**30:.2f} GiB of data segment with torch and Ray loaded); raise it")
+    resource.setrlimit(resource.RLIMIT_DATA, (max_bytes, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+
+
 class RayTrainHooks(TrainingHooks):
     """Rank, device and DDP from Ray Train; checkpoints go to the run's storage via report."""
 
@@ -27,6 +43,7 @@ class RayTrainHooks(TrainingHooks):
         self.verbose = verbose
         self.reports: list[dict[str, Any]] = []
         self._scratch = Path(tempfile.mkdtemp(prefix="apao-worker-"))
+        self.node_id = ray.get_runtime_context().get_node_id()  # where the trial trained, for the record
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return ray.train.torch.prepare_model(model)  # moves to the device; DDP when world_size > 1
@@ -45,7 +62,8 @@ class RayTrainHooks(TrainingHooks):
         name = f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else "")
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         # barrier: every rank calls report every epoch; only rank 0 passes a checkpoint
-        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name if checkpoint else None,
+        ray.train.report({**metrics, WORKER_NODE_KEY: self.node_id}, checkpoint=checkpoint,
+                         checkpoint_dir_name=name if checkpoint else None,
                          delete_local_checkpoint_after_upload=checkpoint is not None)
 
 
@@ -55,4 +73,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if threads > 0:
         torch.set_num_threads(threads)
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
+    if loop_config.get("max_memory_bytes"):
+        limit_memory(int(loop_config["max_memory_bytes"]))
     run_trial(TrialConfig.from_dict(loop_config["trial"]), RayTrainHooks(verbose=loop_config.get("verbose", True)))
