@@ -5,9 +5,12 @@ concurrent trials never contend for the SQLite database.
 """
 from __future__ import annotations
 
+import base64
 import os
+import re
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any, Iterable
@@ -46,15 +49,32 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
 def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
     """Fails fast, naming the URI, when a tracking server cannot be reached or a DB not created."""
     if uri.startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(uri)
+        netloc = parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname else parts.netloc
+        request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=netloc)).rstrip("/") + "/health")
+        if parts.username:  # credentials in the URI: send them as MLflow's client would, never print them
+            token = base64.b64encode(f"{parts.username}:{parts.password or ''}".encode()).decode()
+            request.add_header("Authorization", f"Basic {token}")
         try:
-            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 response.read()
         except (urllib.error.URLError, OSError) as error:
-            raise ConnectionError(f"MLflow tracking server {uri!r} is unreachable: {error}") from None
+            raise ConnectionError(f"MLflow tracking server {redact(uri)!r} is unreachable: {error}") from None
     elif uri.startswith("sqlite:///"):
         directory = Path(uri[len("sqlite:///"):]).parent
         if not directory.is_dir() or not os.access(directory, os.W_OK):
             raise ValueError(f"tracking URI {uri!r}: directory {directory} does not exist or is not writable")
+
+
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@/\s]+@")
+_SECRET_FLAG = re.compile(r"(?P<flag>--?[\w-]*(?:token|password|passwd|secret|api[-_]?key)[\w-]*(?:=|\s+))\S+",
+                          re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """Hides passwords in URLs (``http://user:***@host``) and values of token/password/secret flags:
+    command lines are recorded as tags, and an MLflow server's users can read every tag."""
+    return _SECRET_FLAG.sub(r"\g<flag>***", _URL_PASSWORD.sub(r"\g<head>:***@", text))
 
 
 def experiment_name(dataset: str) -> str:
@@ -87,6 +107,15 @@ class Tracker:
                 self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
         else:
             self.experiment_id = existing.experiment_id
+
+    @classmethod
+    def existing(cls, tracking_uri: str, experiment: str) -> "Tracker | None":
+        """The experiment's Tracker if it exists; never creates anything (for checks before a run)."""
+        if tracking_uri.startswith("sqlite:///") and not Path(tracking_uri[len("sqlite:///"):]).exists():
+            return None
+        if MlflowClient(tracking_uri).get_experiment_by_name(experiment) is None:
+            return None
+        return cls(tracking_uri, experiment)
 
     def find_run(self, tags: dict[str, str]) -> str | None:
         """The newest run whose tags match all of ``tags`` (how a resumed study finds its runs)."""

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
+import signal
+import sqlite3
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,18 +18,62 @@ from conftest import ROOT, run_script
 SWEEP, BEST = str(ROOT / "studies" / "sweep.py"), str(ROOT / "studies" / "best.py")
 
 
+def _runs_state(db: Path) -> list[tuple[str, str, int]]:
+    """(trial id, status, last validated epoch) of every child run, read straight from SQLite."""
+    query = ("select t.value, r.status, coalesce(max(m.step), 0) from runs r "
+             "join tags t on t.run_uuid = r.run_uuid and t.key = 'apao.trial_id' "
+             "left join metrics m on m.run_uuid = r.run_uuid and m.key = 'val/ndcg_at_10' group by r.run_uuid")
+    try:
+        with sqlite3.connect(db, timeout=10) as connection:
+            return connection.execute(query).fetchall()
+    except sqlite3.Error:  # not created yet, or mid-migration
+        return []
+
+
+def _launch_until(command: list[str], cwd: Path, ready, timeout: float = 400) -> tuple[subprocess.Popen, list]:
+    """Starts the sweep in its own process group and waits until ``ready(state)`` holds."""
+    process = subprocess.Popen(command, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + timeout
+    while True:
+        state = _runs_state(cwd / "mlflow.db")
+        if ready(state):
+            return process, state
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            raise AssertionError(f"state {state} never became ready: {process.communicate()[1][-3000:]}")
+        time.sleep(0.3)
+
+
+def _mid_trial(state) -> bool:
+    return any(status == "RUNNING" and epoch >= 1 for _, status, epoch in state)
+
+
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
-    """One --smoke study: tiger x {ce, apao_pointwise}, 4 trials, 2 at a time, 2 epochs each."""
+    """One --smoke study (tiger x {ce, apao_pointwise}, 4 trials, 2 at a time, 3 epochs each), interrupted
+    twice the way it happens in practice: Ctrl-C mid-trial, resumed with --resume; then SIGKILL of the
+    whole process group once a trial has finished and another is mid-way, resumed by re-running the
+    same command. Every test of this module checks the resumed study."""
     workdir = tmp_path_factory.mktemp("study")
     uri = f"sqlite:///{workdir}/mlflow.db"
-    result = run_script([SWEEP, "--smoke", "--output-dir", str(workdir / "runs"), "--tracking-uri", uri,
-                         "--lr", "2e-3"], cwd=workdir)
+    command = [sys.executable, SWEEP, "--smoke", "--epochs", "3", "--output-dir", str(workdir / "runs"),
+               "--tracking-uri", uri, "--lr", "2e-3"]
+    process, at_sigint = _launch_until(command, workdir, _mid_trial)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr_interrupted = process.communicate(timeout=180)
+    sigint = {"returncode": process.returncode, "stderr": stderr_interrupted, "before": at_sigint,
+              "after": _runs_state(workdir / "mlflow.db")}
+    process, at_sigkill = _launch_until([*command, "--resume"], workdir, lambda state: _mid_trial(state) and any(
+        status == "FINISHED" for _, status, _ in state))
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate(timeout=60)
+    result = run_script(command[1:], cwd=workdir)
     assert result.returncode == 0, result.stderr[-4000:]
     from apao_ray.tracking import Tracker
 
     return {"dir": workdir, "uri": uri, "stdout": result.stdout, "stderr": result.stderr,
-            "tracker": Tracker(uri, "apao-synthetic")}
+            "tracker": Tracker(uri, "apao-synthetic"), "sigint": sigint, "at_sigkill": at_sigkill}
 
 
 def _children(study):
@@ -50,15 +97,39 @@ def test_parent_and_one_child_per_trial(study):
     assert "tiger/ce" in names and any(n.startswith("tiger/apao_pointwise b=") and "eta=" in n for n in names)
 
 
+def test_interrupted_study_resumed_without_rerun_duplicate_or_orphan(study):
+    sigint = study["sigint"]
+    assert sigint["returncode"] == 130 and "re-run the same command (or add --resume)" in sigint["stderr"]
+    assert sigint["after"] and all(status in ("KILLED", "FINISHED") for _, status, _ in sigint["after"])  # none RUNNING
+    tracker = study["tracker"]
+    children = {c.data.tags["apao.trial_id"]: c for c in _children(study)}
+    assert len(children) == 4 and all(c.info.status == "FINISHED" for c in children.values())
+    # Tune's state and the Optuna searcher were restored: the same trials, not new ones
+    assert {trial for trial, _, _ in study["at_sigkill"]} <= set(children)
+    assert {trial for trial, _, _ in sigint["before"]} <= set(children)
+    params = [(c.data.params["beta"], c.data.params["eta"]) for c in children.values() if "beta" in c.data.params]
+    assert len(params) == 3 and len(set(params)) == 3, params  # a restarted searcher would repeat its first point
+    for trial_id, run in children.items():  # every epoch logged exactly once: nothing re-trained
+        steps = [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")]
+        assert steps == [1, 2, 3], (trial_id, steps)
+    # the trials cut with epochs left to train continued from a checkpoint at or after the cut
+    for trial_id, status, epoch in study["sigint"]["before"] + study["at_sigkill"]:
+        if status == "RUNNING" and 1 <= epoch < 3:
+            resumed = tracker.metric_history(children[trial_id].info.run_id, "train/resumed_after_epoch")
+            assert any(step > epoch and value >= epoch for step, value in resumed), (trial_id, epoch, resumed)
+    parent = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")[0]
+    assert parent.data.tags["apao.outcome"] == "finished"
+
+
 def test_per_epoch_and_per_prefix_metrics_are_logged_without_loss(study):
     tracker = study["tracker"]
     finished = [c for c in _children(study) if c.info.status == "FINISHED"]
     assert len(finished) >= 2  # the CE baseline is never stopped early
     for run in finished:
         history = tracker.metric_history(run.info.run_id, "val/ndcg_at_10")
-        assert sorted(step for step, _ in history) == [1, 2], history  # every epoch, exactly once
+        assert sorted(step for step, _ in history) == [1, 2, 3], history  # every epoch, exactly once
         for m in range(1, 5):
-            assert len(tracker.metric_history(run.info.run_id, f"val/prefix_recall_at_20_m{m}")) == 2
+            assert len(tracker.metric_history(run.info.run_id, f"val/prefix_recall_at_20_m{m}")) == 3
         metrics = run.data.metrics
         for key in ("test/recall_at_10", "test/ndcg_at_10", "test/prefix_recall_at_20_m4", "val/beam_retention_at_20",
                     "perf/samples_per_second", "train/loss"):
@@ -129,35 +200,6 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
         recommender.recommend([["no-such-item"]])
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_sweep_joins_an_existing_ray_cluster(tmp_path):
-    ray = str(Path(__import__("sys").executable).with_name("ray"))
-    port = _free_port()
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    started = subprocess.run([ray, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-                              "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}", "--disable-usage-stats"],
-                             capture_output=True, text=True, env=env, timeout=120)
-    assert started.returncode == 0, started.stderr[-3000:]
-    try:
-        uri = f"sqlite:///{tmp_path}/mlflow.db"
-        result = run_script([SWEEP, "--smoke", "--num-samples", "1", "--address", f"127.0.0.1:{port}",
-                             "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri], cwd=tmp_path)
-        assert result.returncode == 0, result.stderr[-4000:]
-        assert "Started a local Ray instance" not in result.stderr  # it joined the running cluster
-        assert "Connected to Ray cluster" in result.stderr or "Connecting to existing Ray cluster" in result.stderr
-        from apao_ray.tracking import Tracker
-
-        children = Tracker(uri, "apao-synthetic").child_runs()
-        assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
-    finally:
-        subprocess.run([ray, "stop", "--force"], capture_output=True, env=env, timeout=120)
-
-
 @pytest.mark.parametrize("flags, problem", [
     (["--losses", "ce,nope"], "unknown loss(es) ['nope']"),
     (["--backbones", "gpt"], "unknown backbone(s) ['gpt']"),
@@ -169,13 +211,20 @@ def test_sweep_joins_an_existing_ray_cluster(tmp_path):
     (["--tracking-uri", "http://127.0.0.1:9"], "MLflow tracking server 'http://127.0.0.1:9' is unreachable"),
     (["--tracking-uri", "file:./mlruns"], "is not supported"),
     (["--study-name", "../escape"], "study name '../escape' must be a plain name"),
+    (["--dataset", "../synthetic"], "dataset name '../synthetic' must be a plain name"),
+    (["--address", "127.0.0.1:9"], "Ray address '127.0.0.1:9' is unreachable"),
+    (["--address", "headnode"], "Ray address 'headnode' must be HOST:PORT"),
+    (["--resume"], "--resume: no study 'synthetic-study' to resume"),
+    (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+    (["--memory-per-trial", "0"], "'0' must be a number > 0"),
+    (["--cpus-per-trial", "-1"], "'-1' must be a number > 0"),
 ])
 def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, capsys, flags, problem):
     from apao_ray.study.cli_sweep import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        main(["--dataset", "synthetic", "--output-dir", str(tmp_path / "runs"), *flags])
+        main(["--dataset", "synthetic", "--output-dir", str(tmp_path / "runs"), *flags])  # a later --dataset wins
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and problem in stderr, stderr[-2000:]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ examples:
   python studies/sweep.py --dataset office --quick
   python studies/sweep.py --dataset beauty --backbones tiger,llama --losses ce,apao_pairwise --num-samples 10
   python studies/sweep.py --dataset office --address auto --gpus-per-trial 0.25 --max-concurrent 8
+  python studies/sweep.py --dataset grocery --resume      # after Ctrl-C or a lost driver: continue the study
 then: python studies/best.py --dataset grocery ;  mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db
 """
 
@@ -65,13 +67,20 @@ def build_parser() -> argparse.ArgumentParser:
                         help="LOW:HIGH negatives for pairwise losses, log scale (default 10:200)")
     parser.add_argument("--pretrain-ce-epochs", type=int, default=None,
                         help="CE epochs before a preference loss (dpo/dmpo/sdpo; default half the epochs)")
-    parser.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: CPUs // cpus-per-trial)")
-    parser.add_argument("--cpus-per-trial", type=int, default=1, help="CPUs per trial (default 1)")
+    parser.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: the cluster's CPUs // cpus-per-trial)")
+    parser.add_argument("--cpus-per-trial", type=positive_float, default=1.0,
+                        help="CPUs per trial (default 1; 0.5 packs two trials per CPU, each on 1 thread)")
     parser.add_argument("--gpus-per-trial", type=float, default=0.0, help="GPUs per trial; fractions share a GPU (0.25)")
     parser.add_argument("--time-budget", type=float, default=None, help="stop starting trials after this many seconds")
     parser.add_argument("--max-failures", type=int, default=1, help="restarts of a failed trial from its checkpoint")
+    parser.add_argument("--memory-per-trial", type=positive_float, metavar="GIB",
+                        help="memory cap per trial in GiB: reserved in Ray and enforced in the worker, so a trial "
+                             "that needs more fails as 'out of memory' instead of taking the node down "
+                             "(a worker with torch loaded already maps ~1.5 GiB)")
     parser.add_argument("--asha-grace-period", type=int, default=5, help="epochs before ASHA may stop a trial")
     parser.add_argument("--study-name", help="default <dataset>-study; re-running the same name resumes it")
+    parser.add_argument("--resume", action="store_true", help="continue an interrupted study (refused when there is "
+                        "none); re-running the same command does the same")
     parser.add_argument("--overwrite", action="store_true", help="start the study again from scratch")
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                         help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db)")
@@ -80,16 +89,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def apply_quick(args: argparse.Namespace) -> None:
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number > 0")
+    return value
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """Destinations of the options written on the command line (``--x v`` or ``--x=v``)."""
+    written = {arg.split("=", 1)[0] for arg in argv if arg.startswith("-")}
+    return {action.dest for action in parser._actions if written & set(action.option_strings)}
+
+
+def apply_quick(args: argparse.Namespace, given: set[str]) -> None:
+    """--quick / --smoke settings, except for the options written explicitly."""
     if args.quick or args.smoke:
-        args.model_size = "tiny"
-        # 2 epochs leave ASHA nothing to compare: grace past the last epoch keeps every trial to its test
-        args.epochs, args.patience, args.asha_grace_period = 2, 2, 3
-        args.max_train_samples = min(args.max_train_samples or 2048, 2048)
-        args.eval_max_users = min(args.eval_max_users or 256, 256)
-        args.batch_size, args.effective_batch_size = 128, 256
-        args.num_samples = min(args.num_samples, 3)
-        args.losses = args.losses if args.losses != ("ce", "apao_pointwise", "apao_pairwise") else ("ce", "apao_pointwise")
+        settings = {"model_size": "tiny", "epochs": 2, "max_train_samples": 2048, "eval_max_users": 256,
+                    "batch_size": 128, "effective_batch_size": 256, "num_samples": min(args.num_samples, 3),
+                    "losses": ("ce", "apao_pointwise")}
+        for name, value in settings.items():
+            if name not in given:
+                setattr(args, name, value)
+        # grace past the last epoch: 2 epochs leave ASHA nothing to compare, every trial reaches its test
+        if "patience" not in given:
+            args.patience = args.epochs
+        if "asha_grace_period" not in given:
+            args.asha_grace_period = args.epochs + 1
         args.default_negatives = (10, 20)
     if args.smoke:
         args.dataset = "synthetic"
@@ -97,14 +126,15 @@ def apply_quick(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    apply_quick(args)
+    apply_quick(args, given_flags(parser, argv))
     try:
         from ..data import load_dataset
         from ..losses import LOSSES
         from ..tracking import check_tracking_uri, resolve_tracking_uri
         from .space import SearchSpec
-        from .sweep import StudyOptions
+        from .sweep import StudyOptions, check_resumable, study_state_exists
 
         unknown = [b for b in args.backbones if b not in BACKBONE_NAMES]
         if unknown:
@@ -119,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                              "add apao_pairwise, dmpo, sdpo or ce_sdpo")
         negatives = args.negatives or getattr(args, "default_negatives", (10, 200))
         spec = SearchSpec(tuple(args.backbones), tuple(args.losses), args.beta, args.eta, negatives, args.num_samples)
+        check_plain_name("dataset", args.dataset)  # before the default study name is made from it
         study_name = check_plain_name("study", args.study_name or f"{args.dataset.lower()}-study")
         dataset = load_dataset(args.dataset, args.data_dir)
         pretrain = args.pretrain_ce_epochs if args.pretrain_ce_epochs is not None else max(1, args.epochs // 2)
@@ -133,25 +164,46 @@ def main(argv: list[str] | None = None) -> int:
             check_against_catalog(base.replace(loss=base.loss.replace(name=name).to_dict()), dataset.catalog)
         tracking_uri = resolve_tracking_uri(args.tracking_uri)
         check_tracking_uri(tracking_uri)
-        from .runner import init_ray
-
-        init_ray(args.address)  # an unreachable cluster is refused here, before any trial
-        cpus = os.cpu_count() or 2
-        max_concurrent = args.max_concurrent or max(1, cpus // max(1, args.cpus_per_trial))
+        if args.cpus_per_trial <= 0.05:
+            raise ValueError(f"--cpus-per-trial {args.cpus_per_trial} leaves the trial's worker nothing; give more than 0.05")
+        if args.resume and args.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other; give one")
+        memory = int(args.memory_per_trial * 2**30) if args.memory_per_trial else None
         options = StudyOptions(base=base, spec=spec, study_name=study_name, output_dir=Path(args.output_dir).resolve(),
-                               tracking_uri=tracking_uri, address=args.address, max_concurrent=max_concurrent,
+                               tracking_uri=tracking_uri, address=args.address, max_concurrent=args.max_concurrent or 1,
                                cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
                                time_budget_s=args.time_budget, max_failures=args.max_failures,
-                               asha_grace_period=args.asha_grace_period, seed=args.seed, overwrite=args.overwrite)
+                               memory_per_trial_bytes=memory, asha_grace_period=args.asha_grace_period,
+                               seed=args.seed, overwrite=args.overwrite)
+        if args.resume and not study_state_exists(options):
+            raise ValueError(f"--resume: no study {study_name!r} to resume under {options.output_dir}; "
+                             "check --study-name and --output-dir, or drop --resume to start it")
+        check_resumable(tracking_uri, options, dataset.checksums)
+        from .runner import cluster_cpus, init_ray
+
+        init_ray(args.address)  # an unreachable cluster is refused here, before any trial
+        if not args.max_concurrent:  # as many as the cluster (or this machine) has CPUs for
+            options = dataclasses.replace(options, max_concurrent=max(1, int(cluster_cpus() // args.cpus_per_trial)))
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))
     from .report import best_rows, format_rows
-    from .sweep import run_study
+    from .sweep import StudyOutcome, run_study
     from ..tracking import Tracker, experiment_name
 
     train_split = dataset.splits["train"]
     example = [dataset.catalog.item_ids[i] for i in train_split.histories[0] if i >= 0]
-    rows = run_study(options, dataset.checksums, example)
+    if study_state_exists(options) and not args.overwrite:
+        print(f"resuming study {study_name} from {options.output_dir / study_name}", file=sys.stderr)
+    try:
+        outcome = run_study(options, dataset.checksums, example)
+    except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
+        outcome = StudyOutcome([], interrupted=True)
+    rows = outcome.rows
+    if outcome.interrupted:
+        done = sum(1 for row in rows if row["metrics"].get("done") or row["error"])
+        print(f"study {study_name} interrupted with {done} of {spec.num_trials} trials ended; its state is saved: "
+              "re-run the same command (or add --resume) to continue", file=sys.stderr)
+        return 130
     failed = sum(1 for row in rows if row["error"])
     print(f"study {study_name}: {len(rows)} trials ({failed} failed); best per (backbone, loss) by validation:",
           file=sys.stderr)

@@ -11,11 +11,26 @@ from typing import Any
 from ray import tune
 
 from ..tracking import Tracker
+from ..training.loop import RESUMED_HISTORY_KEY
+from ..training.worker import WORKER_NODE_KEY
 from . import plots
 from .space import trial_choices
 
 TRIAL_TAG = "apao.trial_id"
 STUDY_TAG = "apao.study"
+OUTCOME_TAG = "apao.outcome"
+NODE_TAG = "apao.node_id"
+INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
+TERMINAL = ("TERMINATED", "ERROR")
+
+
+def failure_outcome(reason: str) -> str:
+    """What the MLflow outcome tag says of a failed trial, from its error text."""
+    if "OutOfMemoryError" in reason or "out of memory" in reason.lower():
+        return "out of memory"
+    if "NonFiniteLossError" in reason:
+        return "non-finite loss"
+    return "failed"
 
 
 def describe(choices: dict[str, Any]) -> str:
@@ -46,6 +61,8 @@ class MlflowStudyCallback(tune.Callback):
         self.example_history = example_history
         self.run_ids: dict[str, str] = {}
         self.logged_metrics = 0
+        self.interrupted: list[str] = []  # trial ids left unfinished when the experiment ended
+        self._nodes_tagged: set[str] = set()
         self._tracker: Tracker | None = None
 
     def __getstate__(self) -> dict[str, Any]:  # pickled into Tune's experiment state
@@ -77,19 +94,34 @@ class MlflowStudyCallback(tune.Callback):
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._run_for(trial)
 
+    def _backfill(self, run_id: str, history: list[dict[str, Any]]) -> None:
+        """Logs the epochs a resumed trial trained before a driver was killed but whose results never
+        reached MLflow (the worker sends its history with the first report after a resume)."""
+        present = {step for step, _ in self.tracker.metric_history(run_id, "train/loss")}
+        for entry in history:
+            if int(entry.get("epoch", 0)) not in present:
+                self.logged_metrics += self.tracker.log_metrics(
+                    run_id, {k: v for k, v in entry.items() if "/" in k}, int(entry["epoch"]))
+
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        if result.get(RESUMED_HISTORY_KEY):
+            self._backfill(self._run_for(trial), result[RESUMED_HISTORY_KEY])
         metrics = {k: v for k, v in result.items() if "/" in k and not k.startswith("config/")}
         if result.get("done"):  # the final report repeats the last epoch's values: log only what is new
             metrics = {k: v for k, v in metrics.items() if k.startswith("test/") or k == "perf/total_seconds"}
         step = int(result.get("epoch", result.get("training_iteration", 0)))
-        self.logged_metrics += self.tracker.log_metrics(self._run_for(trial), metrics, step)
+        run_id = self._run_for(trial)
+        self.logged_metrics += self.tracker.log_metrics(run_id, metrics, step)
+        if result.get(WORKER_NODE_KEY) and trial.trial_id not in self._nodes_tagged:
+            self.tracker.set_tags(run_id, {NODE_TAG: result[WORKER_NODE_KEY], "apao.node_ip": result.get("node_ip", "")})
+            self._nodes_tagged.add(trial.trial_id)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         run_id = self._run_for(trial)
         last = trial.last_result or {}
         checkpoint = final_checkpoint_dir(self.train_root, trial.trial_id)
         if checkpoint is None or not last.get("done"):
-            self.tracker.set_tags(run_id, {"apao.outcome": "stopped early by the scheduler (ASHA)"})
+            self.tracker.set_tags(run_id, {OUTCOME_TAG: "stopped early by the scheduler (ASHA)"})
             self.tracker.end_run(run_id, "KILLED")
             return
         self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
@@ -101,7 +133,7 @@ class MlflowStudyCallback(tune.Callback):
             figure = plots.adaptive_weights_figure({k: v for k, v in weights.items() if v})
             self.tracker.log_figure(run_id, figure, "adaptive_weights.png")
             plots.close(figure)
-        self.tracker.set_tags(run_id, {"apao.outcome": "finished", "apao.checkpoint": str(checkpoint),
+        self.tracker.set_tags(run_id, {OUTCOME_TAG: "finished", "apao.checkpoint": str(checkpoint),
                                        "apao.model_uri": model_uri})
         self.tracker.end_run(run_id, "FINISHED")
 
@@ -112,5 +144,31 @@ class MlflowStudyCallback(tune.Callback):
         if error_file and Path(error_file).exists():
             lines = [line for line in Path(error_file).read_text().splitlines() if line.strip()]
             reason = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else reason)
-        self.tracker.set_tags(run_id, {"apao.outcome": "failed", "apao.error": reason[-4000:]})
+        self.tracker.set_tags(run_id, {OUTCOME_TAG: failure_outcome(reason), "apao.error": reason[-4000:]})
         self.tracker.end_run(run_id, "FAILED")
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        """Leaves MLflow agreeing with Tune however the experiment ended (finished, Ctrl-C, or a
+        resume after the driver was killed between a trial's end and its MLflow record)."""
+        self.interrupted = []
+        known = set()
+        for trial in trials:
+            known.add(trial.trial_id)
+            run_id = self.run_ids.get(trial.trial_id) or self.tracker.find_run(
+                {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name})
+            if trial.status not in TERMINAL:
+                self.interrupted.append(trial.trial_id)
+            if run_id is None or self.tracker.client.get_run(run_id).info.status != "RUNNING":
+                continue
+            if trial.status == "TERMINATED":
+                self.on_trial_complete(0, trials, trial)
+            elif trial.status == "ERROR":
+                self.on_trial_error(0, trials, trial)
+            else:
+                self.tracker.set_tags(run_id, {OUTCOME_TAG: INTERRUPTED})
+                self.tracker.end_run(run_id, "KILLED")
+        for run in self.tracker.child_runs(self.parent_run_id, "attributes.status = 'RUNNING'"):
+            if run.data.tags.get(TRIAL_TAG) not in known:  # created just before a kill, never saved by Tune
+                self.tracker.set_tags(run.info.run_id, {OUTCOME_TAG: "lost: the driver was killed before Tune "
+                                                        "recorded this trial; a new trial replaced it"})
+                self.tracker.end_run(run.info.run_id, "KILLED")

@@ -7,35 +7,37 @@ from typing import Any
 
 from ray import tune
 
-from .mlflow_callback import describe
+from .mlflow_callback import TERMINAL, describe
 from .space import trial_choices
 
 
 class ProgressCallback(tune.Callback):
     def __init__(self, metric: str, num_trials: int) -> None:
         self.metric, self.num_trials = metric, num_trials
-        self.finished = 0
+        self.done: set[str] = set()
         self.started = time.time()
 
-    def _line(self, text: str) -> None:
+    def _line(self, text: str, trials: list) -> None:
+        # a resumed study counts the trials it restored as finished
+        self.done.update(t.trial_id for t in trials if t.status in TERMINAL)
         elapsed = (time.time() - self.started) / 60
-        print(f"[{elapsed:6.1f} min | {self.finished}/{self.num_trials} trials done] {text}", file=sys.stderr, flush=True)
+        print(f"[{elapsed:6.1f} min | {len(self.done)}/{self.num_trials} trials done] {text}", file=sys.stderr, flush=True)
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
         if result.get("done"):
             return
         self._line(f"{describe(trial_choices(trial.config))} epoch {result.get('epoch')}: "
                    f"{self.metric} {result.get(self.metric, float('nan')):.4f}, "
-                   f"{result.get('perf/samples_per_second', 0):.0f} samples/s")
+                   f"{result.get('perf/samples_per_second', 0):.0f} samples/s", trials)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.finished += 1
+        self.done.add(trial.trial_id)
         last = trial.last_result or {}
         test = last.get("test/ndcg_at_10")
         self._line(f"finished {describe(trial_choices(trial.config))}: {self.metric} "
                    f"{last.get(self.metric, float('nan')):.4f}" + (f", test ndcg_at_10 {test:.4f}" if test is not None else
-                                                                   " (stopped early)"))
+                                                                   " (stopped early)"), trials)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
-        self.finished += 1
-        self._line(f"FAILED {describe(trial_choices(trial.config))} (see MLflow tag apao.error)")
+        self.done.add(trial.trial_id)
+        self._line(f"FAILED {describe(trial_choices(trial.config))} (see MLflow tag apao.error)", trials)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,22 @@ QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
                  "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}  # else every worker line is printed twice
 
 
+def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
+    """Fails in seconds, naming the address, when a ``host:port`` Ray head does not answer
+    (``ray.init`` itself retries for a minute). ``auto``, ``local`` and ``ray://`` pass through."""
+    if not address or address in ("auto", "local") or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"Ray address {address!r} must be HOST:PORT (the head's GCS port, 6379 by default), "
+                         "'auto' or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except OSError as error:
+        raise ConnectionError(f"Ray address {address!r} is unreachable ({error}); start the head with "
+                              f"`ray start --head --port {port}` or fix --address / $RAY_ADDRESS") from None
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Joins ``address`` (a running cluster) or starts a local Ray, once per process."""
     for key, value in QUIET_RAY_ENV.items():
@@ -20,6 +37,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
 
     if ray.is_initialized():
         return
+    check_ray_address(address)
     project_root = str(Path(__file__).resolve().parents[2])
     # workers import apao_ray from this checkout even when it is not installed on the cluster
     runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -34,6 +52,13 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
                      runtime_env=runtime_env, log_to_driver=True)
     except ConnectionError as error:
         raise ConnectionError(f"cannot reach the Ray cluster at address {address!r}: {error}") from None
+
+
+def cluster_cpus() -> float:
+    """CPUs of the whole Ray cluster joined (the local machine's when Ray runs locally)."""
+    import ray
+
+    return float(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
 
 
 def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path, address: str | None = None,

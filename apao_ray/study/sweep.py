@@ -13,9 +13,13 @@ from typing import Any
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
 from ..config import TrialConfig
+from ..tracking import redact
 from .space import SearchSpec, is_baseline, trial_choices
+from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
+METRICS_LOGGED_TAG = "apao.metric_values_logged"
+TRIAL_DRIVER_CPUS = 0.01
 
 
 @dataclass(frozen=True)
@@ -33,21 +37,21 @@ class StudyOptions:
     gpus_per_trial: float = 0.0
     time_budget_s: float | None = None
     max_failures: int = 1
+    memory_per_trial_bytes: int | None = None
     asha_grace_period: int = 5
     seed: int = 0
     overwrite: bool = False
     command_line: list[str] = field(default_factory=lambda: list(sys.argv))
 
 
-def make_trial_function(base: TrialConfig, train_root: str, cpus_per_trial: float, gpus_per_trial: float,
-                        max_failures: int) -> Any:
+def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_failures: int) -> Any:
     """The Tune trainable: turns a sampled config into a TrialConfig and runs its TorchTrainer."""
 
     def apao_trial(config: dict[str, Any]) -> None:
         from ray import tune
         from ray.tune.integration.ray_train import TuneReportCallback
 
-        from .trial import Resources, make_trainer
+        from .trial import make_trainer
 
         choices = trial_choices(config)
         loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items()
@@ -55,7 +59,6 @@ def make_trial_function(base: TrialConfig, train_root: str, cpus_per_trial: floa
         trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, base.train)
         # stable name from the trial id: a restored trial finds its checkpoints
         name = f"train-trial_id={tune.get_context().get_trial_id()}"
-        resources = Resources(1, max(1.0, cpus_per_trial), gpus_per_trial)
         trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,
                                max_failures=max_failures, callbacks=[TuneReportCallback()], verbose=False)
         trainer.fit()
@@ -74,14 +77,88 @@ def code_version() -> str:
         return __version__
 
 
-def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_history: list[str]) -> list[dict[str, Any]]:
-    """Runs (or resumes) the study and returns one summary row per trial."""
+def study_state_exists(options: StudyOptions) -> bool:
+    """Whether Tune saved this study's state under the output directory (it can be resumed)."""
+    from ray import tune
+
+    return tune.Tuner.can_restore(str(options.output_dir / options.study_name))
+
+
+def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums: dict[str, str]) -> str | None:
+    """Refuses to resume a study whose dataset files or search space changed; returns the parent run id.
+
+    Tune restores the search space and trial count from its own state, so a changed space would be
+    silently ignored, and a changed dataset would mix two datasets in one comparison.
+    """
+    from ..tracking import Tracker, experiment_name
+    from .mlflow_callback import STUDY_TAG
+
+    if options.overwrite:
+        return None
+    tracker = Tracker.existing(tracking_uri, experiment_name(options.base.data.dataset))
+    parent_id = tracker.find_run({STUDY_TAG: options.study_name, PARENT_ROLE_TAG: "study"}) if tracker else None
+    if parent_id is None:
+        return None
+    run = tracker.client.get_run(parent_id)
+    recorded = json.loads(run.data.tags.get("dataset_checksums", "{}"))
+    changed = sorted(name for name in set(recorded) | set(dataset_checksums)
+                     if recorded.get(name) != dataset_checksums.get(name))
+    if changed:
+        details = "; ".join(f"{name}: recorded {str(recorded.get(name))[:12]}, now {str(dataset_checksums.get(name))[:12]}"
+                            for name in changed)
+        raise ValueError(f"dataset files changed since study {options.study_name!r} started ({details}); restore "
+                         "the original files, or start a new study with --study-name NAME or --overwrite")
+    before = {"space": run.data.params.get("space"), "num_trials": run.data.params.get("num_trials")}
+    now = {"space": space_param(options.spec), "num_trials": str(options.spec.num_trials)}
+    if study_state_exists(options) and before != now:
+        raise ValueError(f"study {options.study_name!r} was started with search space {before['space']} and "
+                         f"{before['num_trials']} trials; now {now['space']} and {now['num_trials']}: a resumed study "
+                         "keeps its space, so use a new --study-name or --overwrite")
+    return parent_id
+
+
+def space_param(spec: SearchSpec) -> str:
+    return json.dumps(spec.__dict__, default=list)
+
+
+def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict[str, str]) -> str:
+    """The study's MLflow parent run: reopened when the study resumes, else created with its space."""
+    from .mlflow_callback import STUDY_TAG
+
+    parent_tags = {STUDY_TAG: options.study_name, PARENT_ROLE_TAG: "study"}
+    parent_id = tracker.find_run(parent_tags)
+    if parent_id is not None and options.overwrite:  # the old runs stay in MLflow under a name of their own
+        retired = f"{options.study_name}.overwritten-{parent_id[:8]}"
+        for run_id in [parent_id, *(run.info.run_id for run in tracker.child_runs(parent_id))]:
+            tracker.set_tags(run_id, {STUDY_TAG: retired})
+        parent_id = None
+    if parent_id is None:
+        parent_id = tracker.start_run(f"study {options.study_name}", {**parent_tags, "dataset": options.base.data.dataset})
+        tracker.log_params(parent_id, {"space": space_param(options.spec),
+                                       "dataset": options.base.data.dataset, "num_trials": options.spec.num_trials,
+                                       "base": options.base.to_dict(), "max_concurrent": options.max_concurrent})
+    else:
+        tracker.reopen(parent_id)
+    tracker.set_tags(parent_id, {"command_line": redact(" ".join(options.command_line)), "code_version": code_version(),
+                                 "dataset_checksums": json.dumps(dataset_checksums, sort_keys=True),
+                                 "study_dir": str(options.output_dir / options.study_name)})
+    return parent_id
+
+
+@dataclass
+class StudyOutcome:
+    rows: list[dict[str, Any]]    # one summary per trial
+    interrupted: bool = False     # stopped (Ctrl-C) before every trial ended: resumable
+
+
+def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_history: list[str]) -> StudyOutcome:
+    """Runs (or resumes) the study; on Ctrl-C saves its state and returns ``interrupted=True``."""
     import optuna
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
     from ..tracking import Tracker, experiment_name
-    from .mlflow_callback import STUDY_TAG, MlflowStudyCallback
+    from .mlflow_callback import INTERRUPTED, OUTCOME_TAG, MlflowStudyCallback
     from .progress import ProgressCallback
     from .runner import init_ray
 
@@ -90,28 +167,24 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
         shutil.rmtree(study_dir)
     init_ray(options.address)
     tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
-    parent_tags = {STUDY_TAG: options.study_name, PARENT_ROLE_TAG: "study"}
-    parent_id = None if options.overwrite else tracker.find_run(parent_tags)
-    if parent_id is None:
-        parent_id = tracker.start_run(f"study {options.study_name}", {**parent_tags, "dataset": options.base.data.dataset})
-        tracker.log_params(parent_id, {"space": json.dumps(options.spec.__dict__, default=list),
-                                       "dataset": options.base.data.dataset, "num_trials": options.spec.num_trials,
-                                       "base": options.base.to_dict(), "max_concurrent": options.max_concurrent})
-    else:
-        tracker.reopen(parent_id)
-    tracker.set_tags(parent_id, {"command_line": " ".join(options.command_line), "code_version": code_version(),
-                                 "dataset_checksums": json.dumps(dataset_checksums, sort_keys=True),
-                                 "study_dir": str(study_dir)})
+    parent_id = open_parent_run(tracker, options, dataset_checksums)
+    logged_before = int(tracker.client.get_run(parent_id).data.tags.get(METRICS_LOGGED_TAG, 0))
     metric = f"best/val/{options.base.train.metric}"
     train_root = str(study_dir / "train_runs")
-    callbacks = [MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
-                                     options.study_name, train_root, {"base": options.base.to_dict()}, example_history),
-                 ProgressCallback(metric, options.spec.num_trials)]
-    trainable = tune.with_resources(  # the trial's own driver needs almost nothing; workers hold the CPUs
-        make_trial_function(options.base, train_root, options.cpus_per_trial, options.gpus_per_trial,
-                            options.max_failures), {"cpu": 0.01})
-    if tune.Tuner.can_restore(str(study_dir)):
+    recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
+                                   options.study_name, train_root, {"base": options.base.to_dict()}, example_history)
+    callbacks = [recorder, ProgressCallback(metric, options.spec.num_trials)]
+    # a trial holds exactly --cpus-per-trial: a sliver for its Tune driver, the rest for its Train worker
+    # (a driver taking 0.01 on top would leave a 1-CPU node 0.99 CPU, too little for a 1-CPU worker)
+    resources = Resources(1, options.cpus_per_trial - TRIAL_DRIVER_CPUS, options.gpus_per_trial,
+                          options.memory_per_trial_bytes)
+    trainable = tune.with_resources(make_trial_function(options.base, train_root, resources, options.max_failures),
+                                    {"cpu": TRIAL_DRIVER_CPUS})
+    if study_state_exists(options):
         tuner = tune.Tuner.restore(str(study_dir), trainable, resume_unfinished=True, resume_errored=False)
+        # the restored run config carries the callbacks pickled at the first start; use this run's
+        # (current tracking URI and parent run, a fresh progress clock)
+        tuner._local_tuner.get_run_config().callbacks = callbacks
     else:
         searcher = OptunaSearch(
             options.spec.define_by_run(), metric=metric, mode="max",
@@ -128,11 +201,19 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
                                       failure_config=tune.FailureConfig(max_failures=0)))
     results = tuner.fit()
     rows = summarize(results)
+    interrupted = bool(recorder.interrupted) or (options.time_budget_s is None and len(rows) < options.spec.num_trials)
+    # how many metric values the driver sent to MLflow (exact unless a session was SIGKILLed)
+    tracker.set_tags(parent_id, {METRICS_LOGGED_TAG: logged_before + recorder.logged_metrics})
+    if interrupted:
+        tracker.set_tags(parent_id, {OUTCOME_TAG: INTERRUPTED})
+        tracker.end_run(parent_id, "KILLED")
+        return StudyOutcome(rows, interrupted=True)
     from .report import log_study_figures
 
     log_study_figures(tracker, parent_id, rows, options.base.train.beam_size)
+    tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})
     tracker.end_run(parent_id, "FINISHED")
-    return rows
+    return StudyOutcome(rows)
 
 
 def summarize(results: Any) -> list[dict[str, Any]]:

@@ -1,0 +1,237 @@
+"""Studies under stress: 4 concurrent trials on SQLite, failing trials, two Ray nodes with an MLflow
+server, and resumes that must be refused. Real Ray, real MLflow stores, the --smoke configuration."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, run_script
+
+SWEEP = str(ROOT / "studies" / "sweep.py")
+RAY = str(Path(sys.executable).with_name("ray"))
+MLFLOW = str(Path(sys.executable).with_name("mlflow"))
+
+
+def _children(tracker):
+    return {c.data.tags["apao.trial_id"]: c for c in tracker.child_runs()}
+
+
+def _parent(tracker):
+    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    return parent
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_http(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert time.time() < deadline, f"{url} did not answer in {timeout} s"
+            time.sleep(0.5)
+
+
+@pytest.fixture
+def two_node_cluster():
+    """A head node and a worker node on this machine (2 logical CPUs each), torn down afterwards."""
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    port = _free_port()
+    try:
+        head = subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
+                               "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}", "--disable-usage-stats"],
+                              capture_output=True, text=True, env=env, timeout=120)
+        assert head.returncode == 0, head.stderr[-3000:]
+        worker = subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", "--num-cpus=2", "--disable-usage-stats"],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert worker.returncode == 0, worker.stderr[-3000:]
+        listing = subprocess.run([sys.executable, "-c", "import json, ray; ray.init(address='auto', logging_level='ERROR');"
+                                  "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"],
+                                 capture_output=True, text=True, env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
+                                 timeout=120)
+        nodes = json.loads(listing.stdout.strip().splitlines()[-1])
+        assert len(nodes) == 2, listing.stderr[-2000:]
+        yield f"127.0.0.1:{port}", set(nodes)
+    finally:
+        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+
+
+def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_path, two_node_cluster):
+    """4 trials at once on a head + worker node started with `ray start`, all logging to one SQLite file.
+    0.9 CPU per trial on 2-CPU nodes: a node holds at most two trials, so both nodes must train."""
+    address, node_ids = two_node_cluster
+    db = tmp_path / "mlflow.db"
+    result = run_script([SWEEP, "--smoke", "--num-samples", "3", "--max-concurrent", "4", "--cpus-per-trial", "0.9",
+                         "--address", address, "--output-dir", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{db}"],
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "Started a local Ray instance" not in result.stderr  # it joined the running cluster
+    assert "database is locked" not in result.stderr + result.stdout
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{db}", "apao-synthetic")
+    children = _children(tracker)
+    assert len(children) == 4 and all(c.info.status == "FINISHED" for c in children.values())
+    assert {c.data.tags["apao.node_id"] for c in children.values()} == node_ids  # trained on both nodes
+    # the four trials really trained at once: each finished its first epoch before any finished its test
+    first_epoch = [tracker.client.get_metric_history(c.info.run_id, "val/ndcg_at_10")[0].timestamp for c in children.values()]
+    tested = [tracker.client.get_metric_history(c.info.run_id, "test/ndcg_at_10")[0].timestamp for c in children.values()]
+    assert max(first_epoch) < min(tested), (first_epoch, tested)
+    # counted: what the database holds is what the driver sent, and every epoch is there exactly once
+    run_ids = [c.info.run_id for c in children.values()]
+    with sqlite3.connect(db) as connection:
+        stored = connection.execute(f"select count(*) from metrics where run_uuid in ({','.join('?' * len(run_ids))})",
+                                    run_ids).fetchone()[0]
+    sent = int(_parent(tracker).data.tags["apao.metric_values_logged"])
+    assert stored == sent and sent > 4 * 2 * 30, (stored, sent)  # ~35 values per epoch
+    for run in children.values():
+        assert [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")] == [1, 2]
+        assert len(tracker.metric_history(run.info.run_id, "test/recall_at_10")) == 1
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """`mlflow server` on a loopback port with a SQLite backend and a local artifact root."""
+    port = _free_port()
+    server = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+                               "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
+                               "--port", str(port), "--workers", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health", server)
+        yield port, tmp_path / "artifacts"
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.communicate(timeout=60)
+
+
+def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(tmp_path, mlflow_server):
+    """Against `mlflow server`, three trials at once: CE trains; APAO-pointwise with beta=1e39 overflows
+    its loss to inf; APAO-pairwise with 300 negatives needs more than the 2.5 GiB memory cap."""
+    port, artifacts = mlflow_server
+    # credentials in the URI must reach the server but never MLflow's params or tags
+    uri = f"http://apao:s3cret-token@127.0.0.1:{port}"
+    result = run_script([SWEEP, "--smoke", "--losses", "ce,apao_pointwise,apao_pairwise", "--num-samples", "1",
+                         "--beta", "1e39", "--negatives", "300", "--memory-per-trial", "2.5", "--max-concurrent", "3",
+                         "--cpus-per-trial", "0.5", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
+                        cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "study synthetic-study: 3 trials (2 failed)" in result.stderr
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(f"http://127.0.0.1:{port}", "apao-synthetic")
+    runs = {c.data.tags["loss"]: c for c in _children(tracker).values()}
+    assert runs["ce"].info.status == "FINISHED" and runs["ce"].data.tags["apao.model_uri"]
+    assert len(list(artifacts.rglob("best_model.pt"))) == 1  # the model went through the server to its root
+    pointwise, pairwise = runs["apao_pointwise"], runs["apao_pairwise"]
+    assert pointwise.info.status == "FAILED" and pointwise.data.tags["apao.outcome"] == "non-finite loss"
+    assert "training loss became" in pointwise.data.tags["apao.error"]
+    assert "loss 'apao_pointwise'" in pointwise.data.tags["apao.error"]
+    assert pairwise.info.status == "FAILED" and pairwise.data.tags["apao.outcome"] == "out of memory"
+    assert "batch_size=128, num_negatives=300" in pairwise.data.tags["apao.error"]
+    parent = _parent(tracker)
+    assert "--tracking-uri http://apao:***@127.0.0.1" in parent.data.tags["command_line"]
+    for run in [parent, *runs.values()]:
+        assert "s3cret" not in json.dumps({**run.data.params, **run.data.tags})
+
+
+def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
+                           overwrite: bool = False):
+    """What a first run of the study leaves in MLflow: its parent run with the dataset checksums."""
+    from apao_ray.study.cli_sweep import build_parser
+    from apao_ray.study.space import SearchSpec
+    from apao_ray.study.sweep import StudyOptions, open_parent_run
+    from apao_ray.config import DataConfig, TrialConfig
+    from apao_ray.tracking import Tracker
+
+    build_parser().parse_args(argv)  # the same flags are valid
+    options = StudyOptions(base=TrialConfig(DataConfig(dataset="tiny")), spec=SearchSpec(("tiger",), ("ce",)),
+                           study_name=study, output_dir=output_dir, tracking_uri=tracking_uri, command_line=argv,
+                           overwrite=overwrite)
+    return open_parent_run(Tracker(tracking_uri, "apao-tiny"), options, checksums)
+
+
+def test_resume_refuses_a_dataset_that_changed_since_the_study_started(tmp_path, monkeypatch, capsys):
+    from apao_ray.data import load_dataset
+    from apao_ray.study.cli_sweep import main
+    from test_data_files import GOOD_INTER, write_dataset
+
+    monkeypatch.chdir(tmp_path)
+    write_dataset(tmp_path / "data", "tiny")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    argv = ["--dataset", "tiny", "--data-dir", str(tmp_path / "data"), "--losses", "ce", "--beam-size", "2",
+            "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri, "--study-name", "s"]
+    original = load_dataset("tiny", str(tmp_path / "data"), allow_download=False).checksums
+    _parent_with_checksums(uri, tmp_path / "runs", "s", original, argv)
+    # one more interaction for u1: a different file, still a valid dataset
+    (tmp_path / "data" / "tiny" / "tiny.inter.json").write_text(json.dumps({**GOOD_INTER, "u1": ["i1", "i2", "i3", "i4"]}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2, stderr[-2000:]
+    assert f"dataset files changed since study 's' started (tiny.inter.json: recorded {original['tiny.inter.json'][:12]}" in stderr
+    assert "tiny.index.rq-kmeans.json" not in stderr  # only the changed file is named
+    assert not (tmp_path / "runs").exists()
+
+
+def test_readme_mlflow_server_commands_bind_loopback():
+    """The commands a reader copies must not expose an unauthenticated MLflow server to the network."""
+    text = (ROOT / "README.md").read_text().replace("\\\n", " ")
+    commands = [line for line in text.splitlines() if line.lstrip().startswith("mlflow server")]
+    assert commands, "the README documents no mlflow server command"
+    for command in commands:
+        assert "--host 127.0.0.1" in command, command
+    assert "0.0.0.0" not in text
+
+
+@pytest.mark.parametrize("line, secret", [
+    ("--tracking-uri https://me:p4ss@mlflow.example.org", "p4ss"),
+    ("--tracking-uri postgresql://apao:hunter2@db:5432/mlflow", "hunter2"),
+    ("--api-key=abc123 --lr 2e-3", "abc123"),
+    ("--token t0ken --dataset office", "t0ken"),
+    ("--db-password s3cr3t", "s3cr3t"),
+])
+def test_recorded_command_lines_hide_secrets(line, secret):
+    from apao_ray.tracking import redact
+
+    recorded = redact(f"studies/sweep.py {line}")
+    assert secret not in recorded and "***" in recorded
+    assert recorded.split()[1].split("=")[0] == line.split()[0].split("=")[0]  # the flag stays readable
+
+
+def test_overwrite_retires_the_old_study_runs_under_their_own_name(tmp_path):
+    from apao_ray.study.report import best_rows
+    from apao_ray.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    argv = ["--dataset", "tiny", "--study-name", "s"]
+    old_parent = _parent_with_checksums(uri, tmp_path / "runs", "s", {}, argv)
+    tracker = Tracker(uri, "apao-tiny")
+    child = tracker.start_run("tiger/ce", {"apao.study": "s", "apao.trial_id": "t1", "loss": "ce", "backbone": "tiger"},
+                              parent_run_id=old_parent)
+    tracker.log_metrics(child, {"best/val/ndcg_at_10": 0.5, "test/ndcg_at_10": 0.4}, 1)
+    tracker.end_run(child)
+    assert len(best_rows(tracker, study="s")) == 1
+    new_parent = _parent_with_checksums(uri, tmp_path / "runs", "s", {}, [*argv, "--overwrite"], overwrite=True)
+    assert new_parent != old_parent
+    retired = f"s.overwritten-{old_parent[:8]}"
+    assert {tracker.client.get_run(r).data.tags["apao.study"] for r in (old_parent, child)} == {retired}
+    assert best_rows(tracker, study="s") == []  # the new study does not inherit the old trials
+    assert len(best_rows(tracker, study=retired)) == 1
