@@ -134,3 +134,14 @@ def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
     metrics = _metrics(out)
     assert metrics["epochs_trained"] == 4
     assert "epoch 1/4" not in resumed.stderr  # epoch 1 was not trained again
+
+
+def test_a_non_finite_loss_fails_the_run_once_with_its_reason(tmp_path):
+    """beta=1e39 overflows the APAO loss: the run stops with the reason and exit status 1, and Ray
+    Train does not restart it from the checkpoint (--max-failures 3 would otherwise retry 3 times)."""
+    result = run_script([TRAIN, *COMMON, "--loss", "apao_pointwise", "--beta", "1e39", "--epochs", "2",
+                         "--max-failures", "3", "--output-dir", str(tmp_path / "runs"), "--run-name", "nan"],
+                        cwd=tmp_path, timeout=300, env={"RAY_DEDUP_LOGS": "0"})
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "trial nan failed: NonFiniteLossError: training loss became nan in epoch 1" in result.stderr
+    assert result.stderr.count("Setting up process group") == 1  # one worker group: no restart

@@ -153,9 +153,15 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(run_dir)
     from .runner import run_single_trial
 
-    metrics = run_single_trial(config, name=name, storage_path=output_dir, address=args.address,
-                               cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures,
-                               verbose=not args.quiet)
+    from ..training.worker import TrialFailedError
+
+    try:
+        metrics = run_single_trial(config, name=name, storage_path=output_dir, address=args.address,
+                                   cpus_per_worker=args.cpus_per_worker, max_failures=args.max_failures,
+                                   verbose=not args.quiet)
+    except TrialFailedError as error:
+        print(f"trial {name} failed: {error}", file=sys.stderr)
+        return 1
     text = json.dumps(metrics, indent=2, sort_keys=True)
     print(text)
     if args.json_out:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from typing import Any
 
 from ..tracking import Tracker
@@ -87,7 +88,8 @@ def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str,
         tracker.log_figure(parent_run_id, figure, "prefix_recall_per_method.png")
         plots.close(figure)
     points = [(r["choices"], r["metrics"].get("best/val/ndcg_at_10")) for r in rows]
-    points = [(c, v) for c, v in points if v is not None and any(k in c for k in KNOBS)]
+    # failed trials end with a NaN metric: they have no point to plot
+    points = [(c, v) for c, v in points if v is not None and math.isfinite(v) and any(k in c for k in KNOBS)]
     if points:
         figure = plots.slice_figure(points, KNOBS)
         tracker.log_figure(parent_run_id, figure, "optuna_slice.png")

@@ -64,12 +64,11 @@ def cluster_cpus() -> float:
 def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path, address: str | None = None,
                      cpus_per_worker: int = 1, max_failures: int = 0, verbose: bool = True) -> dict[str, Any]:
     """Runs one trial as a TorchTrainer job and returns its final metrics."""
-    from .trial import Resources, make_trainer, read_final_metrics
+    from .trial import Resources, fit, make_trainer, read_final_metrics
 
     init_ray(address)
     resources = Resources(num_workers=config.train.num_workers, cpus_per_worker=cpus_per_worker,
                           gpus_per_worker=1.0 if config.train.use_gpu else 0.0)
     trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources,
                            max_failures=max_failures, verbose=verbose)
-    result = trainer.fit()
-    return read_final_metrics(result)
+    return read_final_metrics(fit(trainer, storage_path, name))

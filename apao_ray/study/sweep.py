@@ -51,7 +51,7 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         from ray import tune
         from ray.tune.integration.ray_train import TuneReportCallback
 
-        from .trial import make_trainer
+        from .trial import fit, make_trainer
 
         choices = trial_choices(config)
         loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items()
@@ -61,7 +61,7 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         name = f"train-trial_id={tune.get_context().get_trial_id()}"
         trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,
                                max_failures=max_failures, callbacks=[TuneReportCallback()], verbose=False)
-        trainer.fit()
+        fit(trainer, train_root, name)  # raises once, with the worker's reason, if it gave up
 
     return apao_trial
 

@@ -11,7 +11,9 @@ from ray.train.torch import TorchTrainer
 
 from ..config import TrialConfig
 from ..training.checkpoint import FINAL_METRICS_FILE
-from ..training.worker import train_loop_per_worker
+from ..training.worker import TrialFailedError, train_loop_per_worker
+
+FAILURE_FILE = "trial_failure.txt"
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     timestamp): Ray finds the run's checkpoints to resume from by (storage_path, name).
     """
     loop_config = {"trial": config.to_dict(), "verbose": verbose, "max_memory_bytes": resources.memory_bytes,
+                   "failure_file": str(failure_path(storage_path, name)),
                    "cpus_per_worker": max(1, round(resources.cpus_per_worker))}
     run_config = ray.train.RunConfig(
         name=name, storage_path=str(Path(storage_path).resolve()),
@@ -53,6 +56,21 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     )
     return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
                         scaling_config=resources.scaling_config(), run_config=run_config)
+
+
+def failure_path(storage_path: str | Path, name: str) -> Path:
+    """Where a worker leaves the reason of a failure no restart can fix (next to the checkpoints)."""
+    return Path(storage_path).resolve() / name / FAILURE_FILE
+
+
+def fit(trainer: TorchTrainer, storage_path: str | Path, name: str) -> ray.train.Result:
+    """Runs the trainer; raises TrialFailedError when its worker gave up for a deterministic reason."""
+    path = failure_path(storage_path, name)
+    path.unlink(missing_ok=True)  # from an earlier attempt of a resumed run
+    result = trainer.fit()
+    if path.exists():
+        raise TrialFailedError(path.read_text())
+    return result
 
 
 def read_final_metrics(result: ray.train.Result) -> dict[str, Any]:

@@ -13,10 +13,15 @@ from torch import nn
 
 from ..config import TrialConfig
 from .hooks import TrainingHooks
-from .loop import run_trial
+from .loop import NonFiniteLossError, TrialOutOfMemoryError, run_trial
 
 
 WORKER_NODE_KEY = "worker_node_id"
+
+
+class TrialFailedError(RuntimeError):
+    """A trial stopped for a reason a restart from its checkpoint cannot fix (non-finite loss,
+    out of memory); raised once by the trial's driver, never retried by Ray Train."""
 
 
 def limit_memory(max_bytes: int) -> None:
@@ -75,4 +80,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if loop_config.get("max_memory_bytes"):
         limit_memory(int(loop_config["max_memory_bytes"]))
-    run_trial(TrialConfig.from_dict(loop_config["trial"]), RayTrainHooks(verbose=loop_config.get("verbose", True)))
+    hooks = RayTrainHooks(verbose=loop_config.get("verbose", True))
+    config = TrialConfig.from_dict(loop_config["trial"])
+    try:
+        run_trial(config, hooks)
+    except (NonFiniteLossError, TrialOutOfMemoryError) as error:
+        if hooks.world_size > 1:  # ranks must stop together: a lone rank returning would stall the rest
+            raise
+        # Ray Train restarts a worker after any exception (up to max_failures), and these would recur
+        # from the checkpoint: end the run and leave the reason where the driver raises it once
+        failure_file = Path(loop_config["failure_file"])
+        failure_file.parent.mkdir(parents=True, exist_ok=True)
+        failure_file.write_text(f"{type(error).__name__}: {error}")
