@@ -88,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpus-per-worker", type=positive_int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="CPUs (torch threads) per worker (default: all but one)")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast (GPU only)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast: GPUs, and CPUs with AMX (1.5x on the "
+                        "2-vCPU Xeon of benchmarks/RESULTS.md); weights and losses stay float32")
     parser.add_argument("--max-failures", type=int, default=0, help="worker restarts from the last checkpoint")
     parser.add_argument("--run-name", help="name of the run under --output-dir (default from the flags)")
     parser.add_argument("--resume", action="store_true", help="continue the run of the same name from its checkpoint")

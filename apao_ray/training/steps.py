@@ -56,7 +56,7 @@ class EpochRunner:
         generator = torch.Generator().manual_seed(train.seed * 1_000_003 + epoch * 101 + self.rank)
         split = self.dataset.splits["train"]
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                  enabled=train.bf16 and self.device.type == "cuda")
+                                  enabled=train.bf16)
         sums: dict[str, float] = defaultdict(float)
         step_size = train.batch_size * self.accumulation
         for start in range(0, len(local), step_size):
