@@ -156,6 +156,7 @@ class TrainConfig(_Config):
     num_workers: int = 1
     use_gpu: bool = False
     bf16: bool = False
+    group_by_length: bool = False      # batches of similar history lengths (less padding, faster)
     grad_clip: float = 1.0
     beam_size: int = 20
     eval_batch_size: int = 256

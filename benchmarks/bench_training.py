@@ -40,7 +40,7 @@ def measure(args: argparse.Namespace) -> dict:
                          LossConfig(name=args.loss, num_negatives=args.num_negatives, beta=0.2, eta=3e-5),
                          TrainConfig(batch_size=args.batch_size, effective_batch_size=args.batch_size, seed=args.seed,
                                      max_train_samples=args.batch_size * args.steps,
-                                     bf16=args.precision == "bf16"))
+                                     bf16="bf16" in args.variant, group_by_length="grouped" in args.variant))
     from apao_ray.models import build_model
 
     model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels)
@@ -72,20 +72,20 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--precisions", default="fp32", help="comma list of fp32, bf16 (bf16 autocast; AMX on "
-                        "recent x86 CPUs), interleaved with the rest")
+    parser.add_argument("--variants", default="fp32", help="comma list, interleaved with the rest: fp32; bf16 (bf16 "
+                        "autocast, AMX on recent x86 CPUs); grouped (--group-by-length); bf16+grouped")
     parser.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "training.json"))
-    parser.add_argument("--one", nargs=3, metavar=("BACKBONE", "LOSS", "PRECISION"), help=argparse.SUPPRESS)
+    parser.add_argument("--one", nargs=3, metavar=("BACKBONE", "LOSS", "VARIANT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        args.backbone, args.loss, args.precision = args.one
+        args.backbone, args.loss, args.variant = args.one
         print(json.dumps(measure(args)))
         return 0
     configs = [(b, l, p) for b in args.backbones.split(",") for l in args.losses.split(",")
-               for p in args.precisions.split(",")]
+               for p in args.variants.split(",")]
 
-    def label(backbone: str, loss: str, precision: str) -> str:
-        return f"{backbone}/{loss}" + ("" if precision == "fp32" else f" {precision}")
+    def label(backbone: str, loss: str, variant: str) -> str:
+        return f"{backbone}/{loss}" + ("" if variant == "fp32" else f" {variant}")
 
     runs: dict[str, list[dict]] = {label(*c): [] for c in configs}
     for round_index in range(args.repeats):
@@ -97,12 +97,12 @@ def main() -> int:
             print(f"round {round_index + 1}: {label(*config)} {runs[label(*config)][-1]['samples_per_second']:.1f} "
                   "samples/s", file=sys.stderr, flush=True)
     rows = []
-    for backbone, loss, precision in configs:
-        key, ce_key = label(backbone, loss, precision), label(backbone, "ce", "fp32")
+    for backbone, loss, variant in configs:
+        key, ce_key = label(backbone, loss, variant), label(backbone, "ce", "fp32")
         speeds = [r["samples_per_second"] for r in runs[key]]
         ratios = [r["samples_per_second"] / c["samples_per_second"] for r, c in zip(runs[key], runs.get(ce_key, []))]
         median = statistics.median(speeds)
-        rows.append({"backbone": backbone, "loss": loss, "precision": precision, "samples_per_second": median,
+        rows.append({"backbone": backbone, "loss": loss, "variant": variant, "samples_per_second": median,
                      "ratio_to_ce": statistics.median(ratios) if ratios else None,
                      "epoch_minutes": runs[key][0]["num_train_samples"] / median / 60,
                      "peak_rss_gib": max(r["peak_rss_gib"] for r in runs[key]),
@@ -111,7 +111,7 @@ def main() -> int:
     print(f"{'backbone/loss':<30}{'samples/s':>10}{'x CE':>7}{'epoch min':>11}{'RSS GiB':>9}{'A100 s':>8}")
     for row in rows:
         ratio = f"{row['ratio_to_ce']:.2f}" if row["ratio_to_ce"] is not None else "-"
-        print(f"{label(row['backbone'], row['loss'], row['precision']):<30}{row['samples_per_second']:>10.1f}{ratio:>7}"
+        print(f"{label(row['backbone'], row['loss'], row['variant']):<30}{row['samples_per_second']:>10.1f}{ratio:>7}"
               f"{row['epoch_minutes']:>11.1f}{row['peak_rss_gib']:>9.2f}{row['paper_a100_epoch_seconds'] or '-':>8}")
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "one"},

@@ -193,3 +193,21 @@ def test_iter_batches_over_given_indices(catalog, splits):
     assert _order(iter_batches(catalog, splits["train"], 2, indices=chosen)) == [3, 1, 4]
     assert sorted(_order(iter_batches(catalog, splits["train"], 2, indices=chosen, shuffle=True, seed=1))) == [1, 3, 4]
     assert _order(iter_batches(catalog, splits["train"], 2, indices=chosen, drop_last=True)) == [3, 1]
+
+
+def test_group_by_length_batches_similar_histories_and_keeps_every_sample(synthetic):
+    from apao_ray.data.batches import group_by_length
+
+    lengths = synthetic.splits["train"].history_lengths
+    order = np.random.default_rng(3).permutation(len(lengths))
+    grouped = group_by_length(order, lengths, 32, np.random.default_rng(4), window_batches=8)
+    assert sorted(grouped.tolist()) == sorted(order.tolist())  # a permutation: nothing lost or repeated
+    assert np.array_equal(grouped, group_by_length(order, lengths, 32, np.random.default_rng(4), window_batches=8))
+
+    def padded_tokens(sequence):  # what collate pads to: each batch's longest history
+        return sum(int(lengths[sequence[i:i + 32]].max()) * len(sequence[i:i + 32]) for i in range(0, len(sequence), 32))
+
+    assert padded_tokens(grouped) < 0.75 * padded_tokens(order), (padded_tokens(grouped), padded_tokens(order))
+    # batches are shuffled, not sorted from short to long across the epoch
+    maxima = [int(lengths[grouped[i:i + 32]].max()) for i in range(0, len(grouped), 32)]
+    assert maxima != sorted(maxima)

@@ -107,18 +107,30 @@ PREFERENCE_START = {  # the preference loss when pi == pi_ref (all rewards 0), N
 }
 
 
+def _val_ce_without_and_with(short, tmp_path, backbone: str, loss: str, flag: str) -> tuple[float, dict[bool, float]]:
+    """Untrained validation CE, and after 2 short epochs with ``flag`` (a TrainConfig field) off and on."""
+    after = {}
+    for on in (False, True):
+        config = make_config(backbone, loss, {}, None, epochs=2, batch_size=32, effective_batch_size=32,
+                             max_train_samples=1600, eval_max_users=128, retention_users=0, beam_size=10,
+                             topk=(5, 10), **{flag: on})
+        hooks = TrainingHooks(tmp_path / f"{flag}-{on}", verbose=False)
+        run_trial(config, hooks, short)
+        after[on] = epoch_reports(hooks)[-1]["val/loss_ce"]
+    return untrained_val_ce(config, short), after
+
+
+def test_length_grouped_batches_learn_like_random_ones(short, tmp_path):
+    """--group-by-length changes only which samples share a batch: training still learns as well."""
+    before, after = _val_ce_without_and_with(short, tmp_path, "tiger", "ce", "group_by_length")
+    assert after[True] < before - 0.5 and after[True] < after[False] + 0.05, (before, after)  # no worse
+    assert after[True] != after[False]  # the batches really were different
+
+
 @pytest.mark.parametrize("backbone", ["tiger", "llama"])
 def test_bf16_autocast_training_on_cpu_learns_like_fp32(short, tmp_path, backbone):
     """--bf16 on a CPU (1.5x faster on this AMX machine, benchmarks/RESULTS.md) trains as well as fp32."""
-    after = {}
-    for bf16 in (False, True):
-        config = make_config(backbone, "apao_pointwise", {}, None, epochs=2, batch_size=32, effective_batch_size=32,
-                             max_train_samples=1600, eval_max_users=128, retention_users=0, beam_size=10,
-                             topk=(5, 10), bf16=bf16)
-        hooks = TrainingHooks(tmp_path / str(bf16), verbose=False)
-        run_trial(config, hooks, short)
-        after[bf16] = epoch_reports(hooks)[-1]["val/loss_ce"]
-    before = untrained_val_ce(config, short)
+    before, after = _val_ce_without_and_with(short, tmp_path, backbone, "apao_pointwise", "bf16")
     assert after[True] < before - 0.5 and abs(after[True] - after[False]) < 0.05, (before, after)
     assert after[True] != after[False]  # bf16 really ran (the flag is not ignored on a CPU)
 

@@ -52,6 +52,11 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for init, data order and negatives (default 0)")
     parser.add_argument("--model-size", choices=("paper", "tiny"), default="paper",
                         help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast: GPUs, and CPUs with AMX (1.5x on the "
+                        "2-vCPU Xeon of benchmarks/RESULTS.md); weights and losses stay float32")
+    parser.add_argument("--group-by-length", action="store_true",
+                        help="batch histories of similar length: less padding, faster epochs (Office: see "
+                             "benchmarks/RESULTS.md); the paper's runs used random batches")
     parser.add_argument("--smoke", action="store_true", help="tiny synthetic run on CPU (what the tests run)")
 
 
@@ -59,7 +64,7 @@ def train_config_from_args(args: argparse.Namespace, **overrides: Any) -> dict[s
     values = dict(epochs=args.epochs, patience=args.patience, batch_size=args.batch_size,
                   effective_batch_size=max(args.effective_batch_size, args.batch_size), lr=args.lr,
                   beam_size=args.beam_size, seed=args.seed, max_train_samples=args.max_train_samples,
-                  eval_max_users=args.eval_max_users)
+                  eval_max_users=args.eval_max_users, bf16=args.bf16, group_by_length=args.group_by_length)
     values.update(overrides)
     return values
 
@@ -88,8 +93,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpus-per-worker", type=positive_int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="CPUs (torch threads) per worker (default: all but one)")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast: GPUs, and CPUs with AMX (1.5x on the "
-                        "2-vCPU Xeon of benchmarks/RESULTS.md); weights and losses stay float32")
     parser.add_argument("--max-failures", type=int, default=0, help="worker restarts from the last checkpoint")
     parser.add_argument("--run-name", help="name of the run under --output-dir (default from the flags)")
     parser.add_argument("--resume", action="store_true", help="continue the run of the same name from its checkpoint")
@@ -107,8 +110,7 @@ def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
     model = ModelConfig(backbone=args.backbone, **(TINY_MODEL if args.model_size == "tiny" else {}))
     loss = LossConfig(name=args.loss, beta=args.beta, eta=args.eta, num_negatives=args.num_negatives or 100,
                       weighting=args.weighting, pretrain_ce_epochs=args.pretrain_ce_epochs)
-    train = TrainConfig(**train_config_from_args(args, num_workers=args.num_workers, use_gpu=args.use_gpu,
-                                                 bf16=args.bf16))
+    train = TrainConfig(**train_config_from_args(args, num_workers=args.num_workers, use_gpu=args.use_gpu))
     return TrialConfig(DataConfig(dataset=args.dataset.lower(), data_dir=_abs(args.data_dir)), model, loss, train)
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import TrialConfig
 from ..data import CatalogTensors, Dataset, collate
+from ..data.batches import group_by_length
 from ..losses import sample_negatives
 from ..losses.base import LossInputs, LossOutput
 from ..models.base import label_log_probs
@@ -51,8 +52,11 @@ class EpochRunner:
                     scheduler: Any, reference: nn.Module | None) -> dict[str, float]:
         train = self.config.train
         model.train()
-        order = np.random.default_rng([train.seed, epoch]).permutation(self.indices)
+        rng = np.random.default_rng([train.seed, epoch])
+        order = rng.permutation(self.indices)
         local = order[self.rank::self.world_size][:self.per_rank]
+        if train.group_by_length:
+            local = group_by_length(local, self.dataset.splits["train"].history_lengths, train.batch_size, rng)
         generator = torch.Generator().manual_seed(train.seed * 1_000_003 + epoch * 101 + self.rank)
         split = self.dataset.splits["train"]
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
