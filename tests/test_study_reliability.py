@@ -157,13 +157,11 @@ def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(t
 def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
                            overwrite: bool = False):
     """What a first run of the study leaves in MLflow: its parent run with the dataset checksums."""
-    from apao_ray.study.cli_sweep import build_parser
     from apao_ray.study.space import SearchSpec
     from apao_ray.study.sweep import StudyOptions, open_parent_run
     from apao_ray.config import DataConfig, TrialConfig
     from apao_ray.tracking import Tracker
 
-    build_parser().parse_args(argv)  # the same flags are valid
     options = StudyOptions(base=TrialConfig(DataConfig(dataset="tiny")), spec=SearchSpec(("tiger",), ("ce",)),
                            study_name=study, output_dir=output_dir, tracking_uri=tracking_uri, command_line=argv,
                            overwrite=overwrite)

@@ -104,13 +104,13 @@ class MlflowStudyCallback(tune.Callback):
                     run_id, {k: v for k, v in entry.items() if "/" in k}, int(entry["epoch"]))
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
+        run_id = self._run_for(trial)
         if result.get(RESUMED_HISTORY_KEY):
-            self._backfill(self._run_for(trial), result[RESUMED_HISTORY_KEY])
+            self._backfill(run_id, result[RESUMED_HISTORY_KEY])
         metrics = {k: v for k, v in result.items() if "/" in k and not k.startswith("config/")}
         if result.get("done"):  # the final report repeats the last epoch's values: log only what is new
             metrics = {k: v for k, v in metrics.items() if k.startswith("test/") or k == "perf/total_seconds"}
         step = int(result.get("epoch", result.get("training_iteration", 0)))
-        run_id = self._run_for(trial)
         self.logged_metrics += self.tracker.log_metrics(run_id, metrics, step)
         if result.get(WORKER_NODE_KEY) and trial.trial_id not in self._nodes_tagged:
             self.tracker.set_tags(run_id, {NODE_TAG: result[WORKER_NODE_KEY], "apao.node_ip": result.get("node_ip", "")})
@@ -150,15 +150,12 @@ class MlflowStudyCallback(tune.Callback):
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         """Leaves MLflow agreeing with Tune however the experiment ended (finished, Ctrl-C, or a
         resume after the driver was killed between a trial's end and its MLflow record)."""
-        self.interrupted = []
-        known = set()
+        self.interrupted = [trial.trial_id for trial in trials if trial.status not in TERMINAL]
+        running = {run.data.tags.get(TRIAL_TAG): run.info.run_id
+                   for run in self.tracker.child_runs(self.parent_run_id, "attributes.status = 'RUNNING'")}
         for trial in trials:
-            known.add(trial.trial_id)
-            run_id = self.run_ids.get(trial.trial_id) or self.tracker.find_run(
-                {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name})
-            if trial.status not in TERMINAL:
-                self.interrupted.append(trial.trial_id)
-            if run_id is None or self.tracker.client.get_run(run_id).info.status != "RUNNING":
+            run_id = running.pop(trial.trial_id, None)
+            if run_id is None:  # already ended in MLflow, or never started
                 continue
             if trial.status == "TERMINATED":
                 self.on_trial_complete(0, trials, trial)
@@ -167,8 +164,7 @@ class MlflowStudyCallback(tune.Callback):
             else:
                 self.tracker.set_tags(run_id, {OUTCOME_TAG: INTERRUPTED})
                 self.tracker.end_run(run_id, "KILLED")
-        for run in self.tracker.child_runs(self.parent_run_id, "attributes.status = 'RUNNING'"):
-            if run.data.tags.get(TRIAL_TAG) not in known:  # created just before a kill, never saved by Tune
-                self.tracker.set_tags(run.info.run_id, {OUTCOME_TAG: "lost: the driver was killed before Tune "
-                                                        "recorded this trial; a new trial replaced it"})
-                self.tracker.end_run(run.info.run_id, "KILLED")
+        for run_id in running.values():  # created just before a kill, never saved by Tune
+            self.tracker.set_tags(run_id, {OUTCOME_TAG: "lost: the driver was killed before Tune recorded this "
+                                           "trial; a new trial replaced it"})
+            self.tracker.end_run(run_id, "KILLED")

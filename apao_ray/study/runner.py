@@ -71,4 +71,4 @@ def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path
                           gpus_per_worker=1.0 if config.train.use_gpu else 0.0)
     trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources,
                            max_failures=max_failures, verbose=verbose)
-    return read_final_metrics(fit(trainer, storage_path, name))
+    return read_final_metrics(fit(trainer))

@@ -61,7 +61,7 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         name = f"train-trial_id={tune.get_context().get_trial_id()}"
         trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,
                                max_failures=max_failures, callbacks=[TuneReportCallback()], verbose=False)
-        fit(trainer, train_root, name)  # raises once, with the worker's reason, if it gave up
+        fit(trainer)  # raises once, with the worker's reason, if it gave up
 
     return apao_trial
 
@@ -84,21 +84,27 @@ def study_state_exists(options: StudyOptions) -> bool:
     return tune.Tuner.can_restore(str(options.output_dir / options.study_name))
 
 
-def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums: dict[str, str]) -> str | None:
-    """Refuses to resume a study whose dataset files or search space changed; returns the parent run id.
+def parent_tags(study_name: str) -> dict[str, str]:
+    """The tags that identify a study's MLflow parent run."""
+    from .mlflow_callback import STUDY_TAG
+
+    return {STUDY_TAG: study_name, PARENT_ROLE_TAG: "study"}
+
+
+def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums: dict[str, str]) -> None:
+    """Refuses to resume a study whose dataset files or search space changed.
 
     Tune restores the search space and trial count from its own state, so a changed space would be
     silently ignored, and a changed dataset would mix two datasets in one comparison.
     """
     from ..tracking import Tracker, experiment_name
-    from .mlflow_callback import STUDY_TAG
 
     if options.overwrite:
-        return None
+        return
     tracker = Tracker.existing(tracking_uri, experiment_name(options.base.data.dataset))
-    parent_id = tracker.find_run({STUDY_TAG: options.study_name, PARENT_ROLE_TAG: "study"}) if tracker else None
+    parent_id = tracker.find_run(parent_tags(options.study_name)) if tracker else None
     if parent_id is None:
-        return None
+        return
     run = tracker.client.get_run(parent_id)
     recorded = json.loads(run.data.tags.get("dataset_checksums", "{}"))
     changed = sorted(name for name in set(recorded) | set(dataset_checksums)
@@ -114,7 +120,6 @@ def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums:
         raise ValueError(f"study {options.study_name!r} was started with search space {before['space']} and "
                          f"{before['num_trials']} trials; now {now['space']} and {now['num_trials']}: a resumed study "
                          "keeps its space, so use a new --study-name or --overwrite")
-    return parent_id
 
 
 def space_param(spec: SearchSpec) -> str:
@@ -125,15 +130,15 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
     """The study's MLflow parent run: reopened when the study resumes, else created with its space."""
     from .mlflow_callback import STUDY_TAG
 
-    parent_tags = {STUDY_TAG: options.study_name, PARENT_ROLE_TAG: "study"}
-    parent_id = tracker.find_run(parent_tags)
+    tags = parent_tags(options.study_name)
+    parent_id = tracker.find_run(tags)
     if parent_id is not None and options.overwrite:  # the old runs stay in MLflow under a name of their own
         retired = f"{options.study_name}.overwritten-{parent_id[:8]}"
         for run_id in [parent_id, *(run.info.run_id for run in tracker.child_runs(parent_id))]:
             tracker.set_tags(run_id, {STUDY_TAG: retired})
         parent_id = None
     if parent_id is None:
-        parent_id = tracker.start_run(f"study {options.study_name}", {**parent_tags, "dataset": options.base.data.dataset})
+        parent_id = tracker.start_run(f"study {options.study_name}", {**tags, "dataset": options.base.data.dataset})
         tracker.log_params(parent_id, {"space": space_param(options.spec),
                                        "dataset": options.base.data.dataset, "num_trials": options.spec.num_trials,
                                        "base": options.base.to_dict(), "max_concurrent": options.max_concurrent})

@@ -46,7 +46,7 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     timestamp): Ray finds the run's checkpoints to resume from by (storage_path, name).
     """
     loop_config = {"trial": config.to_dict(), "verbose": verbose, "max_memory_bytes": resources.memory_bytes,
-                   "failure_file": str(failure_path(storage_path, name)),
+                   "failure_file": str(Path(storage_path).resolve() / name / FAILURE_FILE),
                    "cpus_per_worker": max(1, round(resources.cpus_per_worker))}
     run_config = ray.train.RunConfig(
         name=name, storage_path=str(Path(storage_path).resolve()),
@@ -58,14 +58,10 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
                         scaling_config=resources.scaling_config(), run_config=run_config)
 
 
-def failure_path(storage_path: str | Path, name: str) -> Path:
-    """Where a worker leaves the reason of a failure no restart can fix (next to the checkpoints)."""
-    return Path(storage_path).resolve() / name / FAILURE_FILE
-
-
-def fit(trainer: TorchTrainer, storage_path: str | Path, name: str) -> ray.train.Result:
-    """Runs the trainer; raises TrialFailedError when its worker gave up for a deterministic reason."""
-    path = failure_path(storage_path, name)
+def fit(trainer: TorchTrainer) -> ray.train.Result:
+    """Runs the trainer; raises TrialFailedError when its worker gave up for a deterministic reason
+    (it leaves the reason in the run's ``failure_file``, next to the checkpoints)."""
+    path = Path(trainer.train_loop_config["failure_file"])
     path.unlink(missing_ok=True)  # from an earlier attempt of a resumed run
     result = trainer.fit()
     if path.exists():

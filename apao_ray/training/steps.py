@@ -55,10 +55,10 @@ class EpochRunner:
         rng = np.random.default_rng([train.seed, epoch])
         order = rng.permutation(self.indices)
         local = order[self.rank::self.world_size][:self.per_rank]
-        if train.group_by_length:
-            local = group_by_length(local, self.dataset.splits["train"].history_lengths, train.batch_size, rng)
-        generator = torch.Generator().manual_seed(train.seed * 1_000_003 + epoch * 101 + self.rank)
         split = self.dataset.splits["train"]
+        if train.group_by_length:
+            local = group_by_length(local, split.history_lengths, train.batch_size, rng)
+        generator = torch.Generator().manual_seed(train.seed * 1_000_003 + epoch * 101 + self.rank)
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=train.bf16)
         sums: dict[str, float] = defaultdict(float)

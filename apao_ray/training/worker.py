@@ -81,9 +81,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if loop_config.get("max_memory_bytes"):
         limit_memory(int(loop_config["max_memory_bytes"]))
     hooks = RayTrainHooks(verbose=loop_config.get("verbose", True))
-    config = TrialConfig.from_dict(loop_config["trial"])
     try:
-        run_trial(config, hooks)
+        run_trial(TrialConfig.from_dict(loop_config["trial"]), hooks)
     except (NonFiniteLossError, TrialOutOfMemoryError) as error:
         if hooks.world_size > 1:  # ranks must stop together: a lone rank returning would stall the rest
             raise
