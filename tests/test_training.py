@@ -129,7 +129,7 @@ def test_length_grouped_batches_learn_like_random_ones(short, tmp_path):
 
 @pytest.mark.parametrize("backbone", ["tiger", "llama"])
 def test_bf16_autocast_training_on_cpu_learns_like_fp32(short, tmp_path, backbone):
-    """--bf16 on a CPU (1.5x faster on this AMX machine, benchmarks/RESULTS.md) trains as well as fp32."""
+    """--bf16 on a CPU (faster on AMX machines, benchmarks/RESULTS.md) trains as well as fp32."""
     before, after = _val_ce_without_and_with(short, tmp_path, backbone, "apao_pointwise", "bf16")
     assert after[True] < before - 0.5 and abs(after[True] - after[False]) < 0.05, (before, after)
     assert after[True] != after[False]  # bf16 really ran (the flag is not ignored on a CPU)

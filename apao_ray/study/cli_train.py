@@ -52,8 +52,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for init, data order and negatives (default 0)")
     parser.add_argument("--model-size", choices=("paper", "tiny"), default="paper",
                         help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast: GPUs, and CPUs with AMX (1.5x on the "
-                        "2-vCPU Xeon of benchmarks/RESULTS.md); weights and losses stay float32")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast: GPUs, and CPUs with AMX (1.25-1.5x "
+                        "on the 2-vCPU Xeon of benchmarks/RESULTS.md); weights and losses stay float32")
     parser.add_argument("--group-by-length", action="store_true",
                         help="batch histories of similar length: less padding, faster epochs (Office: see "
                              "benchmarks/RESULTS.md); the paper's runs used random batches")
