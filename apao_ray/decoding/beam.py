@@ -1,8 +1,10 @@
 """Constrained beam search over the catalog trie (SPEC §4).
 
 The history is encoded once per row; every step scores the K kept prefixes of a row in one
-``decode`` call that shares the row's context (no per-beam copy of the encoder output or of
-the history's key/value cache). The trie constraint is one gather into
+``decode_step`` call that shares the row's context (no per-beam copy of the encoder output or
+of the history's key/value cache) and runs only each beam's newest position, reading the
+earlier positions from a per-beam key/value cache that follows the beams as they are
+reselected (``DecodeCache.select``). The trie constraint is one gather into
 ``catalog.child_node[t]`` per step. Python loops only over the T code levels, and over
 chunks of rows (cache blocking, see ``CPU_ROW_CHUNK``) -- never over beams, rows or tokens.
 """
@@ -140,10 +142,10 @@ def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Ten
 
     nodes = torch.zeros(num_rows, 1, dtype=torch.long, device=device)          # (B, 1) root
     scores = torch.zeros(num_rows, 1, device=device)                           # (B, 1)
-    prefix = torch.empty(num_rows, 1, 0, dtype=torch.long, device=device)      # (B, 1, 0)
+    cache = None  # the decoder's per-beam state: each step runs only the newest position
     kept_nodes = []
     for t, level_size in enumerate(catalog.level_sizes):
-        logits = model.decode(context, prefix)[:, :, -1]                       # (B, K_t, V)
+        logits, cache = model.decode_step(context, cache)                      # (B, K_t, V)
         step = level_log_probs(logits, offsets[t], level_size)                 # (B, K_t, S_t)
         scores = scores.to(step.dtype)
         # dead beams (node -1) read row 0 of the table; their -inf score keeps them dead
@@ -155,8 +157,8 @@ def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Ten
         code = flat - beam * level_size                                        # (B, K_{t+1})
         nodes = children.flatten(1).gather(1, flat)                            # (B, K_{t+1})
         nodes = torch.where(torch.isneginf(scores), -1, nodes)
-        parent = beam.unsqueeze(-1).expand(-1, -1, prefix.shape[2])            # (B, K_t+1, t)
-        prefix = torch.cat([prefix.gather(1, parent), (code + offsets[t]).unsqueeze(-1)], dim=2)
+        if t + 1 < len(catalog.level_sizes):
+            cache = cache.select(beam, code + offsets[t])                      # (B, K_{t+1}, ...)
         kept_nodes.append(nodes)
 
     # K <= U leaves: every depth keeps min(K, nodes at that depth) real beams, so the last

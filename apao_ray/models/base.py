@@ -7,6 +7,7 @@ encoding, so the pairwise loss (1 + N candidates), beam search (K beams) and ful
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +16,35 @@ from torch import nn
 # an opaque per-backbone object (TIGER: encoder output + mask; Llama: the history's key/value
 # cache + positions); only the backbone that made it reads it.
 Context = Any
+
+
+@dataclass
+class DecodeCache:
+    """What incremental decoding keeps between steps for C candidates per row.
+
+    Attributes:
+        prefix: (B, C, t) the code tokens decoded so far (t = positions already run minus 1).
+        keys, values: per decoder layer, (B, C, H, t + 1, dh) self-attention keys/values of
+            the positions already run; empty for a backbone that recomputes its prefix.
+    """
+
+    prefix: torch.Tensor
+    keys: tuple[torch.Tensor, ...] = ()
+    values: tuple[torch.Tensor, ...] = ()
+
+    def select(self, parent: torch.Tensor, tokens: torch.Tensor) -> "DecodeCache":
+        """The cache of C' new candidates, candidate j extending old candidate ``parent[:, j]``.
+
+        Args:
+            parent: (B, C') int64 index of each new candidate's parent among the C old ones.
+            tokens: (B, C') the code token each new candidate appends.
+        """
+        def rows(cached: torch.Tensor) -> torch.Tensor:                     # (B, C, ...) -> (B, C', ...)
+            index = parent.view(*parent.shape, *([1] * (cached.dim() - 2))).expand(-1, -1, *cached.shape[2:])
+            return cached.gather(1, index)
+
+        prefix = torch.cat([rows(self.prefix), tokens.unsqueeze(-1)], dim=2)   # (B, C', t+1)
+        return DecodeCache(prefix, tuple(rows(k) for k in self.keys), tuple(rows(v) for v in self.values))
 
 
 class Backbone(nn.Module):
@@ -44,6 +74,23 @@ class Backbone(nn.Module):
             the history and ``prefix[..., :j]``.
         """
         raise NotImplementedError
+
+    def decode_step(self, context: Context, cache: DecodeCache | None) -> tuple[torch.Tensor, DecodeCache]:
+        """Next-token logits of the last position of each candidate, reusing earlier positions.
+
+        The incremental form of :meth:`decode` for beam search: with ``cache=None`` it runs
+        position 0 of one candidate per row; otherwise it runs only the newest position of
+        ``cache.prefix`` (after :meth:`DecodeCache.select`). This default recomputes the
+        whole prefix; backbones override it with a key/value cache.
+
+        Returns:
+            (B, C, V) logits of the next code, and the cache to ``select`` from.
+        """
+        if cache is None:
+            num_rows = context.num_rows
+            device = next(self.parameters()).device
+            cache = DecodeCache(torch.empty(num_rows, 1, 0, dtype=torch.long, device=device))
+        return self.decode(context, cache.prefix)[:, :, -1], cache
 
     def candidate_logits(self, history_ids: torch.Tensor, history_mask: torch.Tensor,
                          candidates: torch.Tensor) -> torch.Tensor:

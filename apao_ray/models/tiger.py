@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data.catalog import BOS_TOKEN
-from .base import Backbone
+from .base import Backbone, DecodeCache
+from .packing import PackedHistory, attend_in_buckets
 
 
 @dataclass
@@ -70,6 +71,12 @@ def relative_position_bucket(relative_position: torch.Tensor, *, is_bidirectiona
     return buckets + torch.where(distance < max_exact, distance, large)
 
 
+def padding_bias(mask: torch.Tensor) -> torch.Tensor:
+    """(B, L) bool mask -> (B, 1, 1, L) additive float bias: 0 on real tokens, float32 min on PAD."""
+    bias = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], device=mask.device)
+    return bias.masked_fill(~mask[:, None, None, :], torch.finfo(bias.dtype).min)
+
+
 class RelativePositionBias(nn.Module):
     """One learned scalar per (bucket, head); computed once per stack and shared by its layers."""
 
@@ -112,6 +119,36 @@ class Attention(nn.Module):
         out = self.attend(q, k, v, bias)                                        # (N, H, S, dh)
         return self.o(out.transpose(1, 2).reshape(*x.shape[:2], -1))
 
+    def forward_cached(self, x: torch.Tensor, bias: torch.Tensor, past_keys: torch.Tensor | None,
+                       past_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Self-attention of the newest position (N, 1, d) against the cached earlier ones.
+
+        Args:
+            bias: (1, H, 1, t + 1) the new query's bias over all t + 1 positions.
+            past_keys, past_values: (N, H, t, dh) or None when t = 0.
+
+        Returns:
+            (N, 1, d) output, and the (N, H, t + 1, dh) keys and values including the new one.
+        """
+        q, k, v = (self.split_heads(proj(x)) for proj in (self.q, self.k, self.v))   # (N, H, 1, dh)
+        if past_keys is not None:
+            k, v = torch.cat([past_keys, k], dim=2), torch.cat([past_values, v], dim=2)
+        out = self.attend(q, k, v, bias)                                        # (N, H, 1, dh)
+        return self.o(out.transpose(1, 2).reshape(*x.shape[:2], -1)), k, v
+
+    def packed_self_attention(self, x: torch.Tensor, packing: PackedHistory,
+                              biases: list[torch.Tensor]) -> torch.Tensor:
+        """Self-attention of packed (N, d_model) tokens, attending within each bucket of rows.
+
+        Args:
+            biases: per bucket, the (b, H, l, l) additive bias (positions + key padding).
+        """
+        weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])       # (3*inner, d)
+        qkv = F.linear(x, weight)                                               # (N, 3*inner)
+        out = attend_in_buckets(packing, qkv, self.num_heads, self.head_dim,
+                                lambda index, q, k, v: self.attend(q, k, v, biases[index]))
+        return self.o(out)                                                      # (N, d)
+
     def cross(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
         """Cross-attention of the B*C candidates against their row's cached keys/values.
 
@@ -150,6 +187,11 @@ class EncoderLayer(nn.Module):
         x = x + self.dropout(self.attn(self.attn_norm(x), bias))
         return x + self.dropout(self.ff(self.ff_norm(x)))
 
+    def forward_packed(self, x: torch.Tensor, packing: PackedHistory, biases: list[torch.Tensor]) -> torch.Tensor:
+        """The same layer on packed (N, d) tokens; token-wise parts never see padding."""
+        x = x + self.dropout(self.attn.packed_self_attention(self.attn_norm(x), packing, biases))
+        return x + self.dropout(self.ff(self.ff_norm(x)))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, d_model: int, num_heads: int, head_dim: int, d_ff: int, dropout: float):
@@ -163,12 +205,30 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, self_bias: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.self_attn(self.self_norm(x), self_bias))
+        return self.cross_and_feed_forward(x, keys, values, key_bias)
+
+    def step(self, x: torch.Tensor, self_bias: torch.Tensor, past_keys: torch.Tensor | None,
+             past_values: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+             key_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer on the newest position only (N, 1, d), reading the earlier ones' cache."""
+        out, self_keys, self_values = self.self_attn.forward_cached(self.self_norm(x), self_bias,
+                                                                    past_keys, past_values)
+        return self.cross_and_feed_forward(x + self.dropout(out), keys, values, key_bias), self_keys, self_values
+
+    def cross_and_feed_forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                               key_bias: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.cross_attn.cross(self.cross_norm(x), keys, values, key_bias))
         return x + self.dropout(self.ff(self.ff_norm(x)))
 
 
 class TigerBackbone(Backbone):
-    """T5-style encoder-decoder; defaults are the paper's size (4.59M parameters at V=1027)."""
+    """T5-style encoder-decoder; defaults are the paper's size (4.59M parameters at V=1027).
+
+    ``pack_histories`` (default True) runs the encoder on the histories' real tokens only
+    (:mod:`.packing`); False runs the padded reference path, the same function at more cost.
+    """
+
+    pack_histories: bool = True
 
     def __init__(self, vocab_size: int, num_levels: int, d_model: int = 128, num_layers: int = 4,
                  num_heads: int = 6, head_dim: int = 64, d_ff: int = 1024, dropout: float = 0.1,
@@ -214,9 +274,22 @@ class TigerBackbone(Backbone):
             history_ids: (B, L) tokens, left-padded with PAD, ending with EOS.
             history_mask: (B, L) bool, True on real tokens.
         """
-        num_rows, length = history_ids.shape
-        key_bias = torch.zeros(num_rows, 1, 1, length, device=history_ids.device)
-        key_bias = key_bias.masked_fill(~history_mask[:, None, None, :], torch.finfo(key_bias.dtype).min)
+        key_bias = padding_bias(history_mask)                                  # (B, 1, 1, L)
+        if self.pack_histories:
+            packing = PackedHistory.from_mask(history_mask)
+            biases = [self.encoder_bias(b.length, b.length) + padding_bias(b.key_mask) for b in packing.buckets]
+            x = self.dropout(self.embedding(packing.pack(history_ids)))          # (N, d)
+            for layer in self.encoder_layers:
+                x = layer.forward_packed(x, packing, biases)
+            x = self.dropout(self.encoder_norm(x))
+            # every decoder layer's cross K and V in one matmul, unpacked once: (B, L, layers*2*inner)
+            weight = torch.cat([w for layer in self.decoder_layers
+                                for w in (layer.cross_attn.k.weight, layer.cross_attn.v.weight)])
+            projected = packing.unpack(F.linear(x, weight)).chunk(2 * len(self.decoder_layers), dim=-1)
+            split = self.decoder_layers[0].cross_attn.split_heads
+            return TigerContext(key_bias, tuple(split(p) for p in projected[0::2]),
+                                tuple(split(p) for p in projected[1::2]))    # K/V: (B, H, L, dh)
+        length = history_ids.shape[1]
         # relative offsets are unchanged by left padding, so column indices serve as positions
         bias = self.encoder_bias(length, length) + key_bias                     # (B, H, L, L)
         x = self.dropout(self.embedding(history_ids))                           # (B, L, d)
@@ -246,6 +319,38 @@ class TigerBackbone(Backbone):
         x = self.dropout(self.embedding(tokens))                                # (B*C, t+1, d)
         for layer, keys, values in zip(self.decoder_layers, context.cross_keys, context.cross_values):
             x = layer(x, self_bias, keys, values, context.key_bias)
-        x = self.dropout(self.decoder_norm(x)) * self.d_model ** -0.5           # T5 v1.0 tied-head scale
-        logits = F.linear(x, self.embedding.weight)                             # (B*C, t+1, V)
+        logits = self.lm_head(x)                                                # (B*C, t+1, V)
         return logits.view(num_rows, num_candidates, seq_len, self.vocab_size)
+
+    def lm_head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and the tied output projection: (..., d) -> (..., V)."""
+        x = self.dropout(self.decoder_norm(x)) * self.d_model ** -0.5           # T5 v1.0 tied-head scale
+        return F.linear(x, self.embedding.weight)
+
+    def decode_step(self, context: TigerContext, cache: DecodeCache | None) -> tuple[torch.Tensor, DecodeCache]:
+        """:meth:`Backbone.decode_step` with a per-candidate self-attention key/value cache.
+
+        Runs only the newest decoder position (BOS when ``cache`` is None, else the last token
+        of ``cache.prefix``) for the C candidates of every row: (B, C, V) logits.
+        """
+        if cache is None:
+            cache = DecodeCache(torch.empty(context.num_rows, 1, 0, dtype=torch.long,
+                                            device=context.key_bias.device))
+        prefix = cache.prefix
+        num_rows, num_candidates, position = prefix.shape                       # run position t = prefix length
+        if position == 0:
+            tokens = prefix.new_full((num_rows * num_candidates, 1), BOS_TOKEN)
+        else:
+            tokens = prefix[..., -1:].reshape(num_rows * num_candidates, 1)      # (B*C, 1)
+        self_bias = self.decoder_bias(position + 1, position + 1)[:, :, -1:]  # (1, H, 1, t+1); causal: all seen
+        x = self.dropout(self.embedding(tokens))                                # (B*C, 1, d)
+        new_keys, new_values = [], []
+        for index, layer in enumerate(self.decoder_layers):
+            past_keys = cache.keys[index].flatten(0, 1) if cache.keys else None  # (B*C, H, t, dh)
+            past_values = cache.values[index].flatten(0, 1) if cache.values else None
+            x, keys, values = layer.step(x, self_bias, past_keys, past_values, context.cross_keys[index],
+                                         context.cross_values[index], context.key_bias)
+            new_keys.append(keys.unflatten(0, (num_rows, num_candidates)))     # (B, C, H, t+1, dh)
+            new_values.append(values.unflatten(0, (num_rows, num_candidates)))
+        logits = self.lm_head(x).view(num_rows, num_candidates, self.vocab_size)  # (B, C, V)
+        return logits, DecodeCache(prefix, tuple(new_keys), tuple(new_values))

@@ -1,0 +1,153 @@
+"""Padding-free histories: token-wise layers on the real tokens, attention per length bucket.
+
+A random batch of Office histories pads every row to the longest (~81 tokens) while the mean
+is ~33, so a padded encoder spends most of its projections and feed-forward FLOPs on PAD.
+:class:`PackedHistory` holds the batch's real tokens as one ``(N, d)`` matrix (N = real
+tokens in the batch) for every token-wise layer (embedding, projections, feed-forward,
+norms), and unpacks them only where tokens interact: attention runs on buckets of rows of
+similar length, each bucket padded to its own longest row (rows sorted by length, then cut
+every ``bucket_rows`` rows). The packed order is bucket order, so a bucket's tokens are one
+contiguous slice of the packed matrix.
+
+Left padding is kept inside each bucket (a row's last real token in the bucket's last
+column), so relative offsets, causal masks and RoPE positions are exactly those of the
+padded layout: the packed path computes the same function (``tests/test_packing.py``
+compares both in float64).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Rows per attention bucket on a CPU: 32 rows of a sorted batch of 128-256 pad to within a
+# few tokens of their own length. Accelerators take the batch in one bucket (one kernel).
+CPU_BUCKET_ROWS = 32
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Rows of similar length, padded (on the left) to the longest of them.
+
+    Attributes:
+        start, end: the bucket's slice of the packed tokens.
+        num_rows: rows in the bucket; length: the bucket's padded length.
+        scatter: (end - start,) int64 position of each packed token in the bucket's
+            flattened (num_rows * length) padded layout.
+        key_mask: (num_rows, length) bool, True on real tokens.
+    """
+
+    start: int
+    end: int
+    num_rows: int
+    length: int
+    scatter: torch.Tensor
+    key_mask: torch.Tensor
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(N, ...) packed rows -> (num_rows, length, ...) with zeros on padding."""
+        part = packed[self.start:self.end]
+        padded = part.new_zeros((self.num_rows * self.length, *part.shape[1:]))
+        padded = padded.index_copy(0, self.scatter, part)
+        return padded.view(self.num_rows, self.length, *part.shape[1:])
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(num_rows, length, ...) -> (end - start, ...), the real tokens in packed order."""
+        return padded.reshape(self.num_rows * self.length, *padded.shape[2:]).index_select(0, self.scatter)
+
+
+@dataclass(frozen=True)
+class PackedHistory:
+    """The real tokens of a left-padded (B, L) batch and the maps back to padded layouts.
+
+    Attributes:
+        token_index: (N,) int64 flat index into the (B * L) padded batch of each packed token.
+        positions: (N,) int64 position of each token within its row (0 = the row's first real
+            token), i.e. the RoPE position of the padded layout.
+        last_token: (B,) int64 packed index of each row's last real token (its EOS), in the
+            batch's row order.
+        buckets: the attention buckets, in packed order.
+        num_rows, length: the padded batch's B and L.
+    """
+
+    token_index: torch.Tensor
+    positions: torch.Tensor
+    last_token: torch.Tensor
+    buckets: tuple[Bucket, ...]
+    num_rows: int
+    length: int
+
+    @classmethod
+    def from_mask(cls, history_mask: torch.Tensor, bucket_rows: int | None = None) -> "PackedHistory":
+        """Builds the packing of a left-padded batch.
+
+        Args:
+            history_mask: (B, L) bool, True on real tokens; real tokens are right-aligned.
+            bucket_rows: rows per attention bucket; default ``CPU_BUCKET_ROWS`` on CPU and
+                the whole batch elsewhere.
+        """
+        num_rows, length = history_mask.shape
+        device = history_mask.device
+        if bucket_rows is None:
+            bucket_rows = CPU_BUCKET_ROWS if device.type == "cpu" else max(1, num_rows)
+        lengths = history_mask.sum(dim=1)                                      # (B,)
+        order = lengths.argsort(descending=True, stable=True)                  # (B,) longest first
+        sorted_lengths = lengths[order]
+        host_lengths = sorted_lengths.tolist()  # host sync: bucket sizes decide tensor shapes
+        num_tokens = sum(host_lengths)
+        # token j of sorted row i: its row, its position within the row, its padded column
+        row_of_token = torch.repeat_interleave(torch.arange(num_rows, device=device), sorted_lengths)  # (N,)
+        row_start = torch.cumsum(sorted_lengths, 0) - sorted_lengths             # (B,) packed offset
+        positions = torch.arange(num_tokens, device=device) - row_start[row_of_token]           # (N,)
+        token_length = sorted_lengths[row_of_token]                              # (N,)
+        token_index = order[row_of_token] * length + (length - token_length) + positions
+        last_token = torch.empty_like(order)
+        last_token[order] = row_start + sorted_lengths - 1
+        buckets = []
+        for first in range(0, num_rows, bucket_rows):
+            last = min(first + bucket_rows, num_rows)
+            start, end = int(sum(host_lengths[:first])), int(sum(host_lengths[:last]))
+            bucket_length = max(1, host_lengths[first])  # rows are sorted: the first is the longest
+            local_row = row_of_token[start:end] - first
+            local_length = token_length[start:end]
+            scatter = local_row * bucket_length + (bucket_length - local_length) + positions[start:end]
+            columns = torch.arange(bucket_length, device=device)
+            key_mask = columns[None, :] >= bucket_length - sorted_lengths[first:last, None]   # (b, l)
+            buckets.append(Bucket(start, end, last - first, bucket_length, scatter, key_mask))
+        return cls(token_index, positions, last_token, tuple(buckets), num_rows, length)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_index.shape[0]
+
+    def pack(self, padded: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) in the batch's padded layout -> (N, ...) real tokens in packed order."""
+        return padded.reshape(self.num_rows * self.length, *padded.shape[2:]).index_select(0, self.token_index)
+
+    def unpack(self, packed: torch.Tensor) -> torch.Tensor:
+        """(N, ...) -> (B, L, ...) in the batch's padded layout, zeros on PAD."""
+        padded = packed.new_zeros((self.num_rows * self.length, *packed.shape[1:]))
+        padded = padded.index_copy(0, self.token_index, packed)
+        return padded.view(self.num_rows, self.length, *packed.shape[1:])
+
+
+def attend_in_buckets(packing: PackedHistory, qkv: torch.Tensor, num_heads: int, head_dim: int,
+                      attend) -> torch.Tensor:
+    """Runs attention bucket by bucket on packed query/key/value projections.
+
+    Args:
+        packing: the batch's packing.
+        qkv: (N, 3 * num_heads * head_dim) packed [q | k | v] projections.
+        attend: ``attend(bucket_index, q, k, v) -> out``, all (b, heads, l, head_dim) for the
+            bucket's b rows padded to length l; padding queries' outputs are dropped.
+
+    Returns:
+        (N, num_heads * head_dim) attention outputs in packed order.
+    """
+    outputs = []
+    for index, bucket in enumerate(packing.buckets):
+        shape = (bucket.num_rows, bucket.length, 3, num_heads, head_dim)
+        q, k, v = bucket.unpack(qkv).view(shape).permute(2, 0, 3, 1, 4).unbind(0)   # (b, H, l, dh) each
+        out = attend(index, q, k, v)                                                  # (b, H, l, dh)
+        outputs.append(bucket.pack(out.transpose(1, 2).reshape(bucket.num_rows, bucket.length, -1)))
+    return torch.cat(outputs)                                                         # (N, H*dh)
