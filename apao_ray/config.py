@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 C = TypeVar("C", bound="_Config")
 
 BACKBONE_NAMES = ("tiger", "llama")
+PRECISIONS = ("auto", "fp32", "bf16")  # resolved per device by training.precision.resolve_precision
 WEIGHTING_MODES = ("mirror", "per_batch", "uniform", "exp_decay", "hard_max")
 
 
@@ -155,16 +156,26 @@ class TrainConfig(_Config):
     max_train_samples: int | None = None
     num_workers: int = 1
     use_gpu: bool = False
-    bf16: bool = False
+    precision: str = "auto"            # auto: bf16 where the device has it natively, else fp32
     group_by_length: bool = False      # batches of similar history lengths (less padding, faster)
     grad_clip: float = 1.0
     beam_size: int = 20
     eval_batch_size: int = 256
     eval_max_users: int | None = None  # validate on a fixed random subset of users (recorded)
-    retention_users: int = 128         # users whose full-sort top-K gives beam retention (0 = off)
+    retention_users: int = 128         # test users whose full-sort top-K gives beam retention (0 = off)
+    validate_retention: bool = False   # also measure retention on validation every epoch (costly)
     topk: tuple[int, ...] = (5, 10, 20)
 
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> "TrainConfig":
+        values = dict(values or {})
+        if "bf16" in values:  # configs and checkpoints written before `precision` replaced `bf16`
+            is_bf16 = values.pop("bf16")
+            values.setdefault("precision", "bf16" if is_bf16 else "fp32")
+        return super().from_dict(values)
+
     def __post_init__(self) -> None:
+        _check_choice("TrainConfig", "precision", self.precision, PRECISIONS)
         for name in ("epochs", "batch_size", "effective_batch_size", "patience", "num_workers",
                      "beam_size", "eval_batch_size"):
             _check_range("TrainConfig", name, getattr(self, name), 1)

@@ -17,6 +17,7 @@ from .data import Catalog
 from .data.batches import encode_histories
 from .decoding import beam_search
 from .training.checkpoint import BEST_MODEL_FILE, CONFIG_FILE, load_catalog_arrays
+from .training.precision import autocast, resolve_precision
 
 
 class Recommender:
@@ -25,18 +26,22 @@ class Recommender:
     Attributes:
         config: the trial's configuration.
         catalog: the items the model can recommend.
+        precision: ``fp32`` or ``bf16``, what the beam search computes in; by default the
+            trial's own (its test metrics were computed so), ``auto`` resolved for ``device``.
     """
 
-    def __init__(self, model: torch.nn.Module, catalog: Catalog, config: TrialConfig, device: str = "cpu") -> None:
+    def __init__(self, model: torch.nn.Module, catalog: Catalog, config: TrialConfig, device: str = "cpu",
+                 precision: str | None = None) -> None:
         self.model = model.to(device).eval()
         self.catalog = catalog
         self.config = config
         self.device = torch.device(device)
+        self.precision = resolve_precision(precision or config.train.precision, self.device)
         self._tensors = catalog.tensors(self.device)
         self._item_tokens = catalog.item_tokens
 
     @classmethod
-    def from_checkpoint(cls, directory: str | Path, device: str = "cpu") -> "Recommender":
+    def from_checkpoint(cls, directory: str | Path, device: str = "cpu", precision: str | None = None) -> "Recommender":
         """Loads a final checkpoint directory (best weights, trial config, catalog)."""
         from .models import build_model
 
@@ -46,7 +51,7 @@ class Recommender:
         catalog = Catalog.from_codes(item_ids, item_codes)
         model = build_model(config.model, catalog.vocab_size, catalog.num_levels)
         model.load_state_dict(torch.load(directory / BEST_MODEL_FILE, map_location="cpu", weights_only=True))
-        return cls(model, catalog, config, device)
+        return cls(model, catalog, config, device, precision)
 
     def _history_matrix(self, histories: Sequence[Sequence[Any]]) -> np.ndarray:
         max_history = self.config.data.max_history
@@ -90,7 +95,8 @@ class Recommender:
         results: list[list[tuple[str, float]]] = []
         for start in range(0, len(matrix), batch_size):
             ids, mask = encode_histories(self._item_tokens, matrix[start:start + batch_size])
-            beam = beam_search(self.model, ids.to(self.device), mask.to(self.device), self._tensors, beam_size)
+            with autocast(self.precision, self.device):
+                beam = beam_search(self.model, ids.to(self.device), mask.to(self.device), self._tensors, beam_size)
             sem_ids, scores = beam.sem_ids[:, :k].cpu().numpy(), beam.scores[:, :k].cpu().numpy()
             for sem_row, score_row in zip(sem_ids, scores):
                 results.append([(self.catalog.item_ids[self.catalog.sem_items[s]], float(v))
@@ -98,11 +104,11 @@ class Recommender:
         return results
 
 
-def load_recommender(model_uri: str, device: str = "cpu") -> Recommender:
+def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None) -> Recommender:
     """Loads a model logged by a study: an MLflow URI (``runs:/<id>/model``, ``models:/<name>@best``)
-    or a local final-checkpoint directory."""
+    or a local final-checkpoint directory. ``precision`` (fp32/bf16/auto) defaults to the trial's."""
     if Path(model_uri).is_dir():
-        return Recommender.from_checkpoint(model_uri, device)
+        return Recommender.from_checkpoint(model_uri, device, precision)
     from .tracking import load_checkpoint_dir_from_model
 
-    return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri), device)
+    return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri), device, precision)

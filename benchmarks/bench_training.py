@@ -40,7 +40,7 @@ def measure(args: argparse.Namespace) -> dict:
                          LossConfig(name=args.loss, num_negatives=args.num_negatives, beta=0.2, eta=3e-5),
                          TrainConfig(batch_size=args.batch_size, effective_batch_size=args.batch_size, seed=args.seed,
                                      max_train_samples=args.batch_size * args.steps,
-                                     bf16="bf16" in args.variant, group_by_length="grouped" in args.variant))
+                                     precision="bf16" if "bf16" in args.variant else "fp32", group_by_length="grouped" in args.variant))
     from apao_ray.models import build_model
 
     model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels)

@@ -133,7 +133,7 @@ def test_per_epoch_and_per_prefix_metrics_are_logged_without_loss(study):
         for m in range(1, 5):
             assert len(tracker.metric_history(run.info.run_id, f"val/prefix_recall_at_20_m{m}")) == 3
         metrics = run.data.metrics
-        for key in ("test/recall_at_10", "test/ndcg_at_10", "test/prefix_recall_at_20_m4", "val/beam_retention_at_20",
+        for key in ("test/recall_at_10", "test/ndcg_at_10", "test/prefix_recall_at_20_m4", "test/beam_retention_at_20",
                     "perf/samples_per_second", "train/loss"):
             assert key in metrics, key
         # prefix recall cannot grow with depth: a length-m prefix survives only if its parent did

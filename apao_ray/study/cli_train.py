@@ -9,10 +9,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import BACKBONE_NAMES, WEIGHTING_MODES, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+from ..config import BACKBONE_NAMES, PRECISIONS, WEIGHTING_MODES, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from ..data import known_dataset_names
 
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. a container's or taskset's), >= 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 def positive_int(text: str) -> int:
@@ -52,8 +60,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed for init, data order and negatives (default 0)")
     parser.add_argument("--model-size", choices=("paper", "tiny"), default="paper",
                         help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs")
-    parser.add_argument("--bf16", action="store_true", help="bf16 autocast: GPUs, and CPUs with AMX (1.25-1.5x "
-                        "on the 2-vCPU Xeon of benchmarks/RESULTS.md); weights and losses stay float32")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="auto (default): bf16 autocast on GPUs and on CPUs with native bf16 (AVX512-BF16 or "
+                             "AMX), fp32 elsewhere; weights, optimizer and log-softmax normalisers stay float32. "
+                             "The resolved precision is recorded in the checkpoint and MLflow (apao.precision)")
     parser.add_argument("--group-by-length", action="store_true",
                         help="batch histories of similar length: less padding, faster epochs (Office: see "
                              "benchmarks/RESULTS.md); the paper's runs used random batches")
@@ -64,7 +74,7 @@ def train_config_from_args(args: argparse.Namespace, **overrides: Any) -> dict[s
     values = dict(epochs=args.epochs, patience=args.patience, batch_size=args.batch_size,
                   effective_batch_size=max(args.effective_batch_size, args.batch_size), lr=args.lr,
                   beam_size=args.beam_size, seed=args.seed, max_train_samples=args.max_train_samples,
-                  eval_max_users=args.eval_max_users, bf16=args.bf16, group_by_length=args.group_by_length)
+                  eval_max_users=args.eval_max_users, precision=args.precision, group_by_length=args.group_by_length)
     values.update(overrides)
     return values
 
@@ -90,8 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--weighting", choices=WEIGHTING_MODES, default="mirror", help="prefix weighting (default mirror)")
     parser.add_argument("--pretrain-ce-epochs", type=int, default=0, help="two-stage: CE epochs before the loss")
     parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default 1)")
-    parser.add_argument("--cpus-per-worker", type=positive_int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="CPUs (torch threads) per worker (default: all but one)")
+    parser.add_argument("--cpus-per-worker", type=positive_int, default=available_cpus(),
+                        help="CPUs reserved per worker, used as its torch threads (default: all of this "
+                             "machine's, %(default)s here)")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
     parser.add_argument("--max-failures", type=int, default=0, help="worker restarts from the last checkpoint")
     parser.add_argument("--run-name", help="name of the run under --output-dir (default from the flags)")

@@ -11,7 +11,7 @@ from typing import Any
 from ray import tune
 
 from ..tracking import Tracker
-from ..training.loop import RESUMED_HISTORY_KEY
+from ..training.loop import PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..training.worker import WORKER_NODE_KEY
 from . import plots
 from .space import trial_choices
@@ -20,6 +20,7 @@ TRIAL_TAG = "apao.trial_id"
 STUDY_TAG = "apao.study"
 OUTCOME_TAG = "apao.outcome"
 NODE_TAG = "apao.node_id"
+PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its worker (fp32/bf16)
 INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
 TERMINAL = ("TERMINATED", "ERROR")
 
@@ -113,7 +114,8 @@ class MlflowStudyCallback(tune.Callback):
         step = int(result.get("epoch", result.get("training_iteration", 0)))
         self.logged_metrics += self.tracker.log_metrics(run_id, metrics, step)
         if result.get(WORKER_NODE_KEY) and trial.trial_id not in self._nodes_tagged:
-            self.tracker.set_tags(run_id, {NODE_TAG: result[WORKER_NODE_KEY], "apao.node_ip": result.get("node_ip", "")})
+            self.tracker.set_tags(run_id, {NODE_TAG: result[WORKER_NODE_KEY], "apao.node_ip": result.get("node_ip", ""),
+                                           PRECISION_TAG: result.get(PRECISION_KEY, "")})
             self._nodes_tagged.add(trial.trial_id)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:

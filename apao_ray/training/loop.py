@@ -24,10 +24,12 @@ from ..losses import build_loss
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .evaluation import evaluate_split, select_users
 from .hooks import TrainingHooks
+from .precision import resolve_precision
 from .steps import EpochRunner
 
 
 RESUMED_HISTORY_KEY = "resumed_history"  # per-epoch metrics so far, in the first report after a resume
+PRECISION_KEY = "precision"  # the resolved precision (fp32/bf16), in every report
 
 
 class NonFiniteLossError(RuntimeError):
@@ -83,10 +85,40 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
 
 
+class EpochProgress:
+    """Progress lines inside a long epoch: samples done, samples/s, ETA of the epoch and the trial.
+
+    At most one line every ``interval`` seconds (the first after ``interval``), so short epochs
+    print nothing extra and long ones are never silent for long.
+    """
+
+    def __init__(self, hooks: TrainingHooks, epoch: int, num_epochs: int, seconds_per_other_epoch: float | None,
+                 interval: float = 60.0) -> None:
+        self.hooks, self.epoch, self.num_epochs = hooks, epoch, num_epochs
+        self.seconds_per_other_epoch = seconds_per_other_epoch
+        self.interval = interval
+        self.started = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.interval or done >= total:
+            return
+        self.last = now
+        rate = done / (now - self.started)
+        epoch_left = (total - done) / rate
+        # later epochs take what this one is taking (validation included once measured)
+        per_epoch = self.seconds_per_other_epoch or total / rate
+        trial_left = epoch_left + (self.num_epochs - self.epoch) * per_epoch
+        self.hooks.log(f"epoch {self.epoch}/{self.num_epochs}: {done:,}/{total:,} samples, {rate:.0f} samples/s, "
+                       f"epoch ETA {epoch_left / 60:.1f} min, trial ETA <= {trial_left / 60:.0f} min")
+
+
 def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None = None) -> dict[str, Any]:
     """Trains one trial to the end (or early stop) and returns its final metrics (incl. test/*)."""
     from ..models import build_model  # models import torch only; kept local for a light import
 
+    # 'auto' becomes this worker's precision: recorded in the checkpoint, the reports and MLflow
+    config = config.replace(train=config.train.replace(precision=resolve_precision(config.train.precision, hooks.device)))
     train_cfg, loss_cfg = config.train, config.loss
     torch.manual_seed(train_cfg.seed)
     dataset = dataset or load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
@@ -140,13 +172,15 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
             reference = _frozen_copy(_unwrap(model), _unwrap(model).state_dict())
         tick = time.perf_counter()
         with _memory_errors_named(config, "training", epoch, loss_fn.num_negatives):
+            progress = EpochProgress(hooks, epoch, train_cfg.epochs,
+                                     float(np.median(epoch_times)) if epoch_times else None)
             train_metrics = runner.train_epoch(epoch, model, loss_fn, optimizer, scheduler,
-                                               reference if loss_fn.needs_reference else None)
+                                               reference if loss_fn.needs_reference else None, progress)
         if not math.isfinite(train_metrics["train/loss"]):
             raise NonFiniteLossError(f"training loss became {train_metrics['train/loss']} in epoch {epoch} "
                                      f"(loss {loss_fn.name!r}, lr {train_cfg.lr}); stopping this trial")
         train_seconds = time.perf_counter() - tick
-        metrics: dict[str, Any] = {"epoch": epoch, **train_metrics}
+        metrics: dict[str, Any] = {"epoch": epoch, PRECISION_KEY: train_cfg.precision, **train_metrics}
         if resumed_after:
             metrics["train/resumed_after_epoch"] = resumed_after
         report_history = epoch == resumed_after + 1 and resumed_after > 0  # lets a tracker fill what it missed
@@ -188,7 +222,7 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
             break
 
     final: dict[str, Any] = dict(state["history"][-1]) if state["history"] else {}
-    final.update({"epochs_trained": state["epoch"], "best/epoch": state["best_epoch"],
+    final.update({"epochs_trained": state["epoch"], "best/epoch": state["best_epoch"], PRECISION_KEY: train_cfg.precision,
                   "perf/total_seconds": time.perf_counter() - started, "done": True})
     if hooks.rank == 0:
         _unwrap(model).load_state_dict(best_weights)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ from ..losses import sample_negatives
 from ..losses.base import LossInputs, LossOutput
 from ..models.base import label_log_probs
 from .evaluation import select_users
+from .precision import autocast
 
 
 class EpochRunner:
@@ -49,7 +50,12 @@ class EpochRunner:
         return self.sem_tokens[sem], self.tensors.leaf_prefix_nodes[sem]
 
     def train_epoch(self, epoch: int, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, reference: nn.Module | None) -> dict[str, float]:
+                    scheduler: Any, reference: nn.Module | None,
+                    progress: Callable[[int, int], None] | None = None) -> dict[str, float]:
+        """One pass over this rank's shuffled share of the training samples.
+
+        ``progress(samples_done, samples_total)`` is called after every optimizer step.
+        """
         train = self.config.train
         model.train()
         rng = np.random.default_rng([train.seed, epoch])
@@ -59,8 +65,7 @@ class EpochRunner:
         if train.group_by_length:
             local = group_by_length(local, split.history_lengths, train.batch_size, rng)
         generator = torch.Generator().manual_seed(train.seed * 1_000_003 + epoch * 101 + self.rank)
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                  enabled=train.bf16)
+        precision = autocast(train.precision, self.device)  # run_trial resolved 'auto' for this device
         sums: dict[str, float] = defaultdict(float)
         step_size = train.batch_size * self.accumulation
         for start in range(0, len(local), step_size):
@@ -75,11 +80,11 @@ class EpochRunner:
                 # gradients are all-reduced once per optimizer step, not per micro-batch
                 sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
                 with sync:
-                    with autocast:
+                    with precision:
                         logits = model(batch.history_ids, batch.history_mask, candidates)     # (B, C, T, V)
                     ref_logp = None
                     if reference is not None:
-                        with torch.no_grad(), autocast:
+                        with torch.no_grad(), precision:
                             ref_logits = reference(batch.history_ids, batch.history_mask, candidates)
                         ref_logp = label_log_probs(ref_logits.float(), candidates)           # (B, C, T)
                     output = loss_fn(LossInputs(logits.float(), candidates, nodes, ref_logp))
@@ -96,6 +101,8 @@ class EpochRunner:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
             optimizer.step()
             scheduler.step()
+            if progress is not None:
+                progress(start + len(step_indices), len(local))
             if prefix_sum is not None:
                 if self.world_size > 1 and torch.distributed.is_initialized():
                     # every rank must apply the same adaptive-weight update
