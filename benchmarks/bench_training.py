@@ -1,26 +1,48 @@
-"""Training throughput per (backbone, loss) on Office-sized batches, through the real epoch loop.
+"""Training throughput per (backbone, loss, variant, micro-batch) on Office, through the real epoch loop,
+optionally A/B against the code of an earlier git revision.
 
 Each measurement runs in a fresh subprocess (so peak RSS is per configuration) that trains
-``--steps`` optimizer steps of ``--batch-size`` real Office samples with ``EpochRunner`` after one
-warm-up step; configurations are interleaved across ``--repeats`` rounds and medians reported, with
-each configuration's ratio to fp32 CE of the same backbone, measured in the same rounds. Prints a table, writes JSON.
+``--steps`` optimizer steps of ``--effective-batch-size`` real Office samples (micro-batches of
+``--batch-size``, gradient accumulation) with ``EpochRunner`` after one warm-up micro-batch.
+Configurations are interleaved across ``--repeats`` rounds in alternating order and medians
+reported, each with its ratio to the first variant's CE of the same backbone in the same rounds.
 
-    python benchmarks/bench_training.py --data-dir ../shared/datasets
+Variants: ``default`` (what a user gets: precision auto, random batches), ``fp32``, ``bf16``,
+``grouped`` (--group-by-length, fp32), ``bf16+grouped``. ``--baseline-rev REV`` also runs the
+tree at REV (a temporary git worktree) with its own copy of this script: its ``fp32`` random
+batches were the default before the speed work; rows are labelled ``@REV``.
+
+    python benchmarks/bench_training.py --backbones tiger --losses ce --baseline-rev 0e64951
+    python benchmarks/bench_training.py --epoch   # one full epoch + validation at the defaults
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
 import resource
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_A100_SECONDS = {"ce": 15, "apao_pointwise": 15, "apao_pairwise": 163}  # SPEC §6, TIGER on Office
+REFERENCE_SAMPLES_PER_SECOND = 41.0  # the authors' code, TIGER CE on Office, 2 CPUs (PERFORMANCE_TARGETS.md)
+VARIANTS = {"default": ("auto", False), "fp32": ("fp32", False), "bf16": ("bf16", False),
+            "grouped": ("fp32", True), "bf16+grouped": ("bf16", True)}
+
+
+def cpu_model() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown CPU"
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -31,33 +53,88 @@ def measure(args: argparse.Namespace) -> dict:
     from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
     from apao_ray.data import load_dataset
     from apao_ray.losses import build_loss
+    from apao_ray.models import build_model
     from apao_ray.training.loop import _optimizer, _schedule
+    from apao_ray.training.precision import resolve_precision
     from apao_ray.training.steps import EpochRunner
 
     torch.set_num_threads(args.threads)
+    precision, grouped = VARIANTS[args.variant]
     dataset = load_dataset(args.dataset, args.data_dir)
     config = TrialConfig(DataConfig(dataset=args.dataset), ModelConfig(backbone=args.backbone),
                          LossConfig(name=args.loss, num_negatives=args.num_negatives, beta=0.2, eta=3e-5),
-                         TrainConfig(batch_size=args.batch_size, effective_batch_size=args.batch_size, seed=args.seed,
-                                     max_train_samples=args.batch_size * args.steps,
-                                     precision="bf16" if "bf16" in args.variant else "fp32", group_by_length="grouped" in args.variant))
-    from apao_ray.models import build_model
-
+                         TrainConfig(batch_size=args.batch_size, effective_batch_size=args.effective_batch_size,
+                                     seed=args.seed, max_train_samples=args.effective_batch_size * args.steps,
+                                     precision=resolve_precision(precision, "cpu"), group_by_length=grouped))
     model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels)
     tensors = dataset.catalog.tensors()
     loss = build_loss(config.loss, tensors)
     optimizer = _optimizer(model, 5e-4, 0.01)
     scheduler = _schedule(optimizer, 10 * args.steps, 0.01)
-    warmup = EpochRunner(config.replace(train=config.train.replace(max_train_samples=args.batch_size)),
-                         dataset, tensors, torch.device("cpu"))
-    warmup.train_epoch(1, model, loss, optimizer, scheduler, None)
+    warmup = config.train.replace(max_train_samples=args.batch_size, effective_batch_size=args.batch_size)
+    EpochRunner(config.replace(train=warmup), dataset, tensors, torch.device("cpu")).train_epoch(
+        1, model, loss, optimizer, scheduler, None)
     runner = EpochRunner(config, dataset, tensors, torch.device("cpu"))
     start = time.perf_counter()
     metrics = runner.train_epoch(2, model, loss, optimizer, scheduler, None)
     seconds = time.perf_counter() - start
     return {"samples_per_second": metrics["train/num_samples"] / seconds, "seconds": seconds,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "num_train_samples": len(dataset.splits["train"])}
+            "precision": config.train.precision, "num_train_samples": len(dataset.splits["train"])}
+
+
+def measure_epoch(args: argparse.Namespace) -> dict:
+    """One full epoch of TIGER CE at the trial defaults through ``run_trial``, validation included."""
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from apao_ray.config import DataConfig, ModelConfig, TrainConfig, TrialConfig
+    from apao_ray.training.hooks import TrainingHooks
+    from apao_ray.training.loop import run_trial
+
+    torch.set_num_threads(args.threads)
+    config = TrialConfig(DataConfig(dataset=args.dataset, data_dir=args.data_dir),
+                         ModelConfig(backbone=args.backbones.split(",")[0]),
+                         train=TrainConfig(epochs=1, retention_users=0))
+    with tempfile.TemporaryDirectory() as directory:
+        hooks = TrainingHooks(directory, verbose=True)
+        run_trial(config, hooks)
+    epoch = hooks.reports[0]
+    return {"epoch_seconds": epoch["perf/epoch_seconds"], "train_seconds": epoch["perf/train_seconds"],
+            "validation_seconds": epoch["perf/epoch_seconds"] - epoch["perf/train_seconds"],
+            "samples_per_second": epoch["perf/samples_per_second"], "precision": epoch["precision"],
+            "val_users": epoch["val/num_users_evaluated"],
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+class Baseline:
+    """The tree at an earlier revision, checked out into a temporary git worktree."""
+
+    def __init__(self, rev: str) -> None:
+        self.rev = rev
+        self.path = Path(tempfile.mkdtemp(prefix="apao-baseline-")) / "tree"
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(self.path), rev],
+                       check=True, capture_output=True)
+
+    def close(self) -> None:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(self.path)], capture_output=True)
+
+
+def run_one(script: Path, backbone: str, loss: str, variant: str, batch_size: int, args: argparse.Namespace,
+            is_baseline: bool) -> dict:
+    common = ["--data-dir", args.data_dir, "--dataset", args.dataset, "--threads", str(args.threads),
+              "--num-negatives", str(args.num_negatives), "--seed", str(args.seed)]
+    if is_baseline:  # the old script: --batch-size is the whole optimizer step, no accumulation
+        extra = ["--batch-size", str(batch_size), "--steps", str(args.steps * args.effective_batch_size // batch_size)]
+    else:
+        extra = ["--batch-size", str(batch_size), "--effective-batch-size", str(args.effective_batch_size),
+                 "--steps", str(args.steps)]
+    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+    done = subprocess.run([sys.executable, str(script), "--one", backbone, loss, variant, *common, *extra],
+                          capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} {backbone} {loss} {variant} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main() -> int:
@@ -66,55 +143,82 @@ def main() -> int:
     parser.add_argument("--dataset", default="office")
     parser.add_argument("--backbones", default="tiger,llama")
     parser.add_argument("--losses", default="ce,apao_pointwise,apao_pairwise")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--batch-sizes", default="256", help="comma list of micro-batch sizes (default 256)")
+    parser.add_argument("--effective-batch-size", type=int, default=1024, help="samples per optimizer step")
     parser.add_argument("--num-negatives", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=4, help="optimizer steps measured per run")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps measured per run (default 2)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variants", default="fp32", help="comma list, interleaved with the rest: fp32; bf16 (bf16 "
-                        "autocast, AMX on recent x86 CPUs); grouped (--group-by-length); bf16+grouped")
+    parser.add_argument("--variants", default="default", help=f"comma list from {list(VARIANTS)} (default: default)")
+    parser.add_argument("--baseline-rev", help="also run this git revision's code (A/B interleaved), e.g. 0e64951")
+    parser.add_argument("--baseline-variants", default="fp32", help="variants for the baseline (default fp32)")
+    parser.add_argument("--epoch", action="store_true", help="time one full epoch + validation at the defaults instead")
     parser.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "training.json"))
     parser.add_argument("--one", nargs=3, metavar=("BACKBONE", "LOSS", "VARIANT"), help=argparse.SUPPRESS)
+    parser.add_argument("--batch-size", type=int, default=256, help=argparse.SUPPRESS)  # for --one
     args = parser.parse_args()
     if args.one:
         args.backbone, args.loss, args.variant = args.one
         print(json.dumps(measure(args)))
         return 0
-    configs = [(b, l, p) for b in args.backbones.split(",") for l in args.losses.split(",")
-               for p in args.variants.split(",")]
+    header = {"cpu": cpu_model(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
+              "load_average_at_start": os.getloadavg()[0]}
+    if args.epoch:
+        result = {**header, **measure_epoch(args)}
+        print(json.dumps(result, indent=2))
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+        return 0
+    # SIGTERM (timeout, kill) unwinds through `finally`, so the baseline worktree is removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    baseline = Baseline(args.baseline_rev) if args.baseline_rev else None
+    configs = [(b, l, v, int(s), False) for b in args.backbones.split(",") for l in args.losses.split(",")
+               for v in args.variants.split(",") for s in args.batch_sizes.split(",")]
+    if baseline:
+        configs += [(b, l, v, 128, True) for b in args.backbones.split(",") for l in args.losses.split(",")
+                    for v in args.baseline_variants.split(",")]
 
-    def label(backbone: str, loss: str, variant: str) -> str:
-        return f"{backbone}/{loss}" + ("" if variant == "fp32" else f" {variant}")
+    def label(backbone: str, loss: str, variant: str, batch_size: int, is_baseline: bool) -> str:
+        suffix = f"@{args.baseline_rev}" if is_baseline else f" b{batch_size}"
+        return f"{backbone}/{loss} {variant}{suffix}"
 
     runs: dict[str, list[dict]] = {label(*c): [] for c in configs}
-    for round_index in range(args.repeats):
-        order = configs if round_index % 2 == 0 else configs[::-1]  # A/B interleaved, alternating order
-        for config in order:
-            command = [sys.executable, __file__, "--one", *config, *sys.argv[1:]]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
-            runs[label(*config)].append(json.loads(done.stdout.strip().splitlines()[-1]))
-            print(f"round {round_index + 1}: {label(*config)} {runs[label(*config)][-1]['samples_per_second']:.1f} "
-                  "samples/s", file=sys.stderr, flush=True)
+    try:
+        for round_index in range(args.repeats):
+            order = configs if round_index % 2 == 0 else configs[::-1]  # A/B interleaved, alternating order
+            for config in order:
+                script = (baseline.path if config[4] else ROOT) / "benchmarks" / "bench_training.py"
+                runs[label(*config)].append(run_one(script, *config[:4], args, config[4]))
+                print(f"round {round_index + 1}: {label(*config)} {runs[label(*config)][-1]['samples_per_second']:.1f} "
+                      f"samples/s (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
+    finally:
+        if baseline:
+            baseline.close()
     rows = []
-    for backbone, loss, variant in configs:
-        key, ce_key = label(backbone, loss, variant), label(backbone, "ce", "fp32")
+    first = configs[0]
+    for config in configs:
+        key = label(*config)
+        reference_key = label(config[0], "ce", first[2], first[3], False)
         speeds = [r["samples_per_second"] for r in runs[key]]
-        ratios = [r["samples_per_second"] / c["samples_per_second"] for r, c in zip(runs[key], runs.get(ce_key, []))]
+        ratios = [r["samples_per_second"] / c["samples_per_second"] for r, c in zip(runs[key], runs.get(reference_key, []))]
         median = statistics.median(speeds)
-        rows.append({"backbone": backbone, "loss": loss, "variant": variant, "samples_per_second": median,
-                     "ratio_to_ce": statistics.median(ratios) if ratios else None,
+        rows.append({"label": key, "backbone": config[0], "loss": config[1], "variant": config[2],
+                     "batch_size": config[3], "baseline": config[4], "precision": runs[key][0].get("precision", "fp32"),
+                     "samples_per_second": median, "ratio_to_first_ce": statistics.median(ratios) if ratios else None,
+                     "ratio_to_reference_code": median / REFERENCE_SAMPLES_PER_SECOND,
                      "epoch_minutes": runs[key][0]["num_train_samples"] / median / 60,
                      "peak_rss_gib": max(r["peak_rss_gib"] for r in runs[key]),
-                     "paper_a100_epoch_seconds": PAPER_A100_SECONDS.get(loss) if backbone == "tiger" else None,
+                     "paper_a100_epoch_seconds": PAPER_A100_SECONDS.get(config[1]) if config[0] == "tiger" else None,
                      "runs": speeds})
-    print(f"{'backbone/loss':<30}{'samples/s':>10}{'x CE':>7}{'epoch min':>11}{'RSS GiB':>9}{'A100 s':>8}")
+    print(f"{header['cpu']}, {args.threads} threads, effective batch {args.effective_batch_size}")
+    print(f"{'configuration':<40}{'samples/s':>10}{'x first CE':>11}{'x ref 41':>9}{'epoch min':>10}{'RSS GiB':>9}")
     for row in rows:
-        ratio = f"{row['ratio_to_ce']:.2f}" if row["ratio_to_ce"] is not None else "-"
-        print(f"{label(row['backbone'], row['loss'], row['variant']):<30}{row['samples_per_second']:>10.1f}{ratio:>7}"
-              f"{row['epoch_minutes']:>11.1f}{row['peak_rss_gib']:>9.2f}{row['paper_a100_epoch_seconds'] or '-':>8}")
+        ratio = f"{row['ratio_to_first_ce']:.2f}" if row["ratio_to_first_ce"] is not None else "-"
+        print(f"{row['label']:<40}{row['samples_per_second']:>10.1f}{ratio:>11}{row['ratio_to_reference_code']:>9.2f}"
+              f"{row['epoch_minutes']:>10.1f}{row['peak_rss_gib']:>9.2f}")
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "one"},
+    Path(args.json_out).write_text(json.dumps({**header, "args": {k: v for k, v in vars(args).items() if k != "one"},
                                                "rows": rows}, indent=2))
     return 0
 

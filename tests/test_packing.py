@@ -85,3 +85,23 @@ def test_cached_decode_step_equals_full_decode(backbone):
         full = model.decode(context, cache.prefix)                               # (B, K, t+1, V)
         assert cache.prefix.shape == (9, num_beams, step)
         assert (logits - full[:, :, -1]).abs().max() <= 1e-10
+
+
+def test_tiger_shared_start_equals_one_candidate_at_a_time_in_float64():
+    """Many candidates per row run BOS once per row; logits and gradients equal per-candidate decoding."""
+    model = paper_like("tiger")
+    ids, mask, candidates = mixed_length_batch(num_rows=11, length=17)
+    results = []
+    for together in (True, False):
+        model.zero_grad()
+        context = model.encode(ids, mask)
+        if together:
+            logits = model.decode(context, candidates[..., :-1])                  # (B, C, T, V), shared start
+        else:
+            logits = torch.cat([model.decode(context, candidates[:, c:c + 1, :-1])  # C = 1: the plain path
+                                for c in range(candidates.shape[1])], dim=1)
+        (logits.cos() * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (shared, shared_grads), (alone, alone_grads) = results
+    assert (shared - alone).abs().max() <= 1e-9
+    assert max(float((a - b).abs().max()) for a, b in zip(shared_grads, alone_grads)) <= 1e-9

@@ -121,19 +121,19 @@ class Attention(nn.Module):
 
     def forward_cached(self, x: torch.Tensor, bias: torch.Tensor, past_keys: torch.Tensor | None,
                        past_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Self-attention of the newest position (N, 1, d) against the cached earlier ones.
+        """Self-attention of S new positions (N, S, d) against cached earlier ones and themselves.
 
         Args:
-            bias: (1, H, 1, t + 1) the new query's bias over all t + 1 positions.
+            bias: (1, H, S, t + S) the new queries' bias over all t + S positions (causal).
             past_keys, past_values: (N, H, t, dh) or None when t = 0.
 
         Returns:
-            (N, 1, d) output, and the (N, H, t + 1, dh) keys and values including the new one.
+            (N, S, d) output, and the (N, H, t + S, dh) keys and values including the new ones.
         """
-        q, k, v = (self.split_heads(proj(x)) for proj in (self.q, self.k, self.v))   # (N, H, 1, dh)
+        q, k, v = (self.split_heads(proj(x)) for proj in (self.q, self.k, self.v))   # (N, H, S, dh)
         if past_keys is not None:
             k, v = torch.cat([past_keys, k], dim=2), torch.cat([past_values, v], dim=2)
-        out = self.attend(q, k, v, bias)                                        # (N, H, 1, dh)
+        out = self.attend(q, k, v, bias)                                        # (N, H, S, dh)
         return self.o(out.transpose(1, 2).reshape(*x.shape[:2], -1)), k, v
 
     def packed_self_attention(self, x: torch.Tensor, packing: PackedHistory,
@@ -210,7 +210,7 @@ class DecoderLayer(nn.Module):
     def step(self, x: torch.Tensor, self_bias: torch.Tensor, past_keys: torch.Tensor | None,
              past_values: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
              key_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer on the newest position only (N, 1, d), reading the earlier ones' cache."""
+        """The layer on new positions only (N, S, d), reading the earlier ones' key/value cache."""
         out, self_keys, self_values = self.self_attn.forward_cached(self.self_norm(x), self_bias,
                                                                     past_keys, past_values)
         return self.cross_and_feed_forward(x + self.dropout(out), keys, values, key_bias), self_keys, self_values
@@ -311,16 +311,39 @@ class TigerBackbone(Backbone):
             (B, C, t + 1, V) logits; position j predicts code j from prefix[..., :j].
         """
         num_rows, num_candidates, prefix_len = prefix.shape
-        bos = prefix.new_full((num_rows, num_candidates, 1), BOS_TOKEN)
-        tokens = torch.cat([bos, prefix], dim=-1).view(num_rows * num_candidates, prefix_len + 1)  # (B*C, t+1)
         seq_len = prefix_len + 1
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=prefix.device).tril()
         self_bias = self.decoder_bias(seq_len, seq_len).masked_fill(~causal, float("-inf"))  # (1, H, t+1, t+1)
+        if num_candidates > 1 and prefix_len > 0:
+            return self._decode_shared_start(context, prefix, self_bias)
+        bos = prefix.new_full((num_rows, num_candidates, 1), BOS_TOKEN)
+        tokens = torch.cat([bos, prefix], dim=-1).view(num_rows * num_candidates, seq_len)  # (B*C, t+1)
         x = self.dropout(self.embedding(tokens))                                # (B*C, t+1, d)
         for layer, keys, values in zip(self.decoder_layers, context.cross_keys, context.cross_values):
             x = layer(x, self_bias, keys, values, context.key_bias)
         logits = self.lm_head(x)                                                # (B*C, t+1, V)
         return logits.view(num_rows, num_candidates, seq_len, self.vocab_size)
+
+    def _decode_shared_start(self, context: TigerContext, prefix: torch.Tensor, self_bias: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode` with position 0 (BOS) run once per row, not once per candidate.
+
+        Every candidate of a row starts with the same BOS state, so it is computed for the B
+        rows and its keys/values are shared by the C candidates' positions 1..t: the pairwise
+        loss's decoder runs t of every t + 1 positions per candidate (and BOS's dropout mask,
+        in training, is shared by a row's candidates).
+        """
+        num_rows, num_candidates, prefix_len = prefix.shape
+        first, start = self.decode_step(context, None)                         # (B, 1, V); K/V (B, 1, H, 1, dh)
+        x = self.dropout(self.embedding(prefix.reshape(num_rows * num_candidates, prefix_len)))  # (B*C, t, d)
+        bias = self_bias[:, :, 1:]                                              # (1, H, t, t+1)
+        for index, layer in enumerate(self.decoder_layers):
+            shared = [cached.expand(-1, num_candidates, -1, -1, -1).flatten(0, 1)  # (B*C, H, 1, dh)
+                      for cached in (start.keys[index], start.values[index])]
+            x, _, _ = layer.step(x, bias, *shared, context.cross_keys[index], context.cross_values[index],
+                                 context.key_bias)
+        rest = self.lm_head(x).view(num_rows, num_candidates, prefix_len, self.vocab_size)
+        first = first.unsqueeze(2).expand(-1, num_candidates, -1, -1)          # (B, C, 1, V) view
+        return torch.cat([first.to(rest.dtype), rest], dim=2)                   # (B, C, t+1, V)
 
     def lm_head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and the tied output projection: (..., d) -> (..., V)."""
