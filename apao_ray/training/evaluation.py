@@ -8,6 +8,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..data import CatalogTensors, Dataset, iter_batches
 from ..decoding import evaluate
+from ..decoding.scoring import VOCABULARY_SCORING, StepScoring
 from ..models.base import label_log_probs
 
 
@@ -36,18 +37,19 @@ def split_ce_loss(model: nn.Module, dataset: Dataset, split_name: str, batch_siz
 
 
 def evaluate_split(model: nn.Module, dataset: Dataset, split_name: str, tensors: CatalogTensors,
-                   train: TrainConfig, device: torch.device, indices: np.ndarray | None) -> dict[str, float]:
+                   train: TrainConfig, device: torch.device, indices: np.ndarray | None,
+                   scoring: StepScoring = VOCABULARY_SCORING) -> dict[str, float]:
     """``{split}/recall_at_k``, ndcg, prefix recall, ``loss_ce`` and beam retention on a user subset."""
     prefix = "val" if split_name == "valid" else split_name
     split = dataset.splits[split_name]
     topk = tuple(k for k in train.topk if k <= train.beam_size)
     batches = iter_batches(dataset.catalog, split, train.eval_batch_size, indices=indices)
-    metrics = evaluate(model, batches, tensors, topk=topk, beam_size=train.beam_size, device=device)
+    metrics = evaluate(model, batches, tensors, topk=topk, beam_size=train.beam_size, device=device, scoring=scoring)
     if train.retention_users:
         subset = select_users(len(split), train.retention_users, train.seed + 1)
         retention_batches = iter_batches(dataset.catalog, split, min(train.eval_batch_size, 64), indices=subset)
         retained = evaluate(model, retention_batches, tensors, topk=topk, beam_size=train.beam_size,
-                            with_full_sort=True, device=device)
+                            with_full_sort=True, device=device, scoring=scoring)
         metrics.update({k: v for k, v in retained.items() if k.startswith("beam_retention")})
     metrics["loss_ce"] = split_ce_loss(model, dataset, split_name, train.eval_batch_size, device, indices)
     return {f"{prefix}/{name}": float(value) for name, value in metrics.items()}
