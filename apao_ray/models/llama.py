@@ -159,9 +159,10 @@ class LlamaBackbone(Backbone):
 
     def __init__(self, vocab_size: int, num_levels: int, d_model: int = 128, num_layers: int = 8,
                  num_heads: int = 8, head_dim: int = 16, d_ff: int = 1024, dropout: float = 0.0,
-                 rope_theta: float = 500000.0, norm_eps: float = 1e-5):
+                 rope_theta: float = 500000.0, norm_eps: float = 1e-5, history_eos: bool = True):
         super().__init__()
         self.vocab_size, self.num_levels = vocab_size, num_levels
+        self.history_eos = history_eos  # False: the released code's layout, target right after the history
         self.embedding = nn.Embedding(vocab_size, d_model)  # tied with the LM head
         self.blocks = nn.ModuleList(Block(d_model, num_heads, head_dim, d_ff, dropout, norm_eps)
                                     for _ in range(num_layers))
@@ -207,6 +208,8 @@ class LlamaBackbone(Backbone):
             history_ids: (B, L) tokens, left-padded with PAD, ending with EOS.
             history_mask: (B, L) bool, True on real tokens.
         """
+        if not self.history_eos:  # drop the closing EOS column (every row's last real token)
+            history_ids, history_mask = history_ids[:, :-1], history_mask[:, :-1]
         hidden, keys, values = self._run(history_ids, history_mask)
         return LlamaContext(keys, values, history_mask, history_mask.long().sum(dim=1),
                             hidden[:, -1])                                       # EOS is column L-1

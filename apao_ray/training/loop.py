@@ -21,9 +21,11 @@ from torch import nn
 from ..config import LossConfig, TrialConfig
 from ..data import Dataset, load_dataset
 from ..losses import build_loss
+from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .evaluation import evaluate_split, select_users
 from .hooks import TrainingHooks
+from .selection import LOSS, selection_score, validation_loss
 from .steps import EpochRunner
 
 
@@ -107,7 +109,10 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     optimizer = _optimizer(model, train_cfg.lr, train_cfg.weight_decay)
     scheduler = _schedule(optimizer, train_cfg.epochs * runner.optimizer_steps_per_epoch, train_cfg.warmup_fraction)
     valid_users = select_users(len(dataset.splits["valid"]), train_cfg.eval_max_users, train_cfg.seed)
-    metric_key = f"val/{train_cfg.metric}"
+    check_select_by(config)
+    select_by = config.protocol.select_by
+    select_key, rank_key = f"val/{select_by}", f"val/{train_cfg.metric}"
+    scoring = decoding_scoring(config)  # how this loss's model is decoded (MSL: valid children only)
 
     state: dict[str, Any] = {"epoch": 0, "best_value": -math.inf, "best_epoch": 0, "history": []}
     best_weights = copy.deepcopy(_unwrap(model).state_dict())
@@ -152,16 +157,23 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         report_history = epoch == resumed_after + 1 and resumed_after > 0  # lets a tracker fill what it missed
         if hooks.rank == 0:
             with _memory_errors_named(config, "validating", epoch, loss_fn.num_negatives):
-                metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device, valid_users))
+                metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device, valid_users,
+                                              scoring))
+                if select_by == LOSS:
+                    metrics["val/loss"] = validation_loss(_unwrap(model), loss_fn, runner, dataset, valid_users,
+                                                          train_cfg.eval_batch_size, reference)
         epoch_seconds = time.perf_counter() - tick
         epoch_times.append(epoch_seconds)
-        value = metrics.get(metric_key, -math.inf)
+        value = selection_score(metrics, select_by) if hooks.rank == 0 else -math.inf  # larger is better
         if hooks.rank == 0 and value > state["best_value"]:
             state["best_value"], state["best_epoch"] = value, epoch
             best_weights = copy.deepcopy(_unwrap(model).state_dict())
         state["epoch"] = epoch
+        kept = metrics if state["best_epoch"] == epoch else next(
+            (h for h in state["history"] if h.get("epoch") == state["best_epoch"]), {})
+        metrics.update({f"best/{key}": kept.get(key, -math.inf) for key in (select_key, rank_key)})
         metrics.update({
-            f"best/{metric_key}": state["best_value"], "best/epoch": state["best_epoch"],
+            "best/epoch": state["best_epoch"],
             "perf/epoch_seconds": epoch_seconds, "perf/train_seconds": train_seconds,
             "perf/samples_per_second": train_metrics["train/num_samples"] * hooks.world_size / train_seconds,
             "val/num_users_evaluated": len(valid_users) if valid_users is not None else len(dataset.splits["valid"]),
@@ -179,8 +191,8 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         should_stop = epoch - state["best_epoch"] >= train_cfg.patience
         remaining = (train_cfg.epochs - epoch) * float(np.median(epoch_times))
         hooks.log(f"epoch {epoch}/{train_cfg.epochs} loss {metrics['train/loss']:.4f} "
-                  f"{metrics['perf/samples_per_second']:.0f} samples/s | {metric_key} {value:.4f} "
-                  f"(best {state['best_value']:.4f} @ {state['best_epoch']}) | {epoch_seconds:.1f}s/epoch, "
+                  f"{metrics['perf/samples_per_second']:.0f} samples/s | {select_key} {metrics.get(select_key, value):.4f} "
+                  f"(best {metrics[f'best/{select_key}']:.4f} @ {state['best_epoch']}) | {epoch_seconds:.1f}s/epoch, "
                   f"ETA <= {remaining / 60:.1f} min" + (" | early stop" if should_stop else ""))
         # barrier on Ray Train: every rank reports every epoch
         hooks.report({**metrics, RESUMED_HISTORY_KEY: state["history"][:-1]} if report_history else metrics, checkpoint_dir)
@@ -192,7 +204,7 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                   "perf/total_seconds": time.perf_counter() - started, "done": True})
     if hooks.rank == 0:
         _unwrap(model).load_state_dict(best_weights)
-        final.update(evaluate_split(_unwrap(model), dataset, "test", tensors, train_cfg, device, None))
+        final.update(evaluate_split(_unwrap(model), dataset, "test", tensors, train_cfg, device, None, scoring))
         final_dir = hooks.new_checkpoint_dir(state["epoch"])
         save_checkpoint(final_dir, {**state, "model": best_weights}, best_weights, config.to_dict())
         save_catalog(final_dir, catalog.item_ids, catalog.item_codes)
