@@ -18,6 +18,17 @@ for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_EN
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads; on a shared CPU a 2-thread pool waits on its second thread."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def synthetic():
     from apao_ray.data import load_dataset

@@ -53,12 +53,14 @@ def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
 
 class MlflowStudyCallback(tune.Callback):
     def __init__(self, tracking_uri: str, experiment: str, parent_run_id: str, study_name: str,
-                 train_root: str, trial_params: dict[str, Any], example_history: list[str]) -> None:
+                 train_root: str, trial_params: dict[str, Any], example_history: list[str],
+                 run_tags: dict[str, str] | None = None) -> None:
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.parent_run_id, self.study_name = parent_run_id, study_name
         self.train_root = Path(train_root)
         self.trial_params = trial_params
         self.example_history = example_history
+        self.run_tags = dict(run_tags or {})  # on every child run (apao.protocol, apao.schedule)
         self.run_ids: dict[str, str] = {}
         self.logged_metrics = 0
         self.interrupted: list[str] = []  # trial ids left unfinished when the experiment ended
@@ -86,7 +88,8 @@ class MlflowStudyCallback(tune.Callback):
             choices = trial_choices(trial.config)
             params = {**self.trial_params, **choices}
             run_id = self.tracker.start_run(describe(choices), {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name,
-                                                                "backbone": choices["backbone"], "loss": choices["loss"]},
+                                                                "backbone": choices["backbone"], "loss": choices["loss"],
+                                                                **getattr(self, "run_tags", {})},
                                             params, parent_run_id=self.parent_run_id)
         self.run_ids[trial.trial_id] = run_id
         return run_id
