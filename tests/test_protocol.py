@@ -98,9 +98,13 @@ def test_train_and_sweep_cli_resolve_the_preset_and_flags():
     config = cli_train.trial_config_from_args(args)
     assert resolved_knobs(config) == {**PRESETS["reference"], "label_eos": False, "weighting": "mirror",
                                       "eta": 3e-5, "select_by": "recall_at_20"}
-    sweep_args = cli_sweep.build_parser().parse_args(["--protocol", "reference", "--clip-summed-grad"])
-    assert sweep_args.protocol == "reference" and sweep_args.clip_summed_grad is True
+    sweep_args = cli_sweep.build_parser().parse_args(["--protocol", "reference", "--no-clip-summed-grad",
+                                                       "--eta", "1e-5:1e-4"])
     assert sweep_args.label_eos is None  # not given: the preset decides
+    from apao_ray.study.cli_protocol import apply_protocol_arguments
+
+    swept = apply_protocol_arguments(TrialConfig(), sweep_args, with_eta=False)  # --eta is the search range there
+    assert resolved_knobs(swept) == {**PRESETS["reference"], "clip_summed_grad": False}
     help_text = parser.format_help()
     for flag in ("--protocol", *(f"--{knob.replace('_', '-')}" for knob in KNOBS)):
         assert flag in help_text

@@ -95,7 +95,7 @@ def test_parent_and_one_child_per_trial(study):
     # the protocol and the (short) schedule are named on the parent and every child, knobs are params
     for run in (parent, *children):
         assert run.data.tags["apao.protocol"] == "paper"
-        assert run.data.tags["apao.schedule"] == "3 epochs / patience 5"
+        assert run.data.tags["apao.schedule"].startswith("3 epochs / patience ")  # not the paper's 200 / 20
     assert all(c.data.params["base.protocol.select_by"] == "ndcg_at_10" for c in children)
     assert all(c.data.params["base.model.llama_history_eos"] == "True" for c in children)
     assert "NOT comparable to paper Table 1" in study["stdout"]

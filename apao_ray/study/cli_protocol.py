@@ -57,6 +57,11 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def apply_protocol_arguments(config: TrialConfig, args: argparse.Namespace) -> TrialConfig:
-    """``config`` with ``args.protocol``'s preset, then every knob flag that was given."""
-    return apply_protocol(config, args.protocol, {knob: getattr(args, knob, None) for knob in KNOBS})
+def apply_protocol_arguments(config: TrialConfig, args: argparse.Namespace, with_eta: bool = True) -> TrialConfig:
+    """``config`` with ``args.protocol``'s preset, then every knob flag that was given.
+
+    Args:
+        with_eta: read ``args.eta`` as the eta knob (False for sweep.py, whose --eta is a search range).
+    """
+    knobs = [knob for knob in KNOBS if with_eta or knob != "eta"]
+    return apply_protocol(config, args.protocol, {knob: getattr(args, knob, None) for knob in knobs})
