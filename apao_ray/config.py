@@ -130,7 +130,7 @@ class LossConfig(_Config):
     use_prefix_loss: bool = True       # ablation: without the prefix loss
     drop_level: int | None = None      # ablation: no supervision at prefix level m (1..T)
     beta_pref: float = 1.0             # DPO / DMPO / S-DPO temperature
-    pretrain_ce_epochs: int = 0        # two-stage: CE for this many epochs, then this loss
+    pretrain_ce_epochs: int = 0        # two-stage: CE epochs, then this loss from the best CE epoch (own optimizer)
 
     def __post_init__(self) -> None:
         _check_choice("LossConfig", "weighting", self.weighting, WEIGHTING_MODES)
