@@ -100,7 +100,8 @@ class MlflowStudyCallback(tune.Callback):
     def _backfill(self, run_id: str, history: list[dict[str, Any]]) -> None:
         """Logs the epochs a resumed trial trained before a driver was killed but whose results never
         reached MLflow (the worker sends its history with the first report after a resume)."""
-        present = {step for step, _ in self.tracker.metric_history(run_id, "train/loss")}
+        # perf/epoch_seconds is in every epoch report (a two-stage trial logs train/ under ce_stage/ first)
+        present = {step for step, _ in self.tracker.metric_history(run_id, "perf/epoch_seconds")}
         for entry in history:
             if int(entry.get("epoch", 0)) not in present:
                 self.logged_metrics += self.tracker.log_metrics(
