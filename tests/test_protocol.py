@@ -272,6 +272,26 @@ def test_llama_input_has_or_lacks_the_eos(short, history_eos):
     assert not torch.allclose(model_other(batch.history_ids, batch.history_mask, labels)[:, 0], got)
 
 
+def test_llama_without_eos_reads_an_empty_history_as_its_eos():
+    """Inference may pass an empty history: without the EOS column it would have no token at all."""
+    from apao_ray.data.batches import encode_histories
+
+    short = load_dataset("synthetic", max_history=2)
+    config = apply_protocol(tiny_config(backbone="llama"), "reference")
+    torch.manual_seed(0)
+    model = build_model(config.model, short.catalog.vocab_size, short.catalog.num_levels).eval()
+    ids, mask = encode_histories(short.catalog.item_tokens, np.array([[-1, -1], [-1, 3], [5, 7]]))  # (3, 9)
+    labels = torch.from_numpy(short.catalog.item_tokens[[1, 2, 3]])[:, None]                        # (3, 1, T)
+    logits = model(ids, mask, labels)
+    assert torch.isfinite(logits).all()
+    one_ids, one_mask = encode_histories(short.catalog.item_tokens, np.array([[3]]))                # (1, 5)
+    torch.testing.assert_close(logits[1:2], model(one_ids, one_mask, labels[1:2]), atol=1e-5, rtol=0)
+    with_eos = build_model(tiny_config(backbone="llama").model, short.catalog.vocab_size, short.catalog.num_levels)
+    with_eos.load_state_dict(model.state_dict())
+    only_eos = torch.tensor([[EOS_TOKEN]])
+    torch.testing.assert_close(logits[:1], with_eos.eval()(only_eos, only_eos > 0, labels[:1]), atol=1e-5, rtol=0)
+
+
 def test_tiger_ignores_the_llama_knob(short):
     config = tiny_config("reference", backbone="tiger")
     assert config.model.llama_history_eos is False

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Backbone
+from .base import Backbone, drop_history_eos
 
 
 @dataclass
@@ -208,8 +208,8 @@ class LlamaBackbone(Backbone):
             history_ids: (B, L) tokens, left-padded with PAD, ending with EOS.
             history_mask: (B, L) bool, True on real tokens.
         """
-        if not self.history_eos:  # drop the closing EOS column (every row's last real token)
-            history_ids, history_mask = history_ids[:, :-1], history_mask[:, :-1]
+        if not self.history_eos:
+            history_ids, history_mask = drop_history_eos(history_ids, history_mask)
         hidden, keys, values = self._run(history_ids, history_mask)
         return LlamaContext(keys, values, history_mask, history_mask.long().sum(dim=1),
                             hidden[:, -1])                                       # EOS is column L-1
