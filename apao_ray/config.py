@@ -16,6 +16,7 @@ C = TypeVar("C", bound="_Config")
 BACKBONE_NAMES = ("tiger", "llama")
 PRECISIONS = ("auto", "fp32", "bf16")  # resolved per device by training.precision.resolve_precision
 WEIGHTING_MODES = ("mirror", "per_batch", "uniform", "exp_decay", "hard_max")
+PROTOCOL_NAMES = ("paper", "reference")  # see apao_ray/protocol.py and docs/PROTOCOLS.md
 
 
 class _Config:
@@ -102,6 +103,7 @@ class ModelConfig(_Config):
     head_dim: int | None = None
     d_ff: int | None = None
     dropout: float | None = None
+    llama_history_eos: bool = True     # Llama only: EOS between history and target (the released code has none)
 
     def __post_init__(self) -> None:
         _check_choice("ModelConfig", "backbone", self.backbone, BACKBONE_NAMES)
@@ -123,12 +125,13 @@ class LossConfig(_Config):
     exp_decay_lambda: float = 0.5      # w_m proportional to exp(-lambda * m) for weighting="exp_decay"
     pairwise_divide_by_m: bool = True
     pairwise_scale_negatives: bool = True
+    pairwise_scale_plus_one: bool = False  # (P_m - 1) / (counted + 1) as the released code, not / counted
     pairwise_mask_duplicates: bool = True
     use_ce: bool = True                # ablation: without CE
     use_prefix_loss: bool = True       # ablation: without the prefix loss
     drop_level: int | None = None      # ablation: no supervision at prefix level m (1..T)
     beta_pref: float = 1.0             # DPO / DMPO / S-DPO temperature
-    pretrain_ce_epochs: int = 0        # two-stage: CE for this many epochs, then this loss
+    pretrain_ce_epochs: int = 0        # two-stage: CE epochs, then this loss from the best CE epoch (own optimizer)
 
     def __post_init__(self) -> None:
         _check_choice("LossConfig", "weighting", self.weighting, WEIGHTING_MODES)
@@ -151,7 +154,7 @@ class TrainConfig(_Config):
     weight_decay: float = 0.01
     warmup_fraction: float = 0.01
     patience: int = 20
-    metric: str = "ndcg_at_10"         # validation metric that picks the best epoch
+    metric: str = "ndcg_at_10"         # best/val/<metric>, at the kept epoch, ranks trials (select_by keeps it)
     seed: int = 0
     max_train_samples: int | None = None
     num_workers: int = 1
@@ -189,10 +192,31 @@ class TrainConfig(_Config):
 
 
 @dataclass(frozen=True)
+class ProtocolConfig(_Config):
+    """Which protocol the run follows and its knobs kept here (``apao_ray.protocol`` resolves presets).
+
+    The other protocol knobs live where they act: ``LossConfig.weighting``/``eta``/
+    ``pairwise_scale_plus_one`` and ``ModelConfig.llama_history_eos``.
+    """
+
+    name: str = "paper"                # the preset the knobs were resolved from
+    select_by: str = "ndcg_at_10"      # validation metric that keeps the epoch; "loss" = lowest mean validation loss
+    label_eos: bool = False            # labels are the T codes + EOS: CE over T+1 tokens, beam score + log p(EOS | item)
+    clip_summed_grad: bool = False     # clip (and step with) the sum of the micro-batch gradients, not their mean
+
+    def __post_init__(self) -> None:
+        _check_choice("ProtocolConfig", "name", self.name, PROTOCOL_NAMES)
+        if not self.select_by or "/" in self.select_by:
+            raise ValueError(f"ProtocolConfig.select_by={self.select_by!r} must be 'loss' or a validation metric "
+                             "name without its 'val/' prefix, e.g. 'ndcg_at_10'")
+
+
+@dataclass(frozen=True)
 class TrialConfig(_Config):
-    """One trial = dataset x backbone x loss x training schedule x seed."""
+    """One trial = dataset x backbone x loss x training schedule x seed, under one protocol."""
 
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    protocol: ProtocolConfig = field(default_factory=ProtocolConfig)

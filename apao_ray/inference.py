@@ -16,6 +16,7 @@ from .config import TrialConfig
 from .data import Catalog
 from .data.batches import encode_histories
 from .decoding import beam_search
+from .protocol import decoding_scoring
 from .training.checkpoint import BEST_MODEL_FILE, CONFIG_FILE, load_catalog_arrays
 from .training.precision import autocast, resolve_precision
 
@@ -96,7 +97,8 @@ class Recommender:
         for start in range(0, len(matrix), batch_size):
             ids, mask = encode_histories(self._item_tokens, matrix[start:start + batch_size])
             with autocast(self.precision, self.device):
-                beam = beam_search(self.model, ids.to(self.device), mask.to(self.device), self._tensors, beam_size)
+                beam = beam_search(self.model, ids.to(self.device), mask.to(self.device), self._tensors, beam_size,
+                                   scoring=decoding_scoring(self.config))
             sem_ids, scores = beam.sem_ids[:, :k].cpu().numpy(), beam.scores[:, :k].cpu().numpy()
             for sem_row, score_row in zip(sem_ids, scores):
                 results.append([(self.catalog.item_ids[self.catalog.sem_items[s]], float(v))

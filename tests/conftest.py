@@ -15,7 +15,20 @@ for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_EN
                    "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}.items():
     os.environ.setdefault(key, value)
 
+from apao_ray.training.hooks import TrainingHooks  # noqa: E402 - after the environment above
+
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models gain nothing from threads; on a shared CPU a 2-thread pool waits on its second thread."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")
@@ -35,6 +48,19 @@ def popularity_recall_at_10(synthetic) -> float:
     counts = np.bincount(sem[train.targets], minlength=synthetic.catalog.num_semantic_ids)
     top = np.argsort(-counts, kind="stable")[:10]
     return float(np.isin(sem[test.targets], top).mean())
+
+
+class InterruptedHooks(TrainingHooks):
+    """Dies right after the checkpoint of ``stop_after`` epochs has been stored (a preemption)."""
+
+    def __init__(self, *args, stop_after: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stop_after = stop_after
+
+    def report(self, metrics, checkpoint_dir) -> None:
+        super().report(metrics, checkpoint_dir)
+        if metrics.get("epoch") == self.stop_after and not metrics.get("done"):
+            raise KeyboardInterrupt(f"simulated preemption after epoch {self.stop_after}")
 
 
 def run_script(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None):

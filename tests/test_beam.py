@@ -14,6 +14,7 @@ import torch
 from apao_ray.config import ModelConfig
 from apao_ray.data.catalog import EOS_TOKEN, PAD_TOKEN, Catalog
 from apao_ray.decoding import beam_search, full_sort, topk_from_scores
+from apao_ray.decoding.scoring import StepScoring
 from apao_ray.models import build_model
 
 LEVEL_SIZES = (6, 5, 4, 4)
@@ -54,8 +55,12 @@ def tiny_model(backbone: str, catalog: Catalog) -> torch.nn.Module:
 
 
 @torch.inference_mode()
-def reference_beam(model, history_ids, history_mask, catalog: Catalog, beam_size: int, cache: dict):
+def reference_beam(model, history_ids, history_mask, catalog: Catalog, beam_size: int, cache: dict,
+                   over_valid_children: bool = False, temperature: float = 1.0):
     """Plain-Python constrained beam search for ONE row (history (1, L)).
+
+    ``over_valid_children``: each step's softmax (of logits / temperature) runs over the valid
+    children of the prefix only (how an MSL model is decoded), not over the vocabulary.
 
     Returns (items, node_lists): items = [(sem index, score)] best first; node_lists[m-1] =
     node ids of the prefixes kept after step m, best first.
@@ -71,9 +76,16 @@ def reference_beam(model, history_ids, history_mask, catalog: Catalog, beam_size
     def score(codes: tuple[int, ...]) -> float:
         if codes not in cache:  # one teacher-forced call per candidate prefix
             tokens = torch.tensor([[[code + int(offsets[m]) for m, code in enumerate(codes)]]])
-            logits = model.candidate_logits(history_ids, history_mask, tokens)[0, 0]  # (m, V)
-            log_probs = torch.log_softmax(logits, dim=-1)
-            cache[codes] = sum(float(log_probs[m, tokens[0, 0, m]]) for m in range(len(codes)))
+            logits = model.candidate_logits(history_ids, history_mask, tokens)[0, 0] / temperature  # (m, V)
+            total = 0.0
+            for m in range(len(codes)):
+                allowed = range(logits.shape[-1])  # every token
+                if over_valid_children:
+                    allowed = [int(offsets[m]) + c for c in range(catalog.level_sizes[m])
+                               if catalog.child_node[m][node_of(codes[:m]), c] >= 0]
+                total += float(torch.log_softmax(logits[m, list(allowed)], dim=-1)[
+                    list(allowed).index(int(tokens[0, 0, m]))])
+            cache[codes] = total
         return cache[codes]
 
     kept: list[tuple[int, ...]] = [()]
@@ -224,3 +236,74 @@ def test_evaluate_matches_metrics_and_restores_mode(setup):
     assert results["beam_retention_at_60"] == pytest.approx(beam_retention(beam.sem_ids, exact))
     with pytest.raises(ValueError, match=r"\[10\] must be ints in \[1, beam_size=5\]"):
         evaluate(model, iter_batches(catalog, test, 4), tensors, topk=(1, 10), beam_size=5)
+
+
+@pytest.mark.parametrize("beam_size", [1, 3, 8])
+def test_msl_beam_equals_brute_force_over_valid_children(setup, beam_size):
+    """MSL's scores are normalised over the valid children only (at its temperature): the beam
+    equals a brute force over those scores, and differs from the full-vocabulary beam."""
+    model, catalog, history_ids, history_mask, _ = setup
+    scoring = StepScoring("valid_children", temperature=2.0)
+    result = beam_search(model, history_ids, history_mask, catalog.tensors(), beam_size, scoring=scoring)
+    for row in range(NUM_ROWS):
+        items, node_lists = reference_beam(model, history_ids[row:row + 1], history_mask[row:row + 1], catalog,
+                                           beam_size, {}, over_valid_children=True, temperature=2.0)
+        assert result.sem_ids[row].tolist() == [sem for sem, _ in items]
+        torch.testing.assert_close(result.scores[row], torch.tensor([s for _, s in items], dtype=torch.float64),
+                                   atol=1e-5, rtol=0)
+        for depth, nodes in enumerate(node_lists):  # prefix recall reads these
+            got = result.prefix_nodes[depth][row].tolist()
+            assert got == padded(nodes, len(got), -1)
+    # normalised over the children, a prefix's continuations sum to 1: probabilities never leak
+    full = full_sort(model, history_ids, history_mask, catalog.tensors(), scoring=scoring)
+    torch.testing.assert_close(full.exp().sum(dim=1), torch.ones(NUM_ROWS, dtype=torch.float64))
+    plain = beam_search(model, history_ids, history_mask, catalog.tensors(), beam_size)
+    assert not torch.allclose(plain.scores, result.scores)
+
+
+def test_msl_full_beam_equals_full_sort(setup):
+    """Full sort and retention use the same valid-children scores as the beam."""
+    model, catalog, history_ids, history_mask, _ = setup
+    scoring = StepScoring("valid_children", temperature=3.0)
+    num_sem = catalog.num_semantic_ids
+    result = beam_search(model, history_ids, history_mask, catalog.tensors(), num_sem, scoring=scoring)
+    sem_ids, top = topk_from_scores(full_sort(model, history_ids, history_mask, catalog.tensors(), 41, scoring),
+                                    num_sem)
+    assert torch.equal(result.sem_ids, sem_ids)
+    torch.testing.assert_close(result.scores, top, atol=1e-5, rtol=0)
+
+
+def test_msl_loss_declares_valid_children_decoding():
+    from apao_ray.config import LossConfig, TrialConfig
+    from apao_ray.protocol import decoding_scoring
+
+    msl = decoding_scoring(TrialConfig(loss=LossConfig(name="msl", tau=2.0)))
+    assert (msl.normaliser, msl.temperature, msl.end_token) == ("valid_children", 2.0, None)
+    for name in ("ce", "apao_pointwise", "apao_pairwise"):
+        assert decoding_scoring(TrialConfig(loss=LossConfig(name=name))).normaliser == "vocabulary"
+
+
+@pytest.mark.parametrize("beam_size", [3, 8])
+def test_end_token_score_is_codes_plus_log_p_eos(setup, beam_size):
+    """label_eos: a beam item's score is the sum of its 4 code log-probs plus log p(EOS | item),
+    and the K items kept by S^T are re-ranked by that score."""
+    model, catalog, history_ids, history_mask, caches = setup
+    scoring = StepScoring(end_token=EOS_TOKEN)
+    result = beam_search(model, history_ids, history_mask, catalog.tensors(), beam_size, scoring=scoring)
+    full = full_sort(model, history_ids, history_mask, catalog.tensors(), scoring=scoring)
+    sem_tokens = torch.from_numpy(catalog.sem_tokens)
+    for row in range(NUM_ROWS):
+        items, _ = reference_beam(model, history_ids[row:row + 1], history_mask[row:row + 1], catalog, beam_size,
+                                  caches[row])
+        expected = {}
+        for sem, code_score in items:
+            labels = torch.cat([sem_tokens[sem], torch.tensor([EOS_TOKEN])])[None, None]  # (1, 1, T+1)
+            logits = model.candidate_logits(history_ids[row:row + 1], history_mask[row:row + 1], labels)
+            log_p_eos = float(torch.log_softmax(logits[0, 0, -1].detach(), -1)[EOS_TOKEN])
+            expected[sem] = code_score + log_p_eos
+            assert log_p_eos < 0
+            torch.testing.assert_close(float(full[row, sem]), expected[sem], atol=1e-6, rtol=0)
+        ranked = sorted(expected, key=expected.get, reverse=True)
+        assert result.sem_ids[row].tolist() == ranked
+        torch.testing.assert_close(result.scores[row], torch.tensor([expected[s] for s in ranked],
+                                                                    dtype=torch.float64), atol=1e-5, rtol=0)

@@ -92,6 +92,13 @@ def test_parent_and_one_child_per_trial(study):
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parent.info.run_id}
     assert len({c.data.tags["apao.trial_id"] for c in children}) == 4  # no duplicates
     assert {c.data.tags["loss"] for c in children} == {"ce", "apao_pointwise"}
+    # the protocol and the (short) schedule are named on the parent and every child, knobs are params
+    for run in (parent, *children):
+        assert run.data.tags["apao.protocol"] == "paper"
+        assert run.data.tags["apao.schedule"].startswith("3 epochs / patience ")  # not the paper's 200 / 20
+    assert all(c.data.params["base.protocol.select_by"] == "ndcg_at_10" for c in children)
+    assert all(c.data.params["base.model.llama_history_eos"] == "True" for c in children)
+    assert "NOT comparable to paper Table 1" in study["stdout"]
     assert all(c.info.status in ("FINISHED", "KILLED") for c in children)  # KILLED = stopped by ASHA
     names = {c.info.run_name for c in children}
     assert "tiger/ce" in names and any(n.startswith("tiger/apao_pointwise b=") and "eta=" in n for n in names)

@@ -10,12 +10,13 @@ chunks of rows (cache blocking, see ``CPU_ROW_CHUNK``) -- never over beams, rows
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from ..data.catalog import CatalogTensors
+from .scoring import VOCABULARY_SCORING, StepScoring
 
 
 @dataclass(frozen=True)
@@ -46,24 +47,6 @@ def check_beam_size(beam_size: int, num_semantic_ids: int) -> None:
                          f"catalog ({num_semantic_ids}); choose beam_size <= {num_semantic_ids}")
 
 
-def level_log_probs(logits: torch.Tensor, offset: int, size: int) -> torch.Tensor:
-    """Log-softmax over the FULL vocabulary, kept only on one level's code tokens.
-
-    Args:
-        logits: (..., V) next-token logits.
-        offset: token id of code 0 at this level.
-        size: number of codes at this level.
-
-    Returns:
-        (..., size) float log-probabilities ``s^t`` of the level's codes (SPEC §3: the
-        normaliser covers every token, so invalid and special tokens keep their mass).
-    """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # the normaliser loses digits in half precision
-    # logsumexp + slice instead of a full (..., V) log_softmax: only `size` columns are written
-    return logits[..., offset:offset + size] - torch.logsumexp(logits, dim=-1, keepdim=True)
-
-
 # Rows decoded together on a CPU. At 256 rows x 20 beams the decoder's (B*K, t+1, d_ff)
 # activations outgrow the CPU caches: 64-row chunks ran Llama 1.7x faster on the 2-CPU
 # benchmark machine (TIGER: unchanged; 24-96 rows all within noise; benchmarks/RESULTS.md,
@@ -73,7 +56,8 @@ CPU_ROW_CHUNK = 64
 
 @torch.inference_mode()
 def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
-                catalog: CatalogTensors, beam_size: int = 20, row_chunk_size: int | None = None) -> BeamResult:
+                catalog: CatalogTensors, beam_size: int = 20, row_chunk_size: int | None = None,
+                scoring: StepScoring = VOCABULARY_SCORING) -> BeamResult:
     """Constrained beam search (SPEC §4): keep the K best valid prefixes by S^t at every step.
 
     At step t every kept prefix is extended by every code of level t that is a child of its
@@ -95,6 +79,8 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
         catalog: trie tables on the model's device.
         beam_size: K, 1 <= K <= number of semantic IDs.
         row_chunk_size: rows per search; default ``CPU_ROW_CHUNK`` on CPU, all rows elsewhere.
+        scoring: how step scores are normalised (the trained loss's rule); with an end token
+            the K items are re-ranked by S^T + log p(end | item).
 
     Returns:
         :class:`BeamResult` with (B, K) items ordered by score, best first.
@@ -103,19 +89,25 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
         ValueError: if ``beam_size`` is not in [1, number of semantic IDs].
     """
     check_beam_size(beam_size, catalog.leaf_prefix_nodes.shape[0])
+    if scoring.end_token is not None:  # finished items add log p(end | item), then re-rank
+        from .full_sort import add_end_scores
+        result = beam_search(model, history_ids, history_mask, catalog, beam_size, row_chunk_size,
+                             replace(scoring, end_token=None))
+        return add_end_scores(model, history_ids, history_mask, catalog, result, scoring)
     num_rows = history_ids.shape[0]
     if row_chunk_size is None:
         row_chunk_size = CPU_ROW_CHUNK if history_ids.device.type == "cpu" else max(1, num_rows)
     if row_chunk_size < 1:
         raise ValueError(f"row_chunk_size must be >= 1, got {row_chunk_size}")
     if num_rows <= row_chunk_size:
-        return _search(model, *_trim_padding(history_ids, history_mask), catalog, beam_size)
+        return _search(model, *_trim_padding(history_ids, history_mask), catalog, beam_size, scoring)
     # chunks of rows of similar history length pad less; results go back to the input order
     order = history_mask.sum(dim=1).argsort(stable=True)                       # (B,)
     parts = []
     for start in range(0, num_rows, row_chunk_size):
         rows = order[start:start + row_chunk_size]
-        parts.append(_search(model, *_trim_padding(history_ids[rows], history_mask[rows]), catalog, beam_size))
+        parts.append(_search(model, *_trim_padding(history_ids[rows], history_mask[rows]), catalog, beam_size,
+                             scoring))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(num_rows, device=order.device)
 
@@ -133,7 +125,7 @@ def _trim_padding(history_ids: torch.Tensor, history_mask: torch.Tensor) -> tupl
 
 
 def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
-            catalog: CatalogTensors, beam_size: int) -> BeamResult:
+            catalog: CatalogTensors, beam_size: int, scoring: StepScoring = VOCABULARY_SCORING) -> BeamResult:
     """The beam search of :func:`beam_search` on one chunk of rows; a loop over the T steps."""
     num_rows = history_ids.shape[0]
     device = history_ids.device
@@ -146,10 +138,10 @@ def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Ten
     kept_nodes = []
     for t, level_size in enumerate(catalog.level_sizes):
         logits, cache = model.decode_step(context, cache)                      # (B, K_t, V)
-        step = level_log_probs(logits, offsets[t], level_size)                 # (B, K_t, S_t)
-        scores = scores.to(step.dtype)
         # dead beams (node -1) read row 0 of the table; their -inf score keeps them dead
         children = catalog.child_node[t][nodes.clamp(min=0)]                   # (B, K_t, S_t)
+        step = scoring.level_log_probs(logits, offsets[t], level_size, children >= 0)  # (B, K_t, S_t)
+        scores = scores.to(step.dtype)
         total = torch.where(children >= 0, scores.unsqueeze(-1) + step, float("-inf"))
         num_beams = min(beam_size, total.shape[1] * level_size)
         scores, flat = total.flatten(1).topk(num_beams, dim=1)                 # (B, K_{t+1})

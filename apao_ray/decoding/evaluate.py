@@ -15,11 +15,13 @@ from ..data.batches import Batch
 from ..data.catalog import CatalogTensors
 from .beam import beam_search, check_beam_size
 from .full_sort import full_sort, topk_from_scores
+from .scoring import VOCABULARY_SCORING, StepScoring
 
 
 def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors,
              topk: tuple[int, ...] = (5, 10, 20), beam_size: int = 20, with_full_sort: bool = False,
-             device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None) -> dict[str, float]:
+             device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None,
+             scoring: StepScoring = VOCABULARY_SCORING) -> dict[str, float]:
     """Recall@K / NDCG@K, prefix recall and (optionally) beam retention (SPEC §4).
 
     A hit is a generated semantic ID equal to the target's semantic ID (``Batch.target_sem``),
@@ -40,6 +42,8 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors
             ``torch.bfloat16``: 1.6x faster beams on CPUs with AMX, top-20 lists agree with
             fp32 on ~98-99% of items); None (default) runs in the model's own precision.
             Scores are normalised in float32 (or the logits' wider dtype).
+        scoring: the trained loss's step-score rule (``apao_ray.protocol.decoding_scoring``);
+            the beam, its prefix recall, the full sort and retention all use it.
 
     Returns:
         ``recall_at_{k}``, ``ndcg_at_{k}`` for each k, ``prefix_recall_at_{K}_m{m}`` for
@@ -66,13 +70,14 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors
         for batch in batches:
             batch = batch.to(device)
             with precision():
-                result = beam_search(model, batch.history_ids, batch.history_mask, catalog, beam_size)
+                result = beam_search(model, batch.history_ids, batch.history_mask, catalog, beam_size,
+                                     scoring=scoring)
             ranks.append(metrics.target_ranks(result.sem_ids, batch.target_sem))
             target_nodes = catalog.leaf_prefix_nodes[batch.target_sem]          # (B, T+1)
             prefix_hits.append(metrics.prefix_hits(result.prefix_nodes, target_nodes))
             if with_full_sort:
                 with precision():
-                    scores = full_sort(model, batch.history_ids, batch.history_mask, catalog)
+                    scores = full_sort(model, batch.history_ids, batch.history_mask, catalog, scoring=scoring)
                 exact_ids, _ = topk_from_scores(scores, beam_size)
                 retention.append(metrics.retention_per_user(result.sem_ids, exact_ids))
     finally:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from ..data.catalog import CatalogTensors
-from ..models.base import label_log_probs
+from .beam import BeamResult
+from .scoring import VOCABULARY_SCORING, StepScoring
 
 # default bound on the elements of one chunk's (B, C, T, V) logits (~256 MiB in fp32)
 MAX_LOGIT_ELEMENTS = 1 << 26
@@ -32,7 +33,8 @@ def semantic_id_tokens(catalog: CatalogTensors) -> torch.Tensor:
 
 @torch.inference_mode()
 def full_sort(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
-              catalog: CatalogTensors, chunk_size: int | None = None) -> torch.Tensor:
+              catalog: CatalogTensors, chunk_size: int | None = None,
+              scoring: StepScoring = VOCABULARY_SCORING) -> torch.Tensor:
     """Exact S^T = sum_t log p(y^t | y^{<t}, x) of every semantic ID (SPEC §3-4).
 
     Args:
@@ -42,6 +44,7 @@ def full_sort(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.T
         catalog: trie tables on the model's device.
         chunk_size: semantic IDs scored per ``decode`` call; default keeps one chunk's logits
             under ``MAX_LOGIT_ELEMENTS`` elements.
+        scoring: the step-score rule (as ``beam_search``'s, so retention compares like with like).
 
     Returns:
         (B, U) float scores; column u is semantic ID u (the index ``beam_search`` returns).
@@ -54,15 +57,37 @@ def full_sort(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.T
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     context = model.encode(history_ids, history_mask)                        # once per row
+    offsets = catalog.token_offsets.tolist()
     chunks = []
     for start in range(0, num_semantic_ids, chunk_size):
         chunk = candidates[start:start + chunk_size]                          # (C, T)
         labels = chunk.unsqueeze(0).expand(num_rows, -1, -1)                  # (B, C, T) view
-        logits = model.decode(context, labels[..., :-1])                      # (B, C, T, V)
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()
-        chunks.append(label_log_probs(logits, labels).sum(-1))               # (B, C)
+        nodes = catalog.leaf_prefix_nodes[start:start + chunk_size].unsqueeze(0).expand(num_rows, -1, -1)
+        # with an end token the last code is fed too: position T predicts the end
+        prefix = labels if scoring.end_token is not None else labels[..., :-1]
+        logits = model.decode(context, prefix)                                # (B, C, T or T+1, V)
+        chunks.append(scoring.item_scores(logits, labels, nodes, catalog.child_node, offsets))  # (B, C)
     return torch.cat(chunks, dim=1)                                          # (B, U)
+
+
+@torch.inference_mode()
+def add_end_scores(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
+                   catalog: CatalogTensors, result: BeamResult, scoring: StepScoring) -> BeamResult:
+    """Adds log p(end | item) to each beam item's score and re-ranks the row's K items.
+
+    The released code's beam search generates the end token after the T codes, so a finished
+    item's score is S^T + log p(EOS | item) (``protocol.label_eos``); prefix nodes are unchanged.
+
+    Args:
+        result: a beam search's (B, K) items, scored without the end token.
+        scoring: a rule with ``end_token`` set.
+    """
+    tokens = semantic_id_tokens(catalog)[result.sem_ids.clamp(min=0)]       # (B, K, T)
+    logits = model.decode(model.encode(history_ids, history_mask), tokens)[:, :, -1]  # (B, K, V)
+    scores = result.scores + scoring.end_log_probs(logits).to(result.scores.dtype)  # (B, K)
+    scores = torch.where(result.sem_ids >= 0, scores, float("-inf"))
+    scores, order = scores.sort(dim=1, descending=True, stable=True)          # (B, K)
+    return BeamResult(sem_ids=result.sem_ids.gather(1, order), scores=scores, prefix_nodes=result.prefix_nodes)
 
 
 def topk_from_scores(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

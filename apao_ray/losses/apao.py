@@ -54,7 +54,7 @@ def apao_pointwise_losses(token_logp: torch.Tensor) -> torch.Tensor:
 
 def apao_pairwise_losses(token_logp: torch.Tensor, valid: torch.Tensor | None = None,
                          divide_by_m: bool = True,
-                         num_distinct_prefixes: torch.Tensor | None = None) -> torch.Tensor:
+                         num_distinct_prefixes: torch.Tensor | None = None, scale_offset: int = 0) -> torch.Tensor:
     """Pairwise prefix losses, batch mean (SPEC §3, paper Eq. pair_loss_def).
 
     L_pair(m) = -log( exp(S_+^m) / (exp(S_+^m) + a_m * sum_{j counted at m} exp(S_j^m)) ),
@@ -70,6 +70,8 @@ def apao_pairwise_losses(token_logp: torch.Tensor, valid: torch.Tensor | None = 
         num_distinct_prefixes: optional (T,) P_m. When given, row b's negative mass at depth m
             is scaled by a_m = (P_m - 1) / max(1, negatives counted in row b at depth m), the
             sampled negatives standing in for all P_m - 1 competing prefixes. None: a_m = 1.
+        scale_offset: added to the counted negatives in a_m's denominator; 1 gives the released
+            code's (P_m - 1) / (counted + 1), whose count includes the positive.
 
     Returns:
         (T,) with grad; entry m-1 is L_pair(m).
@@ -88,7 +90,7 @@ def apao_pairwise_losses(token_logp: torch.Tensor, valid: torch.Tensor | None = 
         if num_distinct_prefixes.shape != (token_logp.shape[-1],):
             raise ValueError(f"num_distinct_prefixes must be (T,) = ({token_logp.shape[-1]},), "
                              f"got {tuple(num_distinct_prefixes.shape)}")
-        num_counted = counted.sum(dim=1).clamp_min(1).to(scores.dtype)      # (B, T)
+        num_counted = (counted.sum(dim=1) + scale_offset).clamp_min(1).to(scores.dtype)  # (B, T)
         scale = (num_distinct_prefixes.to(scores) - 1) / num_counted         # (B, T); 0 when P_m = 1
         negative = negative + scale.log().unsqueeze(1)                       # (B, N, T)
     negative = negative.masked_fill(~counted, float("-inf"))
@@ -237,7 +239,8 @@ class _APAOLoss(Loss):
         self.check_candidates(inputs)
         token_logp = self.token_log_probs(inputs, 1 + self.num_negatives)   # (B, C, T)
         loss_ce = -token_logp[:, 0].mean()
-        prefix = self.prefix_losses(token_logp, inputs)                      # (T,)
+        # labels may end with EOS (protocol.label_eos): it counts in CE, prefixes are codes only
+        prefix = self.prefix_losses(token_logp[..., :self.num_levels], inputs)  # (T,)
         if self.prefix_weights.depends_on_batch:
             weights = self.prefix_weights.update(prefix.detach())
         else:
@@ -294,7 +297,7 @@ class APAOPairwiseLoss(_APAOLoss):
 
     Negatives that share the positive's length-m prefix never count; repeats among negatives
     are dropped when ``pairwise_mask_duplicates``; ``pairwise_scale_negatives`` scales by
-    (P_m - 1) / counted; ``pairwise_divide_by_m`` divides by m.
+    (P_m - 1) / counted (``pairwise_scale_plus_one``: / (counted + 1)); ``pairwise_divide_by_m`` divides by m.
     """
 
     def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
@@ -305,4 +308,5 @@ class APAOPairwiseLoss(_APAOLoss):
     def prefix_losses(self, token_logp: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
         valid = counted_negatives_mask(inputs.candidate_nodes, self.config.pairwise_mask_duplicates)  # (B, C, T)
         return apao_pairwise_losses(token_logp, valid, divide_by_m=self.config.pairwise_divide_by_m,
-                                    num_distinct_prefixes=self.num_distinct_prefixes)
+                                    num_distinct_prefixes=self.num_distinct_prefixes,
+                                    scale_offset=int(self.config.pairwise_scale_plus_one))

@@ -41,6 +41,11 @@ class MaskedSoftmaxLoss(Loss):
     """
 
     num_negatives = 0
+    step_normaliser = "valid_children"  # invalid tokens are never trained down: decode without them
+
+    @classmethod
+    def decoding_temperature(cls, config: LossConfig) -> float:
+        return config.tau
 
     def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
         super().__init__(config, catalog)
@@ -53,6 +58,9 @@ class MaskedSoftmaxLoss(Loss):
         labels = inputs.candidates[:, 0]                                    # (B, T)
         nodes = inputs.candidate_nodes[:, 0]                                # (B, T + 1)
         allowed = valid_token_mask(self.catalog, nodes, self.token_offsets)  # (B, T, V)
+        if labels.shape[1] > allowed.shape[1]:  # labels end with EOS (protocol.label_eos): its only valid token
+            is_end = torch.zeros_like(allowed[:, :1]).scatter_(-1, labels[:, -1:, None], True)  # (B, 1, V)
+            allowed = torch.cat([allowed, is_end], dim=1)                   # (B, T+1, V)
         masked = (logits / self.tau).masked_fill(~allowed, float("-inf"))  # (B, T, V)
         picked = masked.gather(-1, labels.unsqueeze(-1)).squeeze(-1)        # (B, T)
         loss = (torch.logsumexp(masked, dim=-1) - picked).mean()

@@ -31,11 +31,20 @@ class Loss:
         name: the registry key.
         num_negatives: N, sampled negatives per target (C = 1 + N).
         needs_reference: whether ``ref_token_logp`` is required.
+        step_normaliser: ``vocabulary`` or ``valid_children``, what decoding must normalise
+            over so that it scores items as the loss trained them.
     """
 
     name: str = ""
     num_negatives: int = 0
     needs_reference: bool = False
+    # how decoding normalises step scores for a model trained with this loss (decoding/scoring.py)
+    step_normaliser: str = "vocabulary"
+
+    @classmethod
+    def decoding_temperature(cls, config: LossConfig) -> float:
+        """Temperature decoding divides the logits by (MSL: its tau; others 1)."""
+        return 1.0
 
     def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
         self.config = config

@@ -54,4 +54,6 @@ def build_model(config: Any, vocab_size: int, num_levels: int) -> Backbone:
         num_levels: T, the number of code levels.
     """
     sizes = resolve_sizes(config)  # validates the name first
+    if config.backbone == "llama":  # TIGER's encoder input always ends with EOS, as in the released code
+        sizes["history_eos"] = getattr(config, "llama_history_eos", True)
     return BACKBONES[config.backbone](vocab_size=vocab_size, num_levels=num_levels, **sizes)

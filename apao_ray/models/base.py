@@ -107,6 +107,24 @@ class Backbone(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def drop_history_eos(history_ids: torch.Tensor, history_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The history without its closing EOS (the released code's decoder-only layout).
+
+    Args:
+        history_ids, history_mask: (B, L) left-padded, every row ending with EOS at column L-1.
+
+    Returns:
+        (B, L-1) ids and mask whose last column is each row's last history token; a row with
+        an empty history keeps its EOS there, so it still has one token to read.
+    """
+    if history_ids.shape[1] < 2:  # no row has a history: nothing to drop
+        return history_ids, history_mask
+    is_empty = ~history_mask[:, -2]                                            # (B,)
+    ids = torch.cat([history_ids[:, :-2], torch.where(is_empty, history_ids[:, -1], history_ids[:, -2])[:, None]], 1)
+    mask = torch.cat([history_mask[:, :-2], (history_mask[:, -2] | is_empty)[:, None]], 1)
+    return ids, mask                                                            # (B, L-1)
+
+
 def label_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(..., T, V) logits and (..., T) labels -> (..., T) log-softmax of each label token.
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import Backbone, DecodeCache
+from .base import Backbone, DecodeCache, drop_history_eos
 from .packing import PackedHistory, attend_in_buckets
 
 
@@ -225,9 +225,10 @@ class LlamaBackbone(Backbone):
 
     def __init__(self, vocab_size: int, num_levels: int, d_model: int = 128, num_layers: int = 8,
                  num_heads: int = 8, head_dim: int = 16, d_ff: int = 1024, dropout: float = 0.0,
-                 rope_theta: float = 500000.0, norm_eps: float = 1e-5):
+                 rope_theta: float = 500000.0, norm_eps: float = 1e-5, history_eos: bool = True):
         super().__init__()
         self.vocab_size, self.num_levels = vocab_size, num_levels
+        self.history_eos = history_eos  # False: the released code's layout, target right after the history
         self.embedding = nn.Embedding(vocab_size, d_model)  # tied with the LM head
         self.blocks = nn.ModuleList(Block(d_model, num_heads, head_dim, d_ff, dropout, norm_eps)
                                     for _ in range(num_layers))
@@ -273,6 +274,8 @@ class LlamaBackbone(Backbone):
             history_ids: (B, L) tokens, left-padded with PAD, ending with EOS.
             history_mask: (B, L) bool, True on real tokens.
         """
+        if not self.history_eos:
+            history_ids, history_mask = drop_history_eos(history_ids, history_mask)
         if self.pack_histories:
             return self._encode_packed(history_ids, history_mask)
         hidden, keys, values = self._run(history_ids, history_mask)

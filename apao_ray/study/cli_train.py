@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import BACKBONE_NAMES, PRECISIONS, WEIGHTING_MODES, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+from ..config import BACKBONE_NAMES, PRECISIONS, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from ..data import known_dataset_names
+from ..protocol import check_select_by, protocol_tag, resolved_knobs
+from .cli_protocol import add_protocol_arguments, apply_protocol_arguments, non_negative_float
 
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 
@@ -27,13 +29,6 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
     return value
 
 
@@ -94,10 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backbone", choices=BACKBONE_NAMES, default="tiger", help="default tiger")
     parser.add_argument("--loss", default="ce", help="a name from apao_ray.losses.LOSSES (default ce)")
     parser.add_argument("--beta", type=non_negative_float, default=0.1, help="weight of the prefix loss (default 0.1)")
-    parser.add_argument("--eta", type=non_negative_float, default=1e-4, help="adaptive-weight step size (default 1e-4)")
     parser.add_argument("--num-negatives", type=positive_int, default=None,
                         help="negatives for apao_pairwise/dmpo/sdpo/ce_sdpo (default 100; refused for other losses)")
-    parser.add_argument("--weighting", choices=WEIGHTING_MODES, default="mirror", help="prefix weighting (default mirror)")
     parser.add_argument("--pretrain-ce-epochs", type=int, default=0, help="two-stage: CE epochs before the loss")
     parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default 1)")
     parser.add_argument("--cpus-per-worker", type=positive_int, default=available_cpus(),
@@ -110,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
     parser.add_argument("--json-out", help="also write the final metrics to this JSON file")
     parser.add_argument("--quiet", action="store_true", help="no per-epoch lines")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved trial config (every "
+                        "protocol knob) as JSON and exit without training")
+    add_protocol_arguments(parser)
     return parser
 
 
@@ -119,10 +115,11 @@ def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
     if args.loss not in LOSSES:
         raise ValueError(f"unknown loss {args.loss!r}; choose from {sorted(LOSSES)}")
     model = ModelConfig(backbone=args.backbone, **(TINY_MODEL if args.model_size == "tiny" else {}))
-    loss = LossConfig(name=args.loss, beta=args.beta, eta=args.eta, num_negatives=args.num_negatives or 100,
-                      weighting=args.weighting, pretrain_ce_epochs=args.pretrain_ce_epochs)
+    loss = LossConfig(name=args.loss, beta=args.beta, num_negatives=args.num_negatives or 100,
+                      pretrain_ce_epochs=args.pretrain_ce_epochs)
     train = TrainConfig(**train_config_from_args(args, num_workers=args.num_workers, use_gpu=args.use_gpu))
-    return TrialConfig(DataConfig(dataset=args.dataset.lower(), data_dir=_abs(args.data_dir)), model, loss, train)
+    config = TrialConfig(DataConfig(dataset=args.dataset.lower(), data_dir=_abs(args.data_dir)), model, loss, train)
+    return apply_protocol_arguments(config, args)
 
 
 def check_against_catalog(config: TrialConfig, catalog: Any, requested_negatives: int | None = None) -> None:
@@ -151,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     apply_smoke(args)
     try:
         config = trial_config_from_args(args)
+        check_select_by(config)
+        if args.print_config:
+            print(json.dumps({"apao.protocol": protocol_tag(config), "knobs": resolved_knobs(config),
+                              "config": config.to_dict()}, indent=2))
+            return 0
         from ..data import load_dataset
 
         dataset = load_dataset(config.data.dataset, config.data.data_dir)  # fails fast on bad data
@@ -165,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"run {name!r} already exists in {output_dir}; pass --resume to continue it, "
                          "--overwrite to start again, or --run-name for a new one")
         shutil.rmtree(run_dir)
+    if not args.quiet:
+        knobs = " ".join(f"{k}={v}" for k, v in resolved_knobs(config).items())
+        print(f"protocol {protocol_tag(config)}: {knobs}", file=sys.stderr)
     from .runner import run_single_trial
 
     from ..training.worker import TrialFailedError

@@ -54,12 +54,14 @@ def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
 
 class MlflowStudyCallback(tune.Callback):
     def __init__(self, tracking_uri: str, experiment: str, parent_run_id: str, study_name: str,
-                 train_root: str, trial_params: dict[str, Any], example_history: list[str]) -> None:
+                 train_root: str, trial_params: dict[str, Any], example_history: list[str],
+                 run_tags: dict[str, str] | None = None) -> None:
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.parent_run_id, self.study_name = parent_run_id, study_name
         self.train_root = Path(train_root)
         self.trial_params = trial_params
         self.example_history = example_history
+        self.run_tags = dict(run_tags or {})  # on every child run (apao.protocol, apao.schedule)
         self.run_ids: dict[str, str] = {}
         self.logged_metrics = 0
         self.interrupted: list[str] = []  # trial ids left unfinished when the experiment ended
@@ -87,7 +89,8 @@ class MlflowStudyCallback(tune.Callback):
             choices = trial_choices(trial.config)
             params = {**self.trial_params, **choices}
             run_id = self.tracker.start_run(describe(choices), {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name,
-                                                                "backbone": choices["backbone"], "loss": choices["loss"]},
+                                                                "backbone": choices["backbone"], "loss": choices["loss"],
+                                                                **getattr(self, "run_tags", {})},
                                             params, parent_run_id=self.parent_run_id)
         self.run_ids[trial.trial_id] = run_id
         return run_id
@@ -98,7 +101,8 @@ class MlflowStudyCallback(tune.Callback):
     def _backfill(self, run_id: str, history: list[dict[str, Any]]) -> None:
         """Logs the epochs a resumed trial trained before a driver was killed but whose results never
         reached MLflow (the worker sends its history with the first report after a resume)."""
-        present = {step for step, _ in self.tracker.metric_history(run_id, "train/loss")}
+        # perf/epoch_seconds is in every epoch report (a two-stage trial logs train/ under ce_stage/ first)
+        present = {step for step, _ in self.tracker.metric_history(run_id, "perf/epoch_seconds")}
         for entry in history:
             if int(entry.get("epoch", 0)) not in present:
                 self.logged_metrics += self.tracker.log_metrics(

@@ -7,6 +7,7 @@ import json
 import math
 from typing import Any
 
+from ..protocol import PROTOCOL_TAG, schedule_label
 from ..tracking import Tracker
 from . import plots
 
@@ -34,9 +35,28 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
         # MLflow 3 keeps models as LoggedModels (models:/m-...); runs:/<id>/model also loads
         model_uri = run.data.tags.get("apao.model_uri", f"runs:/{run.info.run_id}/model")
         row.update({"run_id": run.info.run_id, "model_uri": model_uri,
-                    "study": run.data.tags.get("apao.study")})
+                    "study": run.data.tags.get("apao.study"),
+                    # runs from before protocols existed followed the paper's knobs
+                    "protocol": run.data.tags.get(PROTOCOL_TAG, "paper"), "schedule": _schedule(run.data.params)})
         rows.append(row)
     return rows
+
+
+def _schedule(params: dict[str, str]) -> str:
+    epochs, patience = params.get("base.train.epochs"), params.get("base.train.patience")
+    return schedule_label(int(epochs), int(patience)) if epochs and patience else "unknown"
+
+
+def paper_comparability(rows: list[dict[str, Any]]) -> str:
+    """One line saying whether the test columns compare with paper Table 1: only when every row
+    trained on the paper's schedule (200 epochs, patience 20), whichever protocol it followed."""
+    short = sorted({str(row.get("schedule")) for row in rows if row.get("schedule") != "paper"})
+    protocols = sorted({str(row.get("protocol")) for row in rows})
+    if not short:
+        return (f"test columns: the paper's schedule (200 epochs, patience 20), protocol {protocols}: "
+                "comparable to paper Table 1")
+    return (f"test columns NOT comparable to paper Table 1: trained with schedule {short} (protocol {protocols}); "
+            "the paper trained up to 200 epochs with patience 20, and a shorter run also ends its cosine schedule sooner")
 
 
 def _number(text: str | None) -> float | int | None:
@@ -50,7 +70,7 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     if fmt == "json":
         return json.dumps(rows, indent=2)
     selection = [k for k in rows[0] if k.startswith("best/")] if rows else []
-    columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, "run_id"]
+    columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, "protocol", "schedule", "run_id"]
     if fmt == "csv":
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
@@ -62,7 +82,7 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     cell = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", paper_comparability(rows)])
 
 
 def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str, alias: str = "best") -> list[str]:

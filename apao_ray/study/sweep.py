@@ -13,6 +13,7 @@ from typing import Any
 from ray.tune.schedulers import ASHAScheduler, TrialScheduler
 
 from ..config import TrialConfig
+from ..protocol import run_tags
 from ..tracking import redact
 from .space import SearchSpec, is_baseline, trial_choices
 from .trial import Resources
@@ -56,7 +57,8 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         choices = trial_choices(config)
         loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items()
                                                           if k in ("beta", "eta", "num_negatives")})
-        trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, base.train)
+        trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, base.train,
+                                   base.protocol)
         # stable name from the trial id: a restored trial finds its checkpoints
         name = f"train-trial_id={tune.get_context().get_trial_id()}"
         trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,
@@ -144,7 +146,8 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
                                        "base": options.base.to_dict(), "max_concurrent": options.max_concurrent})
     else:
         tracker.reopen(parent_id)
-    tracker.set_tags(parent_id, {"command_line": redact(" ".join(options.command_line)), "code_version": code_version(),
+    tracker.set_tags(parent_id, {**run_tags(options.base),
+                                 "command_line": redact(" ".join(options.command_line)), "code_version": code_version(),
                                  "dataset_checksums": json.dumps(dataset_checksums, sort_keys=True),
                                  "study_dir": str(options.output_dir / options.study_name)})
     return parent_id
@@ -177,7 +180,8 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
     metric = f"best/val/{options.base.train.metric}"
     train_root = str(study_dir / "train_runs")
     recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
-                                   options.study_name, train_root, {"base": options.base.to_dict()}, example_history)
+                                   options.study_name, train_root, {"base": options.base.to_dict()}, example_history,
+                                   run_tags(options.base))
     callbacks = [recorder, ProgressCallback(metric, options.spec.num_trials)]
     # a trial holds exactly --cpus-per-trial: a sliver for its Tune driver, the rest for its Train worker
     # (a driver taking 0.01 on top would leave a 1-CPU node 0.99 CPU, too little for a 1-CPU worker)

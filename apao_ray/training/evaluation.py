@@ -8,6 +8,7 @@ from torch import nn
 from ..config import TrainConfig
 from ..data import CatalogTensors, Dataset, iter_batches
 from ..decoding import evaluate
+from ..decoding.scoring import VOCABULARY_SCORING, StepScoring
 from ..models.base import label_log_probs
 from .precision import autocast, autocast_dtype
 
@@ -39,7 +40,8 @@ def split_ce_loss(model: nn.Module, dataset: Dataset, split_name: str, batch_siz
 
 
 def evaluate_split(model: nn.Module, dataset: Dataset, split_name: str, tensors: CatalogTensors,
-                   train: TrainConfig, device: torch.device, indices: np.ndarray | None) -> dict[str, float]:
+                   train: TrainConfig, device: torch.device, indices: np.ndarray | None,
+                   scoring: StepScoring = VOCABULARY_SCORING) -> dict[str, float]:
     """``{split}/recall_at_k``, ndcg, prefix recall and ``loss_ce`` on a user subset; beam retention
     (a full sort of every semantic ID for ``train.retention_users`` users: costly) on the test split,
     and on validation only when ``train.validate_retention``."""
@@ -52,12 +54,12 @@ def evaluate_split(model: nn.Module, dataset: Dataset, split_name: str, tensors:
     batches = iter_batches(dataset.catalog, split, train.eval_batch_size, indices=order)
     amp_dtype = autocast_dtype(train.precision)  # evaluation runs in the training precision
     metrics = evaluate(model, batches, tensors, topk=topk, beam_size=train.beam_size, device=device,
-                       amp_dtype=amp_dtype)
+                       amp_dtype=amp_dtype, scoring=scoring)
     if train.retention_users and (split_name != "valid" or train.validate_retention):
         subset = select_users(len(split), train.retention_users, train.seed + 1)
         retention_batches = iter_batches(dataset.catalog, split, min(train.eval_batch_size, 64), indices=subset)
         retained = evaluate(model, retention_batches, tensors, topk=topk, beam_size=train.beam_size,
-                            with_full_sort=True, device=device, amp_dtype=amp_dtype)
+                            with_full_sort=True, device=device, amp_dtype=amp_dtype, scoring=scoring)
         metrics.update({k: v for k, v in retained.items() if k.startswith("beam_retention")})
     metrics["loss_ce"] = split_ce_loss(model, dataset, split_name, train.eval_batch_size, device, order,
                                        train.precision)

@@ -21,15 +21,18 @@ from torch import nn
 from ..config import LossConfig, TrialConfig
 from ..data import Dataset, load_dataset
 from ..losses import build_loss
+from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .evaluation import evaluate_split, select_users
 from .hooks import TrainingHooks
 from .precision import resolve_precision
+from .selection import LOSS, selection_score, validation_loss
 from .steps import EpochRunner
 
 
 RESUMED_HISTORY_KEY = "resumed_history"  # per-epoch metrics so far, in the first report after a resume
 PRECISION_KEY = "precision"  # the resolved precision (fp32/bf16), in every report
+CE_STAGE_PREFIX = "ce_stage/"  # a two-stage trial's CE epochs log train/ and val/ metrics under this prefix
 
 
 class NonFiniteLossError(RuntimeError):
@@ -131,17 +134,31 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     if main_loss.num_negatives >= catalog.num_semantic_ids:
         raise ValueError(f"num_negatives={main_loss.num_negatives} must be < the catalog's "
                          f"{catalog.num_semantic_ids} semantic IDs")
-    if main_loss.needs_reference and loss_cfg.pretrain_ce_epochs == 0:
+    ce_epochs = loss_cfg.pretrain_ce_epochs
+    if main_loss.needs_reference and ce_epochs == 0:
         raise ValueError(f"loss {loss_cfg.name!r} needs a CE stage first: set pretrain_ce_epochs >= 1")
+    if ce_epochs >= train_cfg.epochs:
+        raise ValueError(f"pretrain_ce_epochs={ce_epochs} leaves no epoch of {loss_cfg.name!r} within "
+                         f"epochs={train_cfg.epochs}; allowed: 0 <= pretrain_ce_epochs < epochs")
     ce_loss = build_loss(LossConfig(name="ce"), tensors)
     model = hooks.prepare_model(model)
     runner = EpochRunner(config, dataset, tensors, device, hooks.rank, hooks.world_size)
-    optimizer = _optimizer(model, train_cfg.lr, train_cfg.weight_decay)
-    scheduler = _schedule(optimizer, train_cfg.epochs * runner.optimizer_steps_per_epoch, train_cfg.warmup_fraction)
-    valid_users = select_users(len(dataset.splits["valid"]), train_cfg.eval_max_users, train_cfg.seed)
-    metric_key = f"val/{train_cfg.metric}"
 
-    state: dict[str, Any] = {"epoch": 0, "best_value": -math.inf, "best_epoch": 0, "history": []}
+    def stage_optimizer(stage: str) -> tuple[torch.optim.Optimizer, Any]:
+        """Each stage has its own AdamW state and warmup + cosine schedule over its own epochs."""
+        num_epochs = ce_epochs if stage == "ce" else train_cfg.epochs - ce_epochs
+        optimizer = _optimizer(model, train_cfg.lr, train_cfg.weight_decay)
+        return optimizer, _schedule(optimizer, num_epochs * runner.optimizer_steps_per_epoch, train_cfg.warmup_fraction)
+
+    stage = "ce" if ce_epochs else "main"
+    optimizer, scheduler = stage_optimizer(stage)
+    valid_users = select_users(len(dataset.splits["valid"]), train_cfg.eval_max_users, train_cfg.seed)
+    check_select_by(config)
+    select_by = config.protocol.select_by
+    select_key, rank_key = f"val/{select_by}", f"val/{train_cfg.metric}"
+    scoring = decoding_scoring(config)  # how this loss's model is decoded (MSL: valid children only)
+
+    state: dict[str, Any] = {"epoch": 0, "best_value": -math.inf, "best_epoch": 0, "history": [], "stage": stage}
     best_weights = copy.deepcopy(_unwrap(model).state_dict())
     reference: nn.Module | None = None
     restored = hooks.restore_checkpoint()
@@ -153,11 +170,14 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
             return final
         saved, best_weights, reference_weights = load_checkpoint(restored)
         _unwrap(model).load_state_dict(saved["model"])
+        stage = saved.get("stage", stage)
+        optimizer, scheduler = stage_optimizer(stage)  # the saved stage's schedule, then its state
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         main_loss.load_state_dict(saved["loss"])
         torch.set_rng_state(saved["torch_rng"])
         state = {k: saved[k] for k in ("epoch", "best_value", "best_epoch", "history")}
+        state.update({"stage": stage, **({"ce_best_epoch": saved["ce_best_epoch"]} if "ce_best_epoch" in saved else {})})
         if reference_weights is not None:
             reference = _frozen_copy(_unwrap(model), reference_weights)
         resumed_after = state["epoch"]
@@ -166,10 +186,18 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     started = time.perf_counter()
     epoch_times: list[float] = []
     for epoch in range(state["epoch"] + 1, train_cfg.epochs + 1):
-        in_ce_stage = epoch <= loss_cfg.pretrain_ce_epochs
-        loss_fn = ce_loss if in_ce_stage else main_loss
-        if loss_fn.needs_reference and reference is None:  # entering the preference stage
-            reference = _frozen_copy(_unwrap(model), _unwrap(model).state_dict())
+        if stage == "ce" and epoch > ce_epochs:
+            # the second stage starts from the best CE epoch, with a fresh optimizer and schedule,
+            # a frozen reference copied from that epoch, and its own best-epoch selection
+            stage = state["stage"] = "main"
+            _unwrap(model).load_state_dict(best_weights)
+            _broadcast_from_rank0(model)  # only rank 0 knows the best CE epoch
+            state["ce_best_epoch"] = state["best_epoch"]
+            state["best_value"], state["best_epoch"] = -math.inf, ce_epochs  # patience counts from here
+            reference = _frozen_copy(_unwrap(model), _unwrap(model).state_dict()) if main_loss.needs_reference else None
+            optimizer, scheduler = stage_optimizer(stage)
+        loss_fn = ce_loss if stage == "ce" else main_loss
+        prefix = CE_STAGE_PREFIX if stage == "ce" else ""
         tick = time.perf_counter()
         with _memory_errors_named(config, "training", epoch, loss_fn.num_negatives):
             progress = EpochProgress(hooks, epoch, train_cfg.epochs,
@@ -186,20 +214,29 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         report_history = epoch == resumed_after + 1 and resumed_after > 0  # lets a tracker fill what it missed
         if hooks.rank == 0:
             with _memory_errors_named(config, "validating", epoch, loss_fn.num_negatives):
-                metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device, valid_users))
+                metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device, valid_users,
+                                              scoring))
+                if select_by == LOSS:
+                    metrics["val/loss"] = validation_loss(_unwrap(model), loss_fn, runner, dataset, valid_users,
+                                                          train_cfg.eval_batch_size, reference)
         epoch_seconds = time.perf_counter() - tick
         epoch_times.append(epoch_seconds)
-        value = metrics.get(metric_key, -math.inf)
+        value = selection_score(metrics, select_by) if hooks.rank == 0 else -math.inf  # larger is better
         if hooks.rank == 0 and value > state["best_value"]:
             state["best_value"], state["best_epoch"] = value, epoch
             best_weights = copy.deepcopy(_unwrap(model).state_dict())
         state["epoch"] = epoch
+        kept = metrics if state["best_epoch"] == epoch else {k.removeprefix(prefix): v for k, v in next(
+            (h for h in state["history"] if h.get("epoch") == state["best_epoch"]), {}).items()}
+        metrics.update({f"best/{key}": kept.get(key, -math.inf) for key in (select_key, rank_key)})
         metrics.update({
-            f"best/{metric_key}": state["best_value"], "best/epoch": state["best_epoch"],
+            "best/epoch": state["best_epoch"],
             "perf/epoch_seconds": epoch_seconds, "perf/train_seconds": train_seconds,
             "perf/samples_per_second": train_metrics["train/num_samples"] * hooks.world_size / train_seconds,
             "val/num_users_evaluated": len(valid_users) if valid_users is not None else len(dataset.splits["valid"]),
         })
+        if prefix:  # best/ and perf/ stay unprefixed: Tune's scheduler reads best/ from every report
+            metrics = {(prefix + k if k.startswith(("train/", "val/")) else k): v for k, v in metrics.items()}
         state["history"].append({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
         checkpoint_dir = None
         if hooks.rank == 0:
@@ -210,11 +247,12 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                  "torch_rng": torch.get_rng_state()},
                 best_weights, config.to_dict(),
                 reference.state_dict() if reference is not None else None)
-        should_stop = epoch - state["best_epoch"] >= train_cfg.patience
+        should_stop = stage == "main" and epoch - state["best_epoch"] >= train_cfg.patience  # the CE stage runs in full
         remaining = (train_cfg.epochs - epoch) * float(np.median(epoch_times))
-        hooks.log(f"epoch {epoch}/{train_cfg.epochs} loss {metrics['train/loss']:.4f} "
-                  f"{metrics['perf/samples_per_second']:.0f} samples/s | {metric_key} {value:.4f} "
-                  f"(best {state['best_value']:.4f} @ {state['best_epoch']}) | {epoch_seconds:.1f}s/epoch, "
+        hooks.log(f"epoch {epoch}/{train_cfg.epochs} {prefix}loss {train_metrics['train/loss']:.4f} "
+                  f"{metrics['perf/samples_per_second']:.0f} samples/s | {select_key} "
+                  f"{metrics.get(prefix + select_key, value):.4f} "
+                  f"(best {metrics[f'best/{select_key}']:.4f} @ {state['best_epoch']}) | {epoch_seconds:.1f}s/epoch, "
                   f"ETA <= {remaining / 60:.1f} min" + (" | early stop" if should_stop else ""))
         # barrier on Ray Train: every rank reports every epoch
         hooks.report({**metrics, RESUMED_HISTORY_KEY: state["history"][:-1]} if report_history else metrics, checkpoint_dir)
@@ -222,11 +260,13 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
             break
 
     final: dict[str, Any] = dict(state["history"][-1]) if state["history"] else {}
+    if "ce_best_epoch" in state:
+        final[f"{CE_STAGE_PREFIX}best/epoch"] = state["ce_best_epoch"]
     final.update({"epochs_trained": state["epoch"], "best/epoch": state["best_epoch"], PRECISION_KEY: train_cfg.precision,
                   "perf/total_seconds": time.perf_counter() - started, "done": True})
     if hooks.rank == 0:
         _unwrap(model).load_state_dict(best_weights)
-        final.update(evaluate_split(_unwrap(model), dataset, "test", tensors, train_cfg, device, None))
+        final.update(evaluate_split(_unwrap(model), dataset, "test", tensors, train_cfg, device, None, scoring))
         final_dir = hooks.new_checkpoint_dir(state["epoch"])
         save_checkpoint(final_dir, {**state, "model": best_weights}, best_weights, config.to_dict())
         save_catalog(final_dir, catalog.item_ids, catalog.item_codes)
@@ -236,6 +276,13 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     else:
         hooks.report(final, None)
     return final
+
+
+def _broadcast_from_rank0(model: nn.Module) -> None:
+    """Copies rank 0's weights to every data-parallel rank (no-op in one process)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        for tensor in _unwrap(model).state_dict().values():  # views of the parameters and buffers
+            torch.distributed.broadcast(tensor, src=0)
 
 
 def _frozen_copy(model: nn.Module, weights: dict[str, Any]) -> nn.Module:

@@ -56,6 +56,6 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
 
 
 def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractContextManager:
-    """``torch.autocast`` for a resolved precision on ``device`` (a no-op for fp32)."""
-    dtype = autocast_dtype(precision)
+    """``torch.autocast`` for ``precision`` on ``device`` (a no-op for fp32; ``auto`` resolved for ``device``)."""
+    dtype = autocast_dtype(resolve_precision(precision, device))
     return torch.autocast(torch.device(device).type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)

@@ -16,6 +16,7 @@ from ..data.batches import group_by_length
 from ..losses import sample_negatives
 from ..losses.base import LossInputs, LossOutput
 from ..models.base import label_log_probs
+from ..protocol import gradient_scale, with_end_token
 from .evaluation import select_users
 from .precision import autocast
 
@@ -42,12 +43,12 @@ class EpochRunner:
         self.sem_tokens = torch.as_tensor(dataset.catalog.sem_tokens, device=device)          # (U, T)
 
     def _candidates(self, batch: Any, num_negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positive first, then negatives: tokens (B, 1+N, T) and prefix nodes (B, 1+N, T+1)."""
+        """Positive first, then negatives: tokens (B, 1+N, T or T+1 with EOS) and prefix nodes (B, 1+N, T+1)."""
         sem = batch.target_sem[:, None]                                                      # (B, 1)
         if num_negatives:
             negatives = sample_negatives(batch.target_sem.cpu(), len(self.sem_tokens), num_negatives, generator)
             sem = torch.cat([sem, negatives.to(self.device)], dim=1)                         # (B, 1+N)
-        return self.sem_tokens[sem], self.tensors.leaf_prefix_nodes[sem]
+        return with_end_token(self.sem_tokens[sem], self.config.protocol.label_eos), self.tensors.leaf_prefix_nodes[sem]
 
     def train_epoch(self, epoch: int, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
                     scheduler: Any, reference: nn.Module | None,
@@ -67,6 +68,7 @@ class EpochRunner:
         generator = torch.Generator().manual_seed(train.seed * 1_000_003 + epoch * 101 + self.rank)
         precision = autocast(train.precision, self.device)  # run_trial resolved 'auto' for this device
         sums: dict[str, float] = defaultdict(float)
+        grad_norm_sum, num_steps = None, 0
         step_size = train.batch_size * self.accumulation
         for start in range(0, len(local), step_size):
             step_indices = local[start:start + step_size]
@@ -88,7 +90,7 @@ class EpochRunner:
                             ref_logits = reference(batch.history_ids, batch.history_mask, candidates)
                         ref_logp = label_log_probs(ref_logits.float(), candidates)           # (B, C, T)
                     output = loss_fn(LossInputs(logits.float(), candidates, nodes, ref_logp))
-                    (output.loss * (len(chunk) / len(step_indices))).backward()
+                    (output.loss * gradient_scale(len(chunk), len(step_indices), self.config.protocol)).backward()
                 weight = len(chunk)
                 for name, value in output.metrics.items():
                     if value.numel() == 1:
@@ -98,7 +100,9 @@ class EpochRunner:
                     prefix_sum = contribution if prefix_sum is None else prefix_sum + contribution
                 sums["_samples"] += weight
             if train.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip).detach()
+                grad_norm_sum = norm if grad_norm_sum is None else grad_norm_sum + norm  # no host sync per step
+                num_steps += 1
             optimizer.step()
             scheduler.step()
             if progress is not None:
@@ -113,6 +117,8 @@ class EpochRunner:
         metrics.setdefault("train/loss", float("nan"))
         metrics["train/num_samples"] = num_samples
         metrics["train/lr"] = scheduler.get_last_lr()[0]
+        if grad_norm_sum is not None:  # the norm before clipping, mean over optimizer steps
+            metrics["train/grad_norm"] = float(grad_norm_sum) / num_steps
         # the weights as they stand after the epoch (= the checkpointed state), not the epoch's average
         prefix_weights = getattr(loss_fn, "prefix_weights", None)
         for m, weight in enumerate(prefix_weights.weights.tolist() if prefix_weights is not None else [], start=1):

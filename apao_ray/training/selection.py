@@ -1,0 +1,74 @@
+"""Which epoch a trial keeps (``protocol.select_by``): a validation metric, or the lowest
+validation loss as the released code's HF Trainer keeps (``metric_for_best_model`` = loss).
+
+The validation loss here is the training objective of the epoch's loss (CE: mean token CE;
+APAO: CE + beta * weighted prefix loss) averaged over the validation split, weighted by batch
+size. The released code reads it from its last evaluation batch only; the mean is steadier.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..data import Dataset, iter_batches
+from ..losses.base import LossInputs
+from ..models.base import label_log_probs
+from .precision import autocast
+
+LOSS = "loss"
+
+
+def selection_score(metrics: dict[str, Any], select_by: str) -> float:
+    """The number the kept epoch maximises: ``val/<select_by>``, negated for the loss.
+
+    Raises:
+        ValueError: ``val/<select_by>`` is not among the validation metrics, naming them.
+    """
+    key = f"val/{select_by}"
+    if key not in metrics:
+        known = sorted(k[len("val/"):] for k in metrics if k.startswith("val/"))
+        raise ValueError(f"select_by={select_by!r}: no validation metric {key!r}; choose from {known}")
+    value = float(metrics[key])
+    return -value if select_by == LOSS else value
+
+
+@torch.inference_mode()
+def validation_loss(model: nn.Module, loss_fn: Any, runner: Any, dataset: Dataset, indices: np.ndarray | None,
+                    batch_size: int, reference: nn.Module | None = None) -> float:
+    """Mean of ``loss_fn``'s objective over the validation split, in eval mode, no autograd, in the
+    trial's precision.
+
+    Negatives (pairwise / preference losses) come from a fixed generator, so every epoch is
+    scored against the same ones. The loss's state (adaptive weights, which ``per_batch``
+    recomputes per batch) is restored afterwards: validation never changes training.
+
+    Args:
+        runner: the trial's :class:`~apao_ray.training.steps.EpochRunner` (candidate labels).
+        indices: the validation users (None: all).
+        reference: the frozen reference model when the loss needs one.
+    """
+    saved_state = loss_fn.state_dict()
+    was_training = model.training
+    model.eval()
+    generator = torch.Generator().manual_seed(runner.config.train.seed * 1_000_003 + 99_991)
+    total, count = 0.0, 0
+    try:
+        for batch in iter_batches(dataset.catalog, dataset.splits["valid"], batch_size, indices=indices):
+            batch = batch.to(runner.device)
+            candidates, nodes = runner._candidates(batch, loss_fn.num_negatives, generator)
+            with torch.inference_mode(), autocast(runner.config.train.precision, runner.device):
+                logits = model(batch.history_ids, batch.history_mask, candidates).float()  # (B, C, T', V)
+                ref_logp = None
+                if reference is not None and loss_fn.needs_reference:
+                    ref_logp = label_log_probs(reference(batch.history_ids, batch.history_mask, candidates).float(),
+                                               candidates)                            # (B, C, T')
+                output = loss_fn(LossInputs(logits, candidates, nodes, ref_logp))
+            total += float(output.loss) * len(batch)
+            count += len(batch)
+    finally:
+        loss_fn.load_state_dict(saved_state)
+        model.train(was_training)
+    return total / max(count, 1)
