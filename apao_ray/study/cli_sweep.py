@@ -168,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
                                                  retention_users=32 if args.quick or args.smoke else 128)))
         # eta stays searched under every protocol; the preset's weighting and other knobs hold for all trials
         base = apply_protocol_arguments(base, args, with_eta=False)
-        check_select_by(base)
         for name in args.losses:  # every loss against the catalog, with the most negatives asked for
             check_against_catalog(base.replace(loss=base.loss.replace(name=name).to_dict()), dataset.catalog)
         tracking_uri = resolve_tracking_uri(args.tracking_uri)
@@ -188,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--resume: no study {study_name!r} to resume under {options.output_dir}; "
                              "check --study-name and --output-dir, or drop --resume to start it")
         check_resumable(tracking_uri, options, dataset.checksums)
+        # after the checks on the data: a changed dataset is the first thing to say on a resume
+        check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are
         from .runner import cluster_cpus, init_ray
 
         init_ray(args.address)  # an unreachable cluster is refused here, before any trial
