@@ -200,16 +200,30 @@ def main(argv: list[str] | None = None) -> int:
         outcome = StudyOutcome([], interrupted=True)
     rows = outcome.rows
     if outcome.interrupted:
-        done = sum(1 for row in rows if row["metrics"].get("done") or row["error"])
-        print(f"study {study_name} interrupted with {done} of {spec.num_trials} trials ended; its state is saved: "
-              "re-run the same command (or add --resume) to continue", file=sys.stderr)
-        return 130
+        return report_interrupted(outcome, study_name, spec.num_trials, argv)
     failed = sum(1 for row in rows if row["error"])
     print(f"study {study_name}: {len(rows)} trials ({failed} failed); best per (backbone, loss) by validation:",
           file=sys.stderr)
     table = best_rows(Tracker(tracking_uri, experiment_name(base.data.dataset)), study=study_name)
     print(format_rows(table, "markdown"))
     return 0
+
+
+def report_interrupted(outcome: "StudyOutcome", study_name: str, num_trials: int, argv: list[str]) -> int:
+    """Tells what an interrupted study kept and how to continue it; returns the exit code
+    (128 + the signal: 130 for SIGINT / Ctrl-C, 143 for SIGTERM)."""
+    import shlex
+    import signal
+
+    from .interrupt import exit_code
+
+    done = sum(1 for row in outcome.rows if row["metrics"].get("done") or row["error"])
+    script = sys.argv[0] if sys.argv[0].endswith("sweep.py") else "studies/sweep.py"
+    command = shlex.join([sys.executable, script, *argv])
+    cause = signal.Signals(outcome.stop_signal).name if outcome.stop_signal else "an interrupt"
+    print(f"study {study_name} stopped by {cause} with {done} of {num_trials} trials ended; its state is saved: "
+          f"re-run the same command (or add --resume) to continue:\n  {command}", file=sys.stderr)
+    return exit_code(outcome.stop_signal or signal.SIGINT)
 
 
 def build_best_parser() -> argparse.ArgumentParser:

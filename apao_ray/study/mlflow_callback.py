@@ -13,7 +13,7 @@ from ray import tune
 from ..tracking import Tracker
 from ..training.loop import RESUMED_HISTORY_KEY
 from ..training.worker import WORKER_NODE_KEY
-from . import plots
+from . import interrupt, plots
 from .space import trial_choices
 
 TRIAL_TAG = "apao.trial_id"
@@ -116,11 +116,14 @@ class MlflowStudyCallback(tune.Callback):
             self.tracker.set_tags(run_id, {NODE_TAG: result[WORKER_NODE_KEY], "apao.node_ip": result.get("node_ip", "")})
             self._nodes_tagged.add(trial.trial_id)
 
+    def _finished(self, trial: Any) -> bool:
+        """Whether the trial trained to its end and was tested (its final report and checkpoint exist)."""
+        return bool((trial.last_result or {}).get("done")) and final_checkpoint_dir(self.train_root, trial.trial_id) is not None
+
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         run_id = self._run_for(trial)
-        last = trial.last_result or {}
         checkpoint = final_checkpoint_dir(self.train_root, trial.trial_id)
-        if checkpoint is None or not last.get("done"):
+        if not self._finished(trial):
             self.tracker.set_tags(run_id, {OUTCOME_TAG: "stopped early by the scheduler (ASHA)"})
             self.tracker.end_run(run_id, "KILLED")
             return
@@ -150,20 +153,24 @@ class MlflowStudyCallback(tune.Callback):
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         """Leaves MLflow agreeing with Tune however the experiment ended (finished, Ctrl-C, or a
         resume after the driver was killed between a trial's end and its MLflow record)."""
-        self.interrupted = [trial.trial_id for trial in trials if trial.status not in TERMINAL]
+        # a stop signal ends the running trials as TERMINATED (Tune's cleanup), like a scheduler's stop;
+        # Tune saved them as RUNNING before that, so a resume continues them: they are interrupted
+        stopped_by_signal = interrupt.received() is not None
+        self.interrupted = [trial.trial_id for trial in trials if trial.status not in TERMINAL
+                            or (stopped_by_signal and trial.status == "TERMINATED" and not self._finished(trial))]
         running = {run.data.tags.get(TRIAL_TAG): run.info.run_id
                    for run in self.tracker.child_runs(self.parent_run_id, "attributes.status = 'RUNNING'")}
         for trial in trials:
             run_id = running.pop(trial.trial_id, None)
             if run_id is None:  # already ended in MLflow, or never started
                 continue
-            if trial.status == "TERMINATED":
+            if trial.trial_id in self.interrupted:
+                self.tracker.set_tags(run_id, {OUTCOME_TAG: INTERRUPTED})
+                self.tracker.end_run(run_id, "KILLED")
+            elif trial.status == "TERMINATED":
                 self.on_trial_complete(0, trials, trial)
             elif trial.status == "ERROR":
                 self.on_trial_error(0, trials, trial)
-            else:
-                self.tracker.set_tags(run_id, {OUTCOME_TAG: INTERRUPTED})
-                self.tracker.end_run(run_id, "KILLED")
         for run_id in running.values():  # created just before a kill, never saved by Tune
             self.tracker.set_tags(run_id, {OUTCOME_TAG: "lost: the driver was killed before Tune recorded this "
                                            "trial; a new trial replaced it"})

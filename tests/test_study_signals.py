@@ -1,0 +1,47 @@
+"""Stop signals sent to the sweep driver's PID alone, as `timeout`, a supervisor or a batch scheduler
+sends them (a terminal's Ctrl-C reaches the whole process group: tests/test_sweep.py covers that).
+Real Ray, a real SQLite MLflow store, real signals, the --smoke configuration."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+
+import pytest
+
+from conftest import run_script
+from test_sweep import SWEEP, _launch_until, _mid_trial
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_signal_to_the_driver_alone_is_recorded_as_an_interruption_and_resumed(tmp_path, signum, exit_code):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    command = [sys.executable, SWEEP, "--smoke", "--num-samples", "1", "--epochs", "3", "--output-dir",
+               str(tmp_path / "runs"), "--tracking-uri", uri]
+    process, _ = _launch_until(command, tmp_path, _mid_trial)
+    os.kill(process.pid, signum)  # the driver only: Ray's processes and the trials' workers get nothing
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == exit_code, stderr[-4000:]
+    assert f"stopped by {signal.Signals(signum).name}" in stderr and shlex.join(command) in stderr, stderr[-3000:]
+
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(uri, "apao-synthetic")
+    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    assert parent.info.status == "KILLED" and parent.data.tags["apao.outcome"].startswith("interrupted")
+    children = tracker.child_runs(parent.info.run_id)
+    assert children and all(run.info.status in ("FINISHED", "KILLED") for run in children)  # none left RUNNING
+    unfinished = [run for run in children if run.info.status == "KILLED"]
+    assert unfinished, "the signal came mid-trial, yet no trial was left unfinished"
+    for run in unfinished:  # never told as pruned: nothing pruned them
+        assert run.data.tags["apao.outcome"].startswith("interrupted"), run.data.tags["apao.outcome"]
+
+    resumed = run_script(command[1:], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    assert parent.info.status == "FINISHED" and parent.data.tags["apao.outcome"] == "finished"
+    children = tracker.child_runs(parent.info.run_id)
+    trial_ids = [run.data.tags["apao.trial_id"] for run in children]
+    assert len(trial_ids) == len(set(trial_ids)) == int(parent.data.params["num_trials"]) == 2
+    assert all(run.info.status == "FINISHED" for run in children)
