@@ -45,3 +45,44 @@ def test_a_stop_signal_to_the_driver_alone_is_recorded_as_an_interruption_and_re
     trial_ids = [run.data.tags["apao.trial_id"] for run in children]
     assert len(trial_ids) == len(set(trial_ids)) == int(parent.data.params["num_trials"]) == 2
     assert all(run.info.status == "FINISHED" for run in children)
+
+
+def test_limit_threads_caps_both_torch_pools_and_the_thread_env_of_a_fresh_worker():
+    """In a fresh process, as a Ray Train worker starts: torch's intra-op and inter-op pools and the
+    OpenMP/MKL/OpenBLAS variables all take the reserved CPU count (torch defaults to every core)."""
+    import subprocess
+
+    from conftest import ROOT
+
+    code = ("import os, torch; from apao_ray.training.worker import limit_threads, THREAD_ENV_VARS; limit_threads(1); "
+            "print(torch.get_num_threads(), torch.get_num_interop_threads(), *(os.environ[v] for v in THREAD_ENV_VARS))")
+    env = {key: value for key, value in os.environ.items() if not key.endswith("_NUM_THREADS")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**env, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"] * 5, result.stdout
+
+
+def test_a_study_beside_a_cpu_bound_process_finishes_each_trial_on_its_reserved_threads(tmp_path):
+    """Two trials at once on 2 CPUs while a busy loop takes one whole core (bounded in time): every trial
+    starts, trains and is tested, each on one intra-op and one inter-op thread."""
+    import subprocess
+    import time
+
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 400\nwhile time.time() < end: pass"])
+    try:
+        started = time.time()
+        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        result = run_script([SWEEP, "--smoke", "--num-samples", "1", "--output-dir", str(tmp_path / "runs"),
+                             "--tracking-uri", uri], cwd=tmp_path, timeout=480)
+        elapsed = time.time() - started
+    finally:
+        busy.kill()
+        busy.wait()
+    assert result.returncode == 0, result.stderr[-4000:]
+    from apao_ray.tracking import Tracker
+
+    children = Tracker(uri, "apao-synthetic").child_runs()
+    assert len(children) == 2 and all(run.info.status == "FINISHED" for run in children), elapsed
+    for run in children:
+        assert run.data.metrics["perf/torch_threads"] == run.data.metrics["perf/torch_interop_threads"] == 1

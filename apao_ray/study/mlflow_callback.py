@@ -30,6 +30,8 @@ def failure_outcome(reason: str) -> str:
         return "out of memory"
     if "NonFiniteLossError" in reason:
         return "non-finite loss"
+    if "TrialStartError" in reason:
+        return "could not start its workers"
     return "failed"
 
 

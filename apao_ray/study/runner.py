@@ -11,6 +11,10 @@ from ..config import TrialConfig
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                  "RAY_TRAIN_V2_ENABLED": "1", "RAY_AIR_NEW_OUTPUT": "0",
                  "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}  # else every worker line is printed twice
+# Ray Train gives a trial's workers 60 s to start (placement group + torch import); on a machine busy
+# with other work that is not enough, and each timeout costs a retry. A user's own value wins.
+WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+WORKER_START_TIMEOUT_S = 300
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
@@ -31,7 +35,8 @@ def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Joins ``address`` (a running cluster) or starts a local Ray, once per process."""
-    for key, value in QUIET_RAY_ENV.items():
+    ray_env = {**QUIET_RAY_ENV, WORKER_START_TIMEOUT_ENV: str(WORKER_START_TIMEOUT_S)}
+    for key, value in ray_env.items():
         os.environ.setdefault(key, value)
     import ray
 
@@ -41,7 +46,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     project_root = str(Path(__file__).resolve().parents[2])
     # workers import apao_ray from this checkout even when it is not installed on the cluster
     runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                                **{k: os.environ[k] for k in QUIET_RAY_ENV}}}
+                                **{k: os.environ[k] for k in ray_env}}}
     try:
         if address:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)

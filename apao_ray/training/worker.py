@@ -67,16 +67,39 @@ class RayTrainHooks(TrainingHooks):
         name = f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else "")
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         # barrier: every rank calls report every epoch; only rank 0 passes a checkpoint
-        ray.train.report({**metrics, WORKER_NODE_KEY: self.node_id}, checkpoint=checkpoint,
+        # the thread pools the trial really ran on, for the record (see limit_threads)
+        threads = {"perf/torch_threads": torch.get_num_threads(), "perf/torch_interop_threads": torch.get_num_interop_threads()}
+        ray.train.report({**metrics, **threads, WORKER_NODE_KEY: self.node_id}, checkpoint=checkpoint,
                          checkpoint_dir_name=name if checkpoint else None,
                          delete_local_checkpoint_after_upload=checkpoint is not None)
 
 
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def limit_threads(num_threads: int) -> None:
+    """Keeps this worker's compute threads within the CPUs it reserved.
+
+    torch defaults to one intra-op and one inter-op pool as large as the machine: two trials, or a
+    trial beside other work, then run more busy threads than cores and each runs many times slower
+    than its share (spinning OpenMP threads preempt each other). Both pools and the libraries that
+    read the environment (OpenMP, MKL, OpenBLAS in any subprocess) get ``num_threads``.
+    """
+    if num_threads < 1:
+        raise ValueError(f"num_threads={num_threads} must be >= 1")
+    for name in THREAD_ENV_VARS:
+        os.environ[name] = str(num_threads)
+    torch.set_num_threads(num_threads)
+    if torch.get_num_interop_threads() != num_threads:
+        try:  # torch allows it once, before any inter-op work has started in this process
+            torch.set_num_interop_threads(num_threads)
+        except RuntimeError:  # a reused worker process: the pool already exists and idles outside our work
+            pass
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point given to ``TorchTrainer``; ``loop_config = {"trial": TrialConfig dict, ...}``."""
-    threads = int(loop_config.get("cpus_per_worker") or 0)
-    if threads > 0:
-        torch.set_num_threads(threads)
+    limit_threads(int(loop_config.get("cpus_per_worker") or 1))
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if loop_config.get("max_memory_bytes"):
         limit_memory(int(loop_config["max_memory_bytes"]))
