@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 # with other work that is not enough, and each timeout costs a retry. A user's own value wins.
 WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 WORKER_START_TIMEOUT_S = 300
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
@@ -31,6 +33,13 @@ def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
     except OSError as error:
         raise ConnectionError(f"Ray address {address!r} is unreachable ({error}); start the head with "
                               f"`ray start --head --port {port}` or fix --address / $RAY_ADDRESS") from None
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (the OS's choice)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
@@ -52,9 +61,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         else:
             # the dashboard (bound to 127.0.0.1) serves the State API, which Ray Train's placement-group
-            # cleaner needs to free the workers of a trial that Tune stopped (ASHA, time budget)
-            ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                     runtime_env=runtime_env, log_to_driver=True)
+            # cleaner needs to free the workers of a trial that Tune stopped (ASHA, time budget). With
+            # another Ray on the machine (a studies/train.py run, a second study) the cleaner cannot
+            # tell which one is ours and dies, the stopped trial's CPUs are never freed and the next
+            # trial's workers never start: name our dashboard to every process of this job.
+            port = free_port()
+            runtime_env["env_vars"][API_SERVER_ENV] = f"http://127.0.0.1:{port}"
+            context = ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                               dashboard_port=port, runtime_env=runtime_env, log_to_driver=True)
+            if context.dashboard_url and not context.dashboard_url.endswith(f":{port}"):
+                print(f"warning: Ray's dashboard took {context.dashboard_url}, not port {port} (taken meanwhile); "
+                      "with another Ray on this machine, pruned trials may not free their CPUs", file=sys.stderr)
     except ConnectionError as error:
         raise ConnectionError(f"cannot reach the Ray cluster at address {address!r}: {error}") from None
 
