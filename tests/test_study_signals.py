@@ -7,6 +7,8 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -63,26 +65,53 @@ def test_limit_threads_caps_both_torch_pools_and_the_thread_env_of_a_fresh_worke
     assert result.stdout.split() == ["1"] * 5, result.stdout
 
 
-def test_a_study_beside_a_cpu_bound_process_finishes_each_trial_on_its_reserved_threads(tmp_path):
-    """Two trials at once on 2 CPUs while a busy loop takes one whole core (bounded in time): every trial
-    starts, trains and is tested, each on one intra-op and one inter-op thread."""
-    import subprocess
-    import time
+BUSY_RAY = """
+import sys, time
+import ray
+ray.init(num_cpus=1, include_dashboard=False)  # another Ray on the machine, as a studies/train.py run is
+print("ready", flush=True)
+end = time.time() + float(sys.argv[1])
+while time.time() < end:  # and one core kept busy
+    pass
+"""
 
-    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 400\nwhile time.time() < end: pass"])
+
+def test_beside_a_busy_ray_process_pruned_trials_free_their_cpus_and_are_tested_on_their_best_checkpoint(tmp_path):
+    """Three APAO-pointwise trials one after the other, ASHA's rung at epoch 1, while another process runs
+    its own Ray and keeps a core busy (bounded in time). The paper's setting runs first; a trial below it
+    at epoch 1 is pruned and must free its CPU for the next (Ray Train's placement-group cleaner cannot
+    find its cluster among two unless told), is recorded as pruned, and is tested on its best checkpoint.
+    Every trial trains on one intra-op and one inter-op thread, the CPU it reserved."""
+    import subprocess
+
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_RAY, "500"], stdout=subprocess.PIPE, text=True)
     try:
-        started = time.time()
+        assert busy.stdout.readline().strip() == "ready"
         uri = f"sqlite:///{tmp_path}/mlflow.db"
-        result = run_script([SWEEP, "--smoke", "--num-samples", "1", "--output-dir", str(tmp_path / "runs"),
-                             "--tracking-uri", uri], cwd=tmp_path, timeout=480)
-        elapsed = time.time() - started
+        result = run_script([SWEEP, "--smoke", "--losses", "apao_pointwise", "--num-samples", "3", "--epochs", "3",
+                             "--asha-grace-period", "1", "--max-concurrent", "1", "--output-dir", str(tmp_path / "runs"),
+                             "--tracking-uri", uri], cwd=tmp_path, timeout=540)
     finally:
-        busy.kill()
-        busy.wait()
+        busy.terminate()  # Ray's SIGTERM handler exits and shuts its processes down
+        busy.wait(timeout=60)
     assert result.returncode == 0, result.stderr[-4000:]
     from apao_ray.tracking import Tracker
 
-    children = Tracker(uri, "apao-synthetic").child_runs()
-    assert len(children) == 2 and all(run.info.status == "FINISHED" for run in children), elapsed
+    tracker = Tracker(uri, "apao-synthetic")
+    children = tracker.child_runs()
+    pruned = [run for run in children if run.info.status == "KILLED"]
+    assert len(children) == 3 and pruned, [run.data.tags["apao.outcome"] for run in children]
+    for run in pruned:
+        epoch = int(run.data.tags["apao.pruned_epoch"])
+        assert run.data.tags["apao.outcome"] == f"pruned at epoch {epoch}"
+        # every epoch up to the pruning is logged (Tune marks the stopped epoch's report done=True)
+        assert [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")] == list(range(1, epoch + 1))
+        tested = tracker.metric_history(run.info.run_id, "test/ndcg_at_10")
+        assert len(tested) == 1 and 1 <= tested[0][0] <= epoch  # the best epoch before pruning
+        assert run.data.tags["apao.tested_on"] == f"its best checkpoint before pruning (epoch {tested[0][0]})"
     for run in children:
         assert run.data.metrics["perf/torch_threads"] == run.data.metrics["perf/torch_interop_threads"] == 1
+        # the worker's scratch directory is gone, also where the scheduler killed the worker
+        trial_id = run.data.tags["apao.trial_id"]
+        assert not list(Path(tempfile.gettempdir()).glob(f"apao-worker-train-trial_id_{trial_id}-*")), trial_id
+    assert "pruned at epoch" in result.stderr

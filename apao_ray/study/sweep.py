@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ray.tune.schedulers import ASHAScheduler, TrialScheduler
-
 from ..config import TrialConfig
 from ..tracking import redact
 from . import interrupt
-from .space import SearchSpec, is_baseline, trial_choices
+from .scheduler import PerMethodASHA
+from .space import SearchSpec, trial_choices
 from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
@@ -58,8 +57,9 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items()
                                                           if k in ("beta", "eta", "num_negatives")})
         trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, base.train)
-        # stable name from the trial id: a restored trial finds its checkpoints
-        name = f"train-trial_id={tune.get_context().get_trial_id()}"
+        from ..training.worker import train_run_name
+
+        name = train_run_name(tune.get_context().get_trial_id())
         trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,
                                max_failures=max_failures, callbacks=[TuneReportCallback()], verbose=False)
         fit(trainer)  # raises once, with the worker's reason, if it gave up
@@ -217,8 +217,8 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
             points_to_evaluate=options.spec.points_to_evaluate(),
             sampler=optuna.samplers.TPESampler(seed=options.seed, n_startup_trials=max(2, options.spec.trials_per_tuned // 2)))
         # max_t: one report per epoch plus the final (test) report, which ASHA must not cut off
-        scheduler = BaselineProtectingASHA(metric=metric, mode="max", max_t=options.base.train.epochs + 1,
-                                           grace_period=options.asha_grace_period)
+        scheduler = PerMethodASHA(metric=metric, mode="max", max_t=options.base.train.epochs + 1,
+                                  grace_period=options.asha_grace_period)
         tuner = tune.Tuner(trainable, tune_config=tune.TuneConfig(
             search_alg=searcher, scheduler=scheduler, num_samples=options.spec.num_trials,
             max_concurrent_trials=options.max_concurrent, time_budget_s=options.time_budget_s),
@@ -234,7 +234,10 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     tracker.set_tags(parent_id, {METRICS_LOGGED_TAG: logged_before + recorder.logged_metrics})
     if interrupted:
         return StudyOutcome(rows, interrupted=True)
+    from .pruned import evaluate_pruned_trials
     from .report import log_study_figures
+
+    evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker)
 
     log_study_figures(tracker, parent_id, rows, options.base.train.beam_size)
     tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})
@@ -252,10 +255,3 @@ def summarize(results: Any) -> list[dict[str, Any]]:
                      "error": str(result.error) if result.error else None})
     return rows
 
-
-class BaselineProtectingASHA(ASHAScheduler):
-    """ASHA that never stops a baseline trial: the comparison needs every baseline to finish."""
-
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-        decision = super().on_trial_result(tune_controller, trial, result)
-        return TrialScheduler.CONTINUE if is_baseline(trial.config.get("loss", "")) else decision

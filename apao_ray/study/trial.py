@@ -12,7 +12,7 @@ from ray.train.torch import TorchTrainer
 
 from ..config import TrialConfig
 from ..training.checkpoint import FINAL_METRICS_FILE
-from ..training.worker import TrialFailedError, train_loop_per_worker
+from ..training.worker import TrialFailedError, remove_scratch, scratch_prefix, train_loop_per_worker
 from .runner import WORKER_START_TIMEOUT_ENV
 
 FAILURE_FILE = "trial_failure.txt"
@@ -56,7 +56,7 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     """
     loop_config = {"trial": config.to_dict(), "verbose": verbose, "max_memory_bytes": resources.memory_bytes,
                    "failure_file": str(Path(storage_path).resolve() / name / FAILURE_FILE),
-                   "cpus_per_worker": max(1, round(resources.cpus_per_worker))}
+                   "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(name)}
     run_config = ray.train.RunConfig(
         name=name, storage_path=str(Path(storage_path).resolve()),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
@@ -80,6 +80,8 @@ def fit(trainer: TorchTrainer) -> ray.train.Result:
         raise TrialStartError(f"{trainer.run_config.name}: its Ray Train workers did not start in "
                               f"{MAX_START_RETRIES + 1} tries of {timeout} s each ({type(error.controller_failure).__name__}: "
                               f"{cause}); free CPUs/memory on the machine, or lower --max-concurrent") from error
+    finally:  # what workers on this node left when killed mid-way (a restart, a stop)
+        remove_scratch(trainer.run_config.name)
     if path.exists():
         raise TrialFailedError(path.read_text())
     return result
