@@ -15,18 +15,28 @@ from ..data import known_dataset_names
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
+def bounded_number(text: str, cast: type, low: float) -> Any:
+    """``text`` as ``cast`` (int or float), finite and >= ``low``; argparse names the flag with the message."""
+    kind = "an integer" if cast is int else "a number"
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}; give {kind} >= {low:g}") from None
+    if not low <= value < float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text!r} must be {kind} >= {low:g}")
     return value
+
+
+def positive_int(text: str) -> int:
+    return bounded_number(text, int, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return bounded_number(text, int, 0)
 
 
 def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
-    return value
+    return bounded_number(text, float, 0)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +59,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples per optimizer step via gradient accumulation (default 1024)")
     parser.add_argument("--lr", type=non_negative_float, default=5e-4, help="AdamW learning rate (default 5e-4)")
     parser.add_argument("--beam-size", type=positive_int, default=20, help="beam size for evaluation (default 20)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for init, data order and negatives (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for init, data order and negatives (default 0)")
     parser.add_argument("--model-size", choices=("paper", "tiny"), default="paper",
                         help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs")
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast: GPUs, and CPUs with AMX (1.25-1.5x "
@@ -88,12 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-negatives", type=positive_int, default=None,
                         help="negatives for apao_pairwise/dmpo/sdpo/ce_sdpo (default 100; refused for other losses)")
     parser.add_argument("--weighting", choices=WEIGHTING_MODES, default="mirror", help="prefix weighting (default mirror)")
-    parser.add_argument("--pretrain-ce-epochs", type=int, default=0, help="two-stage: CE epochs before the loss")
+    parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=0, help="two-stage: CE epochs before the loss")
     parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default 1)")
     parser.add_argument("--cpus-per-worker", type=positive_int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="CPUs (torch threads) per worker (default: all but one)")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
-    parser.add_argument("--max-failures", type=int, default=0, help="worker restarts from the last checkpoint")
+    parser.add_argument("--max-failures", type=non_negative_int, default=0, help="worker restarts from the last checkpoint")
     parser.add_argument("--run-name", help="name of the run under --output-dir (default from the flags)")
     parser.add_argument("--resume", action="store_true", help="continue the run of the same name from its checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
@@ -142,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
         config = trial_config_from_args(args)
         from ..data import load_dataset
 
-        dataset = load_dataset(config.data.dataset, config.data.data_dir)  # fails fast on bad data
+        # fails fast on bad data; an explicit --data-dir must hold the dataset (no download, no fall-back)
+        dataset = load_dataset(config.data.dataset, config.data.data_dir, allow_download=not config.data.data_dir)
         check_against_catalog(config, dataset.catalog, args.num_negatives)
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))
