@@ -24,10 +24,11 @@ def user_cache_dir() -> Path:
 
 
 def data_dir_candidates(data_dir: str | os.PathLike | None = None) -> list[Path]:
-    """Directories searched for datasets, in order: explicit, ``$APAO_DATA_DIR``, ./data, cache."""
-    candidates = []
+    """Directories searched for datasets: an explicit ``data_dir`` alone (a dataset missing there is an
+    error or a download into it, never another copy found elsewhere), else ``$APAO_DATA_DIR``, ./data, cache."""
     if data_dir:
-        candidates.append(Path(data_dir))
+        return [Path(data_dir).expanduser().resolve()]
+    candidates = []
     if os.environ.get(DATA_DIR_ENV):
         candidates.append(Path(os.environ[DATA_DIR_ENV]))
     candidates += [Path("data"), user_cache_dir() / "datasets"]

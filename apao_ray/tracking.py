@@ -77,6 +77,18 @@ def redact(text: str) -> str:
     return _SECRET_FLAG.sub(r"\g<flag>***", _URL_PASSWORD.sub(r"\g<head>:***@", text))
 
 
+def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a SQLite database, in ``mlartifacts/<experiment>``.
+
+    MLflow's own default for a database store is ``./mlruns`` of whatever directory the first run
+    happened in (tens of MB of models per study, far from the database the user named). A tracking
+    server decides for itself (``--artifacts-destination``): None leaves it to the server.
+    """
+    if tracking_uri.startswith("sqlite:///"):
+        return str(Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts" / experiment)
+    return None
+
+
 def experiment_name(dataset: str) -> str:
     return f"apao-{dataset}"
 
@@ -101,8 +113,9 @@ class Tracker:
         self.client = MlflowClient(tracking_uri)
         existing = self.client.get_experiment_by_name(experiment)
         if existing is None:
+            location = artifact_location or default_artifact_location(tracking_uri, experiment)
             try:  # created once, in the driver, before any trial starts
-                self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_location)
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
             except mlflow.exceptions.MlflowException:  # created concurrently by another driver
                 self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
         else:

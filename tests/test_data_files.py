@@ -272,7 +272,8 @@ def test_resolution_order_explicit_env_cwd_cache(isolated, monkeypatch):
 
     assert users(explicit) == 1
     assert users() == 2
-    assert users(isolated / "empty") == 2  # an explicit dir without the dataset falls through
+    with pytest.raises(FileNotFoundError, match="'office' not found in .*empty"):  # never a silent fall-back
+        users(isolated / "empty")
     monkeypatch.delenv(paths.DATA_DIR_ENV)
     assert users() == 3
     monkeypatch.chdir(isolated)  # no ./data here
@@ -286,8 +287,7 @@ def test_data_dir_candidates_and_download_dir(isolated, monkeypatch):
     assert paths.data_dir_candidates() == [cwd_data, cache.resolve()]
     assert paths.download_dir() == cache
     monkeypatch.setenv(paths.DATA_DIR_ENV, str(isolated / "env"))
-    assert paths.data_dir_candidates(isolated / "x") == [(isolated / "x").resolve(), (isolated / "env").resolve(),
-                                                          cwd_data, cache.resolve()]
+    assert paths.data_dir_candidates(isolated / "x") == [(isolated / "x").resolve()]  # searched alone
     assert paths.download_dir() == (isolated / "env").resolve()
     assert paths.download_dir(isolated / "x") == (isolated / "x").resolve()
 

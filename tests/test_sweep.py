@@ -227,6 +227,19 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
     (["--memory-per-trial", "0"], "'0' must be a number > 0"),
     (["--cpus-per-trial", "-1"], "'-1' must be a number > 0"),
+    (["--gpus-per-trial", "-1"], "argument --gpus-per-trial: '-1' must be a number >= 0"),  # was a C++ stack trace
+    (["--max-concurrent", "0"], "argument --max-concurrent: '0' must be an integer >= 1"),  # was silently "auto"
+    (["--num-samples", "0"], "argument --num-samples: '0' must be an integer >= 1"),
+    (["--time-budget", "-5"], "argument --time-budget: '-5' must be a number > 0"),
+    (["--asha-grace-period", "0"], "argument --asha-grace-period: '0' must be an integer >= 1"),
+    (["--max-failures", "-1"], "argument --max-failures: '-1' must be an integer >= 0"),
+    (["--pretrain-ce-epochs", "-2"], "argument --pretrain-ce-epochs: '-2' must be an integer >= 0"),
+    (["--seed", "-3"], "argument --seed: '-3' must be an integer >= 0"),
+    (["--epochs", "2.5"], "argument --epochs: '2.5' is not an integer; give an integer >= 1"),
+    (["--lr", "inf"], "argument --lr: 'inf' must be a number >= 0"),
+    (["--lr", "nan"], "argument --lr: 'nan' must be a number >= 0"),
+    # an explicit --data-dir without the dataset, though $APAO_DATA_DIR may hold it
+    (["--dataset", "office", "--data-dir", "no-such-dir"], "dataset 'office' not found in ['/"),
 ])
 def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, capsys, flags, problem):
     from apao_ray.study.cli_sweep import main

@@ -32,6 +32,9 @@ def _metrics(path: Path) -> dict:
     (["--beam-size", "1000"], "beam_size=1000 exceeds the 399 semantic IDs"),
     (["--dataset", "../etc"], "must be a plain name"),
     (["--loss", "ce", "--num-negatives", "10"], "loss 'ce' uses no negatives"),
+    (["--max-failures", "-1"], "argument --max-failures: '-1' must be an integer >= 0"),
+    (["--pretrain-ce-epochs", "-1"], "argument --pretrain-ce-epochs: '-1' must be an integer >= 0"),
+    (["--dataset", "office", "--data-dir", "no-such-dir"], "dataset 'office' not found in ['/"),
 ])
 def test_bad_flags_are_refused_before_any_work(tmp_path, monkeypatch, capsys, flags, problem):
     from apao_ray.study.cli_train import main

@@ -96,7 +96,8 @@ def locate(name: str, data_dir: str | os.PathLike | None = None, *, allow_downlo
         raise FileNotFoundError(f"dataset {name!r} needs {missing}, which the paper's repository does not "
                                 f"publish; put the file under one of {[str(d / folder) for d in searched]}")
     if not allow_download:
-        raise FileNotFoundError(f"dataset {name!r} not found in {[str(d) for d in searched]}")
+        raise FileNotFoundError(f"dataset {name!r} not found in {[str(d) for d in searched]} (no "
+                                f"{folder}/{folder}.inter.json and {folder}.index.rq-kmeans.json there)")
     target = download_dir(data_dir)
     download(folder, target)
     return _files_in(target, folder)

@@ -9,6 +9,7 @@ import argparse
 
 from ..config import PROTOCOL_NAMES, WEIGHTING_MODES, TrialConfig
 from ..protocol import KNOBS, PRESET_HELP, PRESETS, apply_protocol
+from .cli_types import non_negative_float
 
 
 def _preset_values(knob: str) -> str:
@@ -48,13 +49,6 @@ def add_protocol_arguments(parser: argparse.ArgumentParser, with_eta: bool = Tru
     group.add_argument("--pairwise-scale-plus-one", action=argparse.BooleanOptionalAction, default=None,
                        help="APAO pairwise: scale negatives by (P_m - 1) / (counted + 1) instead of / counted; "
                             f"preset {_preset_values('pairwise_scale_plus_one')}")
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"{text!r} must be a number >= 0")
-    return value
 
 
 def apply_protocol_arguments(config: TrialConfig, args: argparse.Namespace, with_eta: bool = True) -> TrialConfig:

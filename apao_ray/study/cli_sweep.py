@@ -12,12 +12,13 @@ from ..paths import check_plain_name
 from ..protocol import check_select_by
 from .cli_protocol import add_protocol_arguments, apply_protocol_arguments
 from .cli_train import TINY_MODEL, add_common_arguments, check_against_catalog, train_config_from_args
+from .cli_types import non_negative_float, non_negative_int, positive_int
 
 SWEEP_EPILOG = """\
 defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to
-20 epochs each (patience 5), ASHA stopping weak APAO trials after 5 epochs. An Office epoch of the paper-size
-model takes minutes on a CPU (benchmarks/RESULTS.md has this machine's figures), so the defaults are an
-evening on a laptop and far less on a GPU (--gpus-per-trial 0.25 runs four trials per GPU). --quick finishes
+20 epochs each (patience 5), ASHA stopping APAO trials weaker than others of their method after 5 epochs (CE
+runs to the end). An Office epoch of the paper-size model takes minutes on a CPU (benchmarks/RESULTS.md has
+this machine's figures), so the defaults are an evening on a laptop and far less on a GPU (--gpus-per-trial 0.25 runs four trials per GPU). --quick finishes
 in a few minutes on 2 CPUs (tiny model, 2048-sample subset, 2 epochs, 4 trials): a check, not a result.
 These schedules are not the paper's (200 epochs, patience 20; --epochs 200 --patience 20): the results
 table says whether its test columns compare with paper Table 1. --protocol reference trains as the authors'
@@ -65,24 +66,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--losses", type=comma_list, default=("ce", "apao_pointwise", "apao_pairwise"),
                         help="comma list from apao_ray.losses.LOSSES (default ce,apao_pointwise,apao_pairwise); "
                              "losses with nothing to tune are baselines and run once per backbone")
-    parser.add_argument("--num-samples", type=int, default=3, help="Optuna trials per tuned (backbone, loss) (default 3)")
+    parser.add_argument("--num-samples", type=positive_int, default=3, help="Optuna trials per tuned (backbone, loss) (default 3)")
     parser.add_argument("--beta", type=parse_range, default=(0.05, 0.4), help="LOW:HIGH (default 0.05:0.4, paper grid)")
     parser.add_argument("--eta", type=parse_range, default=(5e-6, 5e-4), help="LOW:HIGH, log scale (default 5e-6:5e-4)")
     parser.add_argument("--negatives", type=lambda t: parse_range(t, int), default=None,
                         help="LOW:HIGH negatives for pairwise losses, log scale (default 10:200)")
-    parser.add_argument("--pretrain-ce-epochs", type=int, default=None,
+    parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=None,
                         help="CE epochs before a preference loss (dpo/dmpo/sdpo; default half the epochs)")
-    parser.add_argument("--max-concurrent", type=int, default=None, help="trials at once (default: the cluster's CPUs // cpus-per-trial)")
+    parser.add_argument("--max-concurrent", type=positive_int, default=None, help="trials at once (default: the cluster's CPUs // cpus-per-trial)")
     parser.add_argument("--cpus-per-trial", type=positive_float, default=1.0,
                         help="CPUs per trial (default 1; 0.5 packs two trials per CPU, each on 1 thread)")
-    parser.add_argument("--gpus-per-trial", type=float, default=0.0, help="GPUs per trial; fractions share a GPU (0.25)")
-    parser.add_argument("--time-budget", type=float, default=None, help="stop starting trials after this many seconds")
-    parser.add_argument("--max-failures", type=int, default=1, help="restarts of a failed trial from its checkpoint")
+    parser.add_argument("--gpus-per-trial", type=non_negative_float, default=0.0, help="GPUs per trial; fractions share a GPU (0.25)")
+    parser.add_argument("--time-budget", type=positive_float, default=None, help="stop starting trials after this many seconds")
+    parser.add_argument("--max-failures", type=non_negative_int, default=1, help="restarts of a failed trial from its checkpoint")
     parser.add_argument("--memory-per-trial", type=positive_float, metavar="GIB",
                         help="memory cap per trial in GiB: reserved in Ray and enforced in the worker, so a trial "
                              "that needs more fails as 'out of memory' instead of taking the node down "
                              "(a worker with torch loaded already maps ~1.5 GiB)")
-    parser.add_argument("--asha-grace-period", type=int, default=5, help="epochs before ASHA may stop a trial")
+    parser.add_argument("--asha-grace-period", type=positive_int, default=5,
+                        help="epochs before ASHA may stop a trial (default 5); a trial is only compared with trials "
+                             "of its own (backbone, loss), baselines are never stopped, and a pruned trial is tested "
+                             "on its best checkpoint")
     parser.add_argument("--study-name", help="default <dataset>-study; re-running the same name resumes it")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted study (refused when there is "
                         "none); re-running the same command does the same")
@@ -157,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = SearchSpec(tuple(args.backbones), tuple(args.losses), args.beta, args.eta, negatives, args.num_samples)
         check_plain_name("dataset", args.dataset)  # before the default study name is made from it
         study_name = check_plain_name("study", args.study_name or f"{args.dataset.lower()}-study")
-        dataset = load_dataset(args.dataset, args.data_dir)
+        dataset = load_dataset(args.dataset, args.data_dir, allow_download=not args.data_dir)  # --data-dir: it is there
         pretrain = args.pretrain_ce_epochs if args.pretrain_ce_epochs is not None else max(1, args.epochs // 2)
         needs_stage = any(name in ("dpo", "dmpo", "sdpo") for name in args.losses)
         base = TrialConfig(
@@ -192,11 +196,11 @@ def main(argv: list[str] | None = None) -> int:
         from .runner import cluster_cpus, init_ray
 
         init_ray(args.address)  # an unreachable cluster is refused here, before any trial
-        if not args.max_concurrent:  # as many as the cluster (or this machine) has CPUs for
+        if args.max_concurrent is None:  # as many as the cluster (or this machine) has CPUs for
             options = dataclasses.replace(options, max_concurrent=max(1, int(cluster_cpus() // args.cpus_per_trial)))
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))
-    from .report import best_rows, format_rows
+    from .report import format_rows, table_rows
     from .sweep import StudyOutcome, run_study
     from ..tracking import Tracker, experiment_name
 
@@ -210,16 +214,30 @@ def main(argv: list[str] | None = None) -> int:
         outcome = StudyOutcome([], interrupted=True)
     rows = outcome.rows
     if outcome.interrupted:
-        done = sum(1 for row in rows if row["metrics"].get("done") or row["error"])
-        print(f"study {study_name} interrupted with {done} of {spec.num_trials} trials ended; its state is saved: "
-              "re-run the same command (or add --resume) to continue", file=sys.stderr)
-        return 130
+        return report_interrupted(outcome, study_name, spec.num_trials, argv)
     failed = sum(1 for row in rows if row["error"])
     print(f"study {study_name}: {len(rows)} trials ({failed} failed); best per (backbone, loss) by validation:",
           file=sys.stderr)
-    table = best_rows(Tracker(tracking_uri, experiment_name(base.data.dataset)), study=study_name)
+    table = table_rows(Tracker(tracking_uri, experiment_name(base.data.dataset)), study=study_name)
     print(format_rows(table, "markdown"))
     return 0
+
+
+def report_interrupted(outcome: "StudyOutcome", study_name: str, num_trials: int, argv: list[str]) -> int:
+    """Tells what an interrupted study kept and how to continue it; returns the exit code
+    (128 + the signal: 130 for SIGINT / Ctrl-C, 143 for SIGTERM)."""
+    import shlex
+    import signal
+
+    from .interrupt import exit_code
+
+    done = sum(1 for row in outcome.rows if row["metrics"].get("done") or row["error"])
+    script = sys.argv[0] if sys.argv[0].endswith("sweep.py") else "studies/sweep.py"
+    command = shlex.join([sys.executable, script, *argv])
+    cause = signal.Signals(outcome.stop_signal).name if outcome.stop_signal else "an interrupt"
+    print(f"study {study_name} stopped by {cause} with {done} of {num_trials} trials ended; its state is saved: "
+          f"re-run the same command (or add --resume) to continue:\n  {command}", file=sys.stderr)
+    return exit_code(outcome.stop_signal or signal.SIGINT)
 
 
 def build_best_parser() -> argparse.ArgumentParser:
@@ -239,7 +257,7 @@ def best_main(argv: list[str] | None = None) -> int:
     parser = build_best_parser()
     args = parser.parse_args(argv)
     from ..tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
-    from .report import best_rows, format_rows, register_best
+    from .report import format_rows, register_best, table_rows
 
     try:
         uri = resolve_tracking_uri(args.tracking_uri)
@@ -249,12 +267,13 @@ def best_main(argv: list[str] | None = None) -> int:
     except (ValueError, ConnectionError) as error:
         parser.error(str(error))
     tracker = Tracker(uri, experiment_name(args.dataset.lower()))
-    rows = best_rows(tracker, args.metric, args.study_name)
+    rows = table_rows(tracker, args.metric, args.study_name)
     if not rows:
         print(f"no finished trials for dataset {args.dataset!r} in {uri}", file=sys.stderr)
         return 1
     if not args.no_register:
         for row, name in zip(rows, register_best(tracker, rows, args.dataset.lower())):
-            row["registered_model"] = name
+            if name:
+                row["registered_model"] = name
     print(format_rows(rows, args.format))
     return 0

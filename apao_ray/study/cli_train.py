@@ -12,7 +12,8 @@ from typing import Any
 from ..config import BACKBONE_NAMES, PRECISIONS, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from ..data import known_dataset_names
 from ..protocol import check_select_by, protocol_tag, resolved_knobs
-from .cli_protocol import add_protocol_arguments, apply_protocol_arguments, non_negative_float
+from .cli_protocol import add_protocol_arguments, apply_protocol_arguments
+from .cli_types import non_negative_float, non_negative_int, positive_int
 
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 
@@ -23,13 +24,6 @@ def available_cpus() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         return max(1, os.cpu_count() or 1)
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be an integer >= 1")
-    return value
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,7 +46,7 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="samples per optimizer step via gradient accumulation (default 1024)")
     parser.add_argument("--lr", type=non_negative_float, default=5e-4, help="AdamW learning rate (default 5e-4)")
     parser.add_argument("--beam-size", type=positive_int, default=20, help="beam size for evaluation (default 20)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for init, data order and negatives (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for init, data order and negatives (default 0)")
     parser.add_argument("--model-size", choices=("paper", "tiny"), default="paper",
                         help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
@@ -91,13 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--beta", type=non_negative_float, default=0.1, help="weight of the prefix loss (default 0.1)")
     parser.add_argument("--num-negatives", type=positive_int, default=None,
                         help="negatives for apao_pairwise/dmpo/sdpo/ce_sdpo (default 100; refused for other losses)")
-    parser.add_argument("--pretrain-ce-epochs", type=int, default=0, help="two-stage: CE epochs before the loss")
+    parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=0, help="two-stage: CE epochs before the loss")
     parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default 1)")
     parser.add_argument("--cpus-per-worker", type=positive_int, default=available_cpus(),
                         help="CPUs reserved per worker, used as its torch threads (default: all of this "
                              "machine's, %(default)s here)")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
-    parser.add_argument("--max-failures", type=int, default=0, help="worker restarts from the last checkpoint")
+    parser.add_argument("--max-failures", type=non_negative_int, default=0, help="worker restarts from the last checkpoint")
     parser.add_argument("--run-name", help="name of the run under --output-dir (default from the flags)")
     parser.add_argument("--resume", action="store_true", help="continue the run of the same name from its checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
@@ -155,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from ..data import load_dataset
 
-        dataset = load_dataset(config.data.dataset, config.data.data_dir)  # fails fast on bad data
+        # fails fast on bad data; an explicit --data-dir must hold the dataset (no download, no fall-back)
+        dataset = load_dataset(config.data.dataset, config.data.data_dir, allow_download=not config.data.data_dir)
         check_against_catalog(config, dataset.catalog, args.num_negatives)
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))

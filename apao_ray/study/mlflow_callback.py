@@ -12,8 +12,9 @@ from ray import tune
 
 from ..tracking import Tracker
 from ..training.loop import PRECISION_KEY, RESUMED_HISTORY_KEY
-from ..training.worker import WORKER_NODE_KEY
-from . import plots
+from ..training.worker import WORKER_NODE_KEY, remove_scratch, train_run_name
+from . import interrupt, plots
+from .scheduler import pruned_epoch
 from .space import trial_choices
 
 TRIAL_TAG = "apao.trial_id"
@@ -22,7 +23,17 @@ OUTCOME_TAG = "apao.outcome"
 NODE_TAG = "apao.node_id"
 PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its worker (fp32/bf16)
 INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
+PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (pruned.py)
+PRUNED_EPOCH_TAG = "apao.pruned_epoch"
+STOPPED_BY_TUNE = ("stopped before its end by Tune, not by the scheduler's pruning (the time budget ran out, "
+                   "or it was pruned in a driver that was lost)")
 TERMINAL = ("TERMINATED", "ERROR")
+
+
+def is_final_report(result: dict[str, Any]) -> bool:
+    """The trial's own last report (best weights tested), not an epoch's. Tune also sets ``done`` on
+    the epoch report that the scheduler answered with STOP, so ``done`` alone cannot tell them apart."""
+    return bool(result.get("done")) and "epochs_trained" in result
 
 
 def failure_outcome(reason: str) -> str:
@@ -31,6 +42,8 @@ def failure_outcome(reason: str) -> str:
         return "out of memory"
     if "NonFiniteLossError" in reason:
         return "non-finite loss"
+    if "TrialStartError" in reason:
+        return "could not start its workers"
     return "failed"
 
 
@@ -48,7 +61,7 @@ def describe(choices: dict[str, Any]) -> str:
 
 def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
     """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished."""
-    matches = sorted((train_root / f"train-trial_id={trial_id}").glob("**/epoch_*_final"))
+    matches = sorted((train_root / train_run_name(trial_id)).glob("**/epoch_*_final"))
     return matches[-1] if matches else None
 
 
@@ -113,7 +126,7 @@ class MlflowStudyCallback(tune.Callback):
         if result.get(RESUMED_HISTORY_KEY):
             self._backfill(run_id, result[RESUMED_HISTORY_KEY])
         metrics = {k: v for k, v in result.items() if "/" in k and not k.startswith("config/")}
-        if result.get("done"):  # the final report repeats the last epoch's values: log only what is new
+        if is_final_report(result):  # it repeats the last epoch's values: log only what is new
             metrics = {k: v for k, v in metrics.items() if k.startswith("test/") or k == "perf/total_seconds"}
         step = int(result.get("epoch", result.get("training_iteration", 0)))
         self.logged_metrics += self.tracker.log_metrics(run_id, metrics, step)
@@ -122,12 +135,19 @@ class MlflowStudyCallback(tune.Callback):
                                            PRECISION_TAG: result.get(PRECISION_KEY, "")})
             self._nodes_tagged.add(trial.trial_id)
 
+    def _finished(self, trial: Any) -> bool:
+        """Whether the trial trained to its end and was tested (its final report and checkpoint exist)."""
+        return is_final_report(trial.last_result or {}) and final_checkpoint_dir(self.train_root, trial.trial_id) is not None
+
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         run_id = self._run_for(trial)
-        last = trial.last_result or {}
+        remove_scratch(train_run_name(trial.trial_id))  # left by its workers if the scheduler killed them
         checkpoint = final_checkpoint_dir(self.train_root, trial.trial_id)
-        if checkpoint is None or not last.get("done"):
-            self.tracker.set_tags(run_id, {OUTCOME_TAG: "stopped early by the scheduler (ASHA)"})
+        if not self._finished(trial):
+            epoch = pruned_epoch(trial.trial_id)
+            tags = {OUTCOME_TAG: f"{PRUNED} {epoch}", PRUNED_EPOCH_TAG: epoch} if epoch is not None else \
+                {OUTCOME_TAG: STOPPED_BY_TUNE}
+            self.tracker.set_tags(run_id, tags)
             self.tracker.end_run(run_id, "KILLED")
             return
         self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
@@ -156,20 +176,26 @@ class MlflowStudyCallback(tune.Callback):
     def on_experiment_end(self, trials: list, **info: Any) -> None:
         """Leaves MLflow agreeing with Tune however the experiment ended (finished, Ctrl-C, or a
         resume after the driver was killed between a trial's end and its MLflow record)."""
-        self.interrupted = [trial.trial_id for trial in trials if trial.status not in TERMINAL]
+        # a stop signal ends the running trials as TERMINATED (Tune's cleanup), like a scheduler's stop;
+        # Tune saved them as RUNNING before that, so a resume continues them: they are interrupted
+        stopped_by_signal = interrupt.received() is not None
+        self.interrupted = [trial.trial_id for trial in trials if trial.status not in TERMINAL
+                            or (stopped_by_signal and trial.status == "TERMINATED" and not self._finished(trial))]
         running = {run.data.tags.get(TRIAL_TAG): run.info.run_id
                    for run in self.tracker.child_runs(self.parent_run_id, "attributes.status = 'RUNNING'")}
         for trial in trials:
             run_id = running.pop(trial.trial_id, None)
             if run_id is None:  # already ended in MLflow, or never started
                 continue
-            if trial.status == "TERMINATED":
+            if trial.trial_id in self.interrupted:
+                self.tracker.set_tags(run_id, {OUTCOME_TAG: INTERRUPTED})
+                self.tracker.end_run(run_id, "KILLED")
+            elif trial.status == "TERMINATED":
                 self.on_trial_complete(0, trials, trial)
             elif trial.status == "ERROR":
                 self.on_trial_error(0, trials, trial)
-            else:
-                self.tracker.set_tags(run_id, {OUTCOME_TAG: INTERRUPTED})
-                self.tracker.end_run(run_id, "KILLED")
+        for trial in trials:  # workers that Tune's cleanup killed left theirs (this node only)
+            remove_scratch(train_run_name(trial.trial_id))
         for run_id in running.values():  # created just before a kill, never saved by Tune
             self.tracker.set_tags(run_id, {OUTCOME_TAG: "lost: the driver was killed before Tune recorded this "
                                            "trial; a new trial replaced it"})

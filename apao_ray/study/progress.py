@@ -7,7 +7,8 @@ from typing import Any
 
 from ray import tune
 
-from .mlflow_callback import TERMINAL, describe
+from .mlflow_callback import PRUNED, TERMINAL, describe, is_final_report
+from .scheduler import pruned_epoch
 from .space import trial_choices
 
 
@@ -24,7 +25,7 @@ class ProgressCallback(tune.Callback):
         print(f"[{elapsed:6.1f} min | {len(self.done)}/{self.num_trials} trials done] {text}", file=sys.stderr, flush=True)
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
-        if result.get("done"):
+        if is_final_report(result):
             return
         self._line(f"{describe(trial_choices(trial.config))} epoch {result.get('epoch')}: "
                    f"{self.metric} {result.get(self.metric, float('nan')):.4f}, "
@@ -34,9 +35,11 @@ class ProgressCallback(tune.Callback):
         self.done.add(trial.trial_id)
         last = trial.last_result or {}
         test = last.get("test/ndcg_at_10")
-        self._line(f"finished {describe(trial_choices(trial.config))}: {self.metric} "
-                   f"{last.get(self.metric, float('nan')):.4f}" + (f", test ndcg_at_10 {test:.4f}" if test is not None else
-                                                                   " (stopped early)"), trials)
+        epoch = pruned_epoch(trial.trial_id)
+        ending = f", test ndcg_at_10 {test:.4f}" if test is not None else \
+            (f" ({PRUNED} {epoch}; tested on its best checkpoint at the end)" if epoch is not None else " (stopped)")
+        self._line(f"{'finished' if test is not None else 'ended'} {describe(trial_choices(trial.config))}: "
+                   f"{self.metric} {last.get(self.metric, float('nan')):.4f}" + ending, trials)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self.done.add(trial.trial_id)

@@ -59,6 +59,56 @@ def paper_comparability(rows: list[dict[str, Any]]) -> str:
             "the paper trained up to 200 epochs with patience 20, and a shorter run also ends its cosine schedule sooner")
 
 
+def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None) -> list[dict[str, Any]]:
+    """A row for every (backbone, loss) that the studies asked for: the best finished trial's, else one
+    whose ``status`` says why none finished ("all 3 trials pruned", "failed: <reason>", ...).
+
+    A method whose trials were all pruned keeps the validation (and, once tested on its best checkpoint,
+    test) metrics of its best pruned trial, so the table shows how far behind it was.
+    """
+    rows = [{**row, "status": "finished"} for row in best_rows(tracker, metric, study)]
+    study_filter = f" and tags.`apao.study` = '{study}'" if study else ""
+    parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'" + study_filter,
+                                         max_results=1000)
+    requested: dict[tuple[str, str], None] = {}
+    for parent in parents:
+        space = json.loads(parent.data.params.get("space", "{}"))
+        requested.update({(b, l): None for b in space.get("backbones", ()) for l in space.get("losses", ())})
+    children = tracker.child_runs(filter_string=study_filter[len(" and "):])
+    for backbone, loss in sorted(set(requested) - {(row["backbone"], row["loss"]) for row in rows}):
+        runs = [run for run in children if (run.data.tags.get("backbone"), run.data.tags.get("loss")) == (backbone, loss)]
+        row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": why_none_finished(runs)}
+        scored = [run for run in runs if run.data.metrics.get(metric) is not None]
+        if scored:
+            run = max(scored, key=lambda r: r.data.metrics[metric])
+            row.update({k: _number(run.data.params.get(k)) for k in KNOBS})
+            row[metric] = run.data.metrics[metric]
+            row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
+            row.update({"run_id": run.info.run_id, "study": run.data.tags.get("apao.study")})
+        rows.append(row)
+    return sorted(rows, key=lambda r: (r["backbone"], r["loss"]))
+
+
+def why_none_finished(runs: list[Any]) -> str:
+    """``all N trials pruned`` / ``failed: <reason>`` / counts of each ending, for a method without a finished trial."""
+    if not runs:
+        return "no trial ran"
+    outcomes = [run.data.tags.get("apao.outcome", run.info.status.lower()) for run in runs]
+    failed = [run for run in runs if run.info.status == "FAILED"]
+    pruned = sum(outcome.startswith("pruned") for outcome in outcomes)
+    if pruned == len(runs):
+        return f"all {len(runs)} trials pruned"
+    if failed:
+        reason = failed[0].data.tags.get("apao.error") or failed[0].data.tags.get("apao.outcome", "unknown error")
+        counts = f"{len(failed)} of {len(runs)} trials " if len(runs) > 1 else ""
+        return f"{counts}failed: {reason.strip().splitlines()[-1][:200]}"
+    kinds: dict[str, int] = {}
+    for outcome in outcomes:
+        kind = outcome.split(":")[0].split(" at epoch")[0]
+        kinds[kind] = kinds.get(kind, 0) + 1
+    return ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+
+
 def _number(text: str | None) -> float | int | None:
     if text is None or text == "None":
         return None
@@ -71,6 +121,8 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
         return json.dumps(rows, indent=2)
     selection = [k for k in rows[0] if k.startswith("best/")] if rows else []
     columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, "protocol", "schedule", "run_id"]
+    if any("status" in row for row in rows):
+        columns.append("status")
     if fmt == "csv":
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
@@ -85,10 +137,13 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     return "\n".join(lines + ["", paper_comparability(rows)])
 
 
-def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str, alias: str = "best") -> list[str]:
+def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str, alias: str = "best") -> list[str | None]:
     """Registers each row's model as ``apao-<dataset>-<backbone>-<loss>`` with ``@best``."""
     names = []
     for row in rows:
+        if not row.get("model_uri"):  # a method without a finished trial has no model
+            names.append(None)
+            continue
         name = f"apao-{dataset}-{row['backbone']}-{row['loss']}"
         tracker.register_best(row["model_uri"], name, alias)
         names.append(f"models:/{name}@{alias}")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,11 @@ from ..config import TrialConfig
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                  "RAY_TRAIN_V2_ENABLED": "1", "RAY_AIR_NEW_OUTPUT": "0",
                  "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}  # else every worker line is printed twice
+# Ray Train gives a trial's workers 60 s to start (placement group + torch import); on a machine busy
+# with other work that is not enough, and each timeout costs a retry. A user's own value wins.
+WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+WORKER_START_TIMEOUT_S = 300
+API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
@@ -29,9 +35,17 @@ def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
                               f"`ray start --head --port {port}` or fix --address / $RAY_ADDRESS") from None
 
 
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (the OS's choice)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Joins ``address`` (a running cluster) or starts a local Ray, once per process."""
-    for key, value in QUIET_RAY_ENV.items():
+    ray_env = {**QUIET_RAY_ENV, WORKER_START_TIMEOUT_ENV: str(WORKER_START_TIMEOUT_S)}
+    for key, value in ray_env.items():
         os.environ.setdefault(key, value)
     import ray
 
@@ -41,15 +55,23 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     project_root = str(Path(__file__).resolve().parents[2])
     # workers import apao_ray from this checkout even when it is not installed on the cluster
     runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                                **{k: os.environ[k] for k in QUIET_RAY_ENV}}}
+                                **{k: os.environ[k] for k in ray_env}}}
     try:
         if address:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         else:
             # the dashboard (bound to 127.0.0.1) serves the State API, which Ray Train's placement-group
-            # cleaner needs to free the workers of a trial that Tune stopped (ASHA, time budget)
-            ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                     runtime_env=runtime_env, log_to_driver=True)
+            # cleaner needs to free the workers of a trial that Tune stopped (ASHA, time budget). With
+            # another Ray on the machine (a studies/train.py run, a second study) the cleaner cannot
+            # tell which one is ours and dies, the stopped trial's CPUs are never freed and the next
+            # trial's workers never start: name our dashboard to every process of this job.
+            port = free_port()
+            runtime_env["env_vars"][API_SERVER_ENV] = f"http://127.0.0.1:{port}"
+            context = ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+                               dashboard_port=port, runtime_env=runtime_env, log_to_driver=True)
+            if context.dashboard_url and not context.dashboard_url.endswith(f":{port}"):
+                print(f"warning: Ray's dashboard took {context.dashboard_url}, not port {port} (taken meanwhile); "
+                      "with another Ray on this machine, pruned trials may not free their CPUs", file=sys.stderr)
     except ConnectionError as error:
         raise ConnectionError(f"cannot reach the Ray cluster at address {address!r}: {error}") from None
 

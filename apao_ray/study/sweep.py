@@ -10,12 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ray.tune.schedulers import ASHAScheduler, TrialScheduler
-
 from ..config import TrialConfig
 from ..protocol import run_tags
 from ..tracking import redact
-from .space import SearchSpec, is_baseline, trial_choices
+from . import interrupt
+from .scheduler import PerMethodASHA
+from .space import SearchSpec, trial_choices
 from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
@@ -59,8 +59,9 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
                                                           if k in ("beta", "eta", "num_negatives")})
         trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, base.train,
                                    base.protocol)
-        # stable name from the trial id: a restored trial finds its checkpoints
-        name = f"train-trial_id={tune.get_context().get_trial_id()}"
+        from ..training.worker import train_run_name
+
+        name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
         trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,
                                max_failures=max_failures, callbacks=[TuneReportCallback()], verbose=False)
         fit(trainer)  # raises once, with the worker's reason, if it gave up
@@ -155,27 +156,47 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
 
 @dataclass
 class StudyOutcome:
-    rows: list[dict[str, Any]]    # one summary per trial
-    interrupted: bool = False     # stopped (Ctrl-C) before every trial ended: resumable
+    rows: list[dict[str, Any]]     # one summary per trial
+    interrupted: bool = False      # stopped before every trial ended: resumable
+    stop_signal: int | None = None  # the signal that stopped it (SIGINT, SIGTERM), if one did
 
 
 def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_history: list[str]) -> StudyOutcome:
-    """Runs (or resumes) the study; on Ctrl-C saves its state and returns ``interrupted=True``."""
-    import optuna
-    from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
-
+    """Runs (or resumes) the study. On SIGINT or SIGTERM it saves its state, records the unfinished
+    trials and the parent run as interrupted, and returns ``interrupted=True`` with the signal."""
     from ..tracking import Tracker, experiment_name
-    from .mlflow_callback import INTERRUPTED, OUTCOME_TAG, MlflowStudyCallback
-    from .progress import ProgressCallback
+    from .mlflow_callback import INTERRUPTED, OUTCOME_TAG
     from .runner import init_ray
 
     study_dir = options.output_dir / options.study_name
     if options.overwrite and study_dir.exists():
         shutil.rmtree(study_dir)
-    init_ray(options.address)
-    tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
-    parent_id = open_parent_run(tracker, options, dataset_checksums)
+    init_ray(options.address)  # before our handlers: ray.init installs a SIGTERM handler of its own
+    with interrupt.stop_signals():
+        tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
+        parent_id = open_parent_run(tracker, options, dataset_checksums)
+        try:
+            outcome = _run_tuner(options, tracker, parent_id, example_history)
+        except KeyboardInterrupt:  # a signal outside Tune's loop (start-up, figures): Tune's saved state holds
+            outcome = StudyOutcome([], interrupted=True)
+        outcome.stop_signal = interrupt.received()
+        if outcome.interrupted:
+            tracker.set_tags(parent_id, {OUTCOME_TAG: INTERRUPTED})
+            tracker.end_run(parent_id, "KILLED")
+        return outcome
+
+
+def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_history: list[str]) -> StudyOutcome:
+    """Builds (or restores) the Tuner, runs it, and records the study's end in the parent run."""
+    import optuna
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    from ..tracking import experiment_name
+    from .mlflow_callback import OUTCOME_TAG, MlflowStudyCallback
+    from .progress import ProgressCallback
+
+    study_dir = options.output_dir / options.study_name
     logged_before = int(tracker.client.get_run(parent_id).data.tags.get(METRICS_LOGGED_TAG, 0))
     metric = f"best/val/{options.base.train.metric}"
     train_root = str(study_dir / "train_runs")
@@ -200,24 +221,27 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
             points_to_evaluate=options.spec.points_to_evaluate(),
             sampler=optuna.samplers.TPESampler(seed=options.seed, n_startup_trials=max(2, options.spec.trials_per_tuned // 2)))
         # max_t: one report per epoch plus the final (test) report, which ASHA must not cut off
-        scheduler = BaselineProtectingASHA(metric=metric, mode="max", max_t=options.base.train.epochs + 1,
-                                           grace_period=options.asha_grace_period)
+        scheduler = PerMethodASHA(metric=metric, mode="max", max_t=options.base.train.epochs + 1,
+                                  grace_period=options.asha_grace_period)
         tuner = tune.Tuner(trainable, tune_config=tune.TuneConfig(
             search_alg=searcher, scheduler=scheduler, num_samples=options.spec.num_trials,
             max_concurrent_trials=options.max_concurrent, time_budget_s=options.time_budget_s),
             run_config=tune.RunConfig(name=options.study_name, storage_path=str(options.output_dir),
                                       callbacks=callbacks, verbose=0,
                                       failure_config=tune.FailureConfig(max_failures=0)))
-    results = tuner.fit()
+    with interrupt.tune_running():
+        results = tuner.fit()
     rows = summarize(results)
-    interrupted = bool(recorder.interrupted) or (options.time_budget_s is None and len(rows) < options.spec.num_trials)
+    interrupted = (bool(recorder.interrupted) or interrupt.received() is not None
+                   or (options.time_budget_s is None and len(rows) < options.spec.num_trials))
     # how many metric values the driver sent to MLflow (exact unless a session was SIGKILLed)
     tracker.set_tags(parent_id, {METRICS_LOGGED_TAG: logged_before + recorder.logged_metrics})
     if interrupted:
-        tracker.set_tags(parent_id, {OUTCOME_TAG: INTERRUPTED})
-        tracker.end_run(parent_id, "KILLED")
         return StudyOutcome(rows, interrupted=True)
+    from .pruned import evaluate_pruned_trials
     from .report import log_study_figures
+
+    evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker)
 
     log_study_figures(tracker, parent_id, rows, options.base.train.beam_size)
     tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})
@@ -235,10 +259,3 @@ def summarize(results: Any) -> list[dict[str, Any]]:
                      "error": str(result.error) if result.error else None})
     return rows
 
-
-class BaselineProtectingASHA(ASHAScheduler):
-    """ASHA that never stops a baseline trial: the comparison needs every baseline to finish."""
-
-    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
-        decision = super().on_trial_result(tune_controller, trial, result)
-        return TrialScheduler.CONTINUE if is_baseline(trial.config.get("loss", "")) else decision

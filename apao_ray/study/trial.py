@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,17 @@ from ray.train.torch import TorchTrainer
 
 from ..config import TrialConfig
 from ..training.checkpoint import FINAL_METRICS_FILE
-from ..training.worker import TrialFailedError, train_loop_per_worker
+from ..training.worker import TrialFailedError, remove_scratch, scratch_prefix, train_loop_per_worker
+from .runner import WORKER_START_TIMEOUT_ENV
 
 FAILURE_FILE = "trial_failure.txt"
+# tries to start a trial's worker group before the trial fails (Ray's default is to try forever, and a
+# worker group that cannot start on a loaded or too small machine then hangs the study)
+MAX_START_RETRIES = 3
+
+
+class TrialStartError(RuntimeError):
+    """A trial's Ray Train workers could not be started (resources never freed, machine overloaded)."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +56,11 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     """
     loop_config = {"trial": config.to_dict(), "verbose": verbose, "max_memory_bytes": resources.memory_bytes,
                    "failure_file": str(Path(storage_path).resolve() / name / FAILURE_FILE),
-                   "cpus_per_worker": max(1, round(resources.cpus_per_worker))}
+                   "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(name)}
     run_config = ray.train.RunConfig(
         name=name, storage_path=str(Path(storage_path).resolve()),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
-        failure_config=ray.train.FailureConfig(max_failures=max_failures),
+        failure_config=ray.train.FailureConfig(max_failures=max_failures, controller_failure_limit=MAX_START_RETRIES),
         callbacks=callbacks or None,
     )
     return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
@@ -63,7 +72,16 @@ def fit(trainer: TorchTrainer) -> ray.train.Result:
     (it leaves the reason in the run's ``failure_file``, next to the checkpoints)."""
     path = Path(trainer.train_loop_config["failure_file"])
     path.unlink(missing_ok=True)  # from an earlier attempt of a resumed run
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except ray.train.ControllerError as error:  # worker-group start failed on every try
+        timeout = os.environ.get(WORKER_START_TIMEOUT_ENV, "60")
+        cause = str(error.controller_failure).split(". ")[0]
+        raise TrialStartError(f"{trainer.run_config.name}: its Ray Train workers did not start in "
+                              f"{MAX_START_RETRIES + 1} tries of {timeout} s each ({type(error.controller_failure).__name__}: "
+                              f"{cause}); free CPUs/memory on the machine, or lower --max-concurrent") from error
+    finally:  # what workers on this node left when killed mid-way (a restart, a stop)
+        remove_scratch(trainer.run_config.name)
     if path.exists():
         raise TrialFailedError(path.read_text())
     return result

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,23 @@ from .loop import NonFiniteLossError, TrialOutOfMemoryError, run_trial
 
 
 WORKER_NODE_KEY = "worker_node_id"
+SCRATCH_PREFIX = "apao-worker-"  # + the Train run's name: scratch directories in the system temp dir
+
+
+def train_run_name(trial_id: str) -> str:
+    """A trial's Train run name, from the Tune trial id and no timestamp: a restored trial finds its checkpoints."""
+    return f"train-trial_id={trial_id}"
+
+
+def scratch_prefix(run_name: str) -> str:
+    return SCRATCH_PREFIX + run_name.replace("=", "_") + "-"
+
+
+def remove_scratch(run_name: str) -> None:
+    """Removes a Train run's scratch directories on this node, e.g. those of workers that were killed
+    (a trial that the scheduler stopped) before they could remove their own."""
+    for path in Path(tempfile.gettempdir()).glob(scratch_prefix(run_name) + "*"):
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class TrialFailedError(RuntimeError):
@@ -40,15 +58,19 @@ def limit_memory(max_bytes: int) -> None:
 class RayTrainHooks(TrainingHooks):
     """Rank, device and DDP from Ray Train; checkpoints go to the run's storage via report."""
 
-    def __init__(self, verbose: bool = True) -> None:
+    def __init__(self, verbose: bool = True, scratch_prefix: str = SCRATCH_PREFIX) -> None:
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
         self.device = ray.train.torch.get_device()
         self.verbose = verbose
         self.reports: list[dict[str, Any]] = []
-        self._scratch = Path(tempfile.mkdtemp(prefix="apao-worker-"))
+        self._scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix))  # removed by close()
         self.node_id = ray.get_runtime_context().get_node_id()  # where the trial trained, for the record
+
+    def close(self) -> None:
+        """Removes the scratch directory (restored checkpoint, checkpoints before upload)."""
+        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         return ray.train.torch.prepare_model(model)  # moves to the device; DDP when world_size > 1
@@ -67,20 +89,44 @@ class RayTrainHooks(TrainingHooks):
         name = f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else "")
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         # barrier: every rank calls report every epoch; only rank 0 passes a checkpoint
-        ray.train.report({**metrics, WORKER_NODE_KEY: self.node_id}, checkpoint=checkpoint,
+        # the thread pools the trial really ran on, for the record (see limit_threads)
+        threads = {"perf/torch_threads": torch.get_num_threads(), "perf/torch_interop_threads": torch.get_num_interop_threads()}
+        ray.train.report({**metrics, **threads, WORKER_NODE_KEY: self.node_id}, checkpoint=checkpoint,
                          checkpoint_dir_name=name if checkpoint else None,
                          delete_local_checkpoint_after_upload=checkpoint is not None)
 
 
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+def limit_threads(num_threads: int) -> None:
+    """Keeps this worker's compute threads within the CPUs it reserved.
+
+    torch defaults to one intra-op and one inter-op pool as large as the machine: two trials, or a
+    trial beside other work, then run more busy threads than cores and each runs many times slower
+    than its share (spinning OpenMP threads preempt each other). Both pools and the libraries that
+    read the environment (OpenMP, MKL, OpenBLAS in any subprocess) get ``num_threads``.
+    """
+    if num_threads < 1:
+        raise ValueError(f"num_threads={num_threads} must be >= 1")
+    for name in THREAD_ENV_VARS:
+        os.environ[name] = str(num_threads)
+    torch.set_num_threads(num_threads)
+    if torch.get_num_interop_threads() != num_threads:
+        try:  # torch allows it once, before any inter-op work has started in this process
+            torch.set_num_interop_threads(num_threads)
+        except RuntimeError:  # a reused worker process: the pool already exists and idles outside our work
+            pass
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point given to ``TorchTrainer``; ``loop_config = {"trial": TrialConfig dict, ...}``."""
-    threads = int(loop_config.get("cpus_per_worker") or 0)
-    if threads > 0:
-        torch.set_num_threads(threads)
+    limit_threads(int(loop_config.get("cpus_per_worker") or 1))
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if loop_config.get("max_memory_bytes"):
         limit_memory(int(loop_config["max_memory_bytes"]))
-    hooks = RayTrainHooks(verbose=loop_config.get("verbose", True))
+    hooks = RayTrainHooks(verbose=loop_config.get("verbose", True),
+                          scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX))
     try:
         run_trial(TrialConfig.from_dict(loop_config["trial"]), hooks)
     except (NonFiniteLossError, TrialOutOfMemoryError) as error:
@@ -91,3 +137,5 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         failure_file = Path(loop_config["failure_file"])
         failure_file.parent.mkdir(parents=True, exist_ok=True)
         failure_file.write_text(f"{type(error).__name__}: {error}")
+    finally:  # the checkpoints were uploaded by report(): nothing in scratch is needed any more
+        hooks.close()

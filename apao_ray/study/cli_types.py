@@ -1,0 +1,29 @@
+"""argparse value types shared by the CLIs: each names the bad value and the allowed range."""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def bounded_number(text: str, cast: type, low: float) -> Any:
+    """``text`` as ``cast`` (int or float), finite and >= ``low``; argparse names the flag with the message."""
+    kind = "an integer" if cast is int else "a number"
+    try:
+        value = cast(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {kind}; give {kind} >= {low:g}") from None
+    if not low <= value < float("inf"):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{text!r} must be {kind} >= {low:g}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return bounded_number(text, int, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return bounded_number(text, int, 0)
+
+
+def non_negative_float(text: str) -> float:
+    return bounded_number(text, float, 0)

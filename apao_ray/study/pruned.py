@@ -1,0 +1,72 @@
+"""Pruned trials tested on their best checkpoint so far: a pruned trial still says how it does on test.
+
+ASHA stops a trial mid-way, before its own final test. After the Tuner ends, each pruned trial's latest
+checkpoint (which holds the weights of its best validation epoch so far) is tested in a Ray task with
+the trial's resources, and the test metrics are logged to its MLflow run at that epoch.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..training.worker import train_run_name
+from .mlflow_callback import OUTCOME_TAG, PRUNED, TRIAL_TAG
+
+TESTED_TAG = "apao.tested_on"
+TEST_TIMEOUT_S = 3600
+
+
+def latest_checkpoint(train_root: str | Path, trial_id: str) -> Path | None:
+    """The newest per-epoch checkpoint of a trial's Train run (``epoch_XXXX``), if any was saved."""
+    run_dir = Path(train_root) / train_run_name(trial_id)
+    matches = sorted(path for path in run_dir.glob("**/epoch_[0-9][0-9][0-9][0-9]") if path.is_dir())
+    return matches[-1] if matches else None
+
+
+def evaluate_checkpoint(directory: str, num_threads: int = 1) -> dict[str, float]:
+    """Test metrics of the best weights in a checkpoint directory, plus ``best/epoch`` (their epoch)."""
+    import torch
+
+    from ..config import TrialConfig
+    from ..data import load_dataset
+    from ..models import build_model
+    from ..training.checkpoint import CONFIG_FILE, load_checkpoint
+    from ..training.evaluation import evaluate_split
+    from ..training.worker import limit_threads
+
+    limit_threads(num_threads)
+    config = TrialConfig.from_dict(json.loads((Path(directory) / CONFIG_FILE).read_text()))
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history, config.data.synthetic_seed)
+    state, best_weights, _ = load_checkpoint(directory)
+    device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
+    model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels)
+    model.load_state_dict(best_weights)
+    model.to(device).eval()
+    metrics = evaluate_split(model, dataset, "test", dataset.catalog.tensors(device), config.train, device, None)
+    return {**metrics, "best/epoch": float(state["best_epoch"])}
+
+
+def evaluate_pruned_trials(tracker: Any, parent_run_id: str, train_root: str, num_cpus: float, num_gpus: float) -> int:
+    """Tests every pruned trial of the study that has no test metrics yet; returns how many it tested."""
+    import ray
+
+    runs = [run for run in tracker.child_runs(parent_run_id)
+            if run.data.tags.get(OUTCOME_TAG, "").startswith(PRUNED) and "test/ndcg_at_10" not in run.data.metrics]
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(evaluate_checkpoint)
+    pending = {}
+    for run in runs:
+        checkpoint = latest_checkpoint(train_root, run.data.tags[TRIAL_TAG])
+        if checkpoint is not None:  # pruned before its first checkpoint: nothing to test
+            pending[run.info.run_id] = remote.remote(str(checkpoint), max(1, round(num_cpus)))
+    for run_id, task in pending.items():
+        try:
+            metrics = ray.get(task, timeout=TEST_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:  # never scheduled (CPUs held elsewhere): say so, do not hang
+            ray.cancel(task, force=True)
+            tracker.set_tags(run_id, {TESTED_TAG: f"not tested: its test did not end within {TEST_TIMEOUT_S} s"})
+            continue
+        epoch = int(metrics["best/epoch"])
+        tracker.log_metrics(run_id, {k: v for k, v in metrics.items() if k.startswith("test/")}, epoch)
+        tracker.set_tags(run_id, {TESTED_TAG: f"its best checkpoint before pruning (epoch {epoch})"})
+    return len(pending)

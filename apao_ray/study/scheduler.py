@@ -1,0 +1,85 @@
+"""Early stopping that never hides a method: ASHA within each (backbone, loss), baselines exempt.
+
+One ASHA over every trial compared APAO trials with CE at the grace epoch, so with few trials every
+APAO trial behind CE was stopped, and a method whose trials were all stopped vanished from the
+result. Here each tuned (backbone, loss) has its own ASHA rungs (a trial is only ever compared with
+its own method's trials), and baselines (nothing to tune, one trial each) run to the end without
+entering any rung.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, TrialScheduler
+
+from .space import is_baseline
+
+# trial id -> the epoch at which the scheduler stopped it, for the trials it stopped in this driver
+# process. The MLflow callback reads it to say "pruned at epoch e" only of trials really pruned
+# (a trial that Tune stops for a time budget or a stop signal ends the same way, TERMINATED).
+_pruned_at: dict[str, int] = {}
+
+
+def pruned_epoch(trial_id: str) -> int | None:
+    """The epoch at which the scheduler pruned this trial, or None if it did not."""
+    return _pruned_at.get(trial_id)
+
+
+def method_of(trial: Any) -> tuple[str, str]:
+    return trial.config.get("backbone", "?"), trial.config.get("loss", "?")
+
+
+class PerMethodASHA(FIFOScheduler):
+    """ASHA per (backbone, loss); baselines always continue and are recorded in no rung.
+
+    Args:
+        metric, mode, max_t, grace_period, reduction_factor: as for ``ray.tune.schedulers.ASHAScheduler``;
+            ``max_t`` and ``grace_period`` count reports (one per epoch, plus the final test report).
+    """
+
+    def __init__(self, metric: str, mode: str, max_t: int, grace_period: int, reduction_factor: float = 4) -> None:
+        super().__init__()
+        self._metric, self._mode = metric, mode
+        self.asha_options = dict(metric=metric, mode=mode, max_t=max_t, grace_period=min(grace_period, max_t),
+                                 reduction_factor=reduction_factor)
+        self.per_method: dict[tuple[str, str], ASHAScheduler] = {}
+
+    def _asha(self, trial: Any) -> ASHAScheduler | None:
+        if is_baseline(trial.config.get("loss", "")):
+            return None
+        key = method_of(trial)
+        if key not in self.per_method:
+            self.per_method[key] = ASHAScheduler(**self.asha_options)
+        return self.per_method[key]
+
+    def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
+        asha = self._asha(trial)
+        if asha is not None:
+            asha.on_trial_add(tune_controller, trial)
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
+        asha = self._asha(trial)
+        if asha is None:
+            return TrialScheduler.CONTINUE
+        decision = asha.on_trial_result(tune_controller, trial, result)
+        if decision == TrialScheduler.STOP and not result.get("done"):
+            _pruned_at[trial.trial_id] = int(result.get("epoch", result.get("training_iteration", 0)))
+        return decision
+
+    def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:
+        asha = self._asha(trial)
+        if asha is not None:
+            asha.on_trial_complete(tune_controller, trial, result)
+
+    def on_trial_remove(self, tune_controller: Any, trial: Any) -> None:
+        asha = self._asha(trial)
+        if asha is not None:
+            asha.on_trial_remove(tune_controller, trial)
+
+    def on_trial_error(self, tune_controller: Any, trial: Any) -> None:
+        asha = self._asha(trial)
+        if asha is not None:
+            asha.on_trial_error(tune_controller, trial)
+
+    def debug_string(self) -> str:
+        return "PerMethodASHA: " + "; ".join(f"{b}/{l}: {a.debug_string()}" for (b, l), a in self.per_method.items())

@@ -1,0 +1,46 @@
+"""study/report.py on a real SQLite MLflow store: the table has a row for every method requested."""
+from __future__ import annotations
+
+import json
+
+
+def _study(tmp_path):
+    """A study of tiger x {ce, apao_pointwise, apao_pairwise}: CE finished; both APAO-pointwise trials
+    were pruned (one tested on its best checkpoint); the APAO-pairwise trial failed."""
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "apao-tiny")
+    space = {"backbones": ["tiger"], "losses": ["ce", "apao_pointwise", "apao_pairwise"]}
+    parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study"}, {"space": json.dumps(space)})
+
+    def child(trial_id, loss, status, outcome, metrics, **tags):
+        run = tracker.start_run(trial_id, {"apao.study": "s", "apao.trial_id": trial_id, "backbone": "tiger",
+                                           "loss": loss, "apao.outcome": outcome, **tags}, {"beta": 0.3},
+                                parent_run_id=parent)
+        tracker.log_metrics(run, metrics, 1)
+        tracker.end_run(run, status)
+        return run
+
+    child("t1", "ce", "FINISHED", "finished", {"best/val/ndcg_at_10": 0.5, "test/ndcg_at_10": 0.4})
+    tested = child("t2", "apao_pointwise", "KILLED", "pruned at epoch 2",
+                   {"best/val/ndcg_at_10": 0.3, "test/ndcg_at_10": 0.25})
+    child("t3", "apao_pointwise", "KILLED", "pruned at epoch 1", {"best/val/ndcg_at_10": 0.2})
+    child("t4", "apao_pairwise", "FAILED", "out of memory", {},
+          **{"apao.error": "Traceback\nTrialOutOfMemoryError: out of memory while training in epoch 1"})
+    return tracker, tested
+
+
+def test_a_method_whose_trials_were_all_pruned_or_failed_still_has_its_row(tmp_path):
+    from apao_ray.study.report import best_rows, format_rows, table_rows
+
+    tracker, tested = _study(tmp_path)
+    assert [row["loss"] for row in best_rows(tracker, study="s")] == ["ce"]  # only finished trials
+    rows = {row["loss"]: row for row in table_rows(tracker, study="s")}
+    assert set(rows) == {"ce", "apao_pointwise", "apao_pairwise"}
+    assert rows["ce"]["status"] == "finished"
+    assert rows["apao_pointwise"]["status"] == "all 2 trials pruned"
+    # the best pruned trial by validation, with the test metrics of its best checkpoint
+    assert rows["apao_pointwise"]["run_id"] == tested and rows["apao_pointwise"]["test/ndcg_at_10"] == 0.25
+    assert rows["apao_pairwise"]["status"] == "failed: TrialOutOfMemoryError: out of memory while training in epoch 1"
+    table = format_rows(table_rows(tracker, study="s"))
+    assert "| all 2 trials pruned |" in table and table.splitlines()[0].endswith("| run_id | status |")

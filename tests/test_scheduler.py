@@ -1,0 +1,70 @@
+"""study/scheduler.py driven with synthetic results (no training, no Ray cluster): who is stopped when."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+METRIC = "best/val/ndcg_at_10"
+
+
+def _trial(trial_id: str, loss: str, backbone: str = "tiger"):
+    return SimpleNamespace(trial_id=trial_id, config={"backbone": backbone, "loss": loss})
+
+
+def _report(scheduler, trial, epoch: int, value: float) -> str:
+    return scheduler.on_trial_result(None, trial, {"training_iteration": epoch, "epoch": epoch, METRIC: value})
+
+
+@pytest.fixture
+def scheduler():
+    from apao_ray.study.scheduler import PerMethodASHA
+
+    # 5 epochs + the final report; rungs at report 1 and 4 (reduction factor 4)
+    return PerMethodASHA(metric=METRIC, mode="max", max_t=6, grace_period=1)
+
+
+def _add(scheduler, *trials):
+    for trial in trials:
+        scheduler.on_trial_add(None, trial)
+    return trials
+
+
+def test_apao_trials_behind_ce_are_not_cut_by_ce(scheduler):
+    """One ASHA over all trials stopped every APAO trial behind CE at the grace epoch."""
+    from ray.tune.schedulers import TrialScheduler
+
+    ce, apao = _add(scheduler, _trial("ce", "ce"), _trial("a1", "apao_pointwise"))
+    assert _report(scheduler, ce, 1, 0.9) == TrialScheduler.CONTINUE
+    assert _report(scheduler, apao, 1, 0.1) == TrialScheduler.CONTINUE  # first of its method: nothing to compare
+
+
+def test_a_baseline_runs_to_the_end_however_far_behind(scheduler):
+    from ray.tune.schedulers import TrialScheduler
+
+    apao = _add(scheduler, *(_trial(f"a{k}", "apao_pointwise") for k in range(3)))
+    ce, = _add(scheduler, _trial("ce", "ce"))
+    for epoch in range(1, 6):
+        for k, trial in enumerate(apao):
+            _report(scheduler, trial, epoch, 0.8 + 0.01 * k)
+        assert _report(scheduler, ce, epoch, 0.0) == TrialScheduler.CONTINUE, epoch
+
+
+def test_within_a_method_the_weak_trial_is_pruned_and_its_epoch_recorded(scheduler):
+    from ray.tune.schedulers import TrialScheduler
+
+    from apao_ray.study.scheduler import pruned_epoch
+
+    strong = _add(scheduler, *(_trial(f"p{k}", "apao_pointwise") for k in range(3)))
+    weak, other_method = _add(scheduler, _trial("weak", "apao_pointwise"), _trial("pair", "apao_pairwise"))
+    for k, trial in enumerate(strong):
+        assert _report(scheduler, trial, 1, 0.5 + 0.1 * k) == TrialScheduler.CONTINUE
+    # as weak as the pointwise one, but the only pairwise trial: compared with nobody
+    assert _report(scheduler, other_method, 1, 0.1) == TrialScheduler.CONTINUE
+    assert _report(scheduler, weak, 1, 0.1) == TrialScheduler.STOP  # below its method's rung cutoff
+    assert pruned_epoch("weak") == 1 and pruned_epoch("pair") is None and pruned_epoch("p0") is None
+    # the final (test) report of a trial that reached the end is not a pruning
+    scheduler.on_trial_complete(None, weak, {"training_iteration": 1, METRIC: 0.1})
+    assert scheduler.on_trial_result(None, strong[2], {"training_iteration": 6, "epoch": 5, METRIC: 0.8,
+                                                       "done": True}) == TrialScheduler.STOP
+    assert pruned_epoch("p2") is None

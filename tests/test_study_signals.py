@@ -1,0 +1,117 @@
+"""Stop signals sent to the sweep driver's PID alone, as `timeout`, a supervisor or a batch scheduler
+sends them (a terminal's Ctrl-C reaches the whole process group: tests/test_sweep.py covers that).
+Real Ray, a real SQLite MLflow store, real signals, the --smoke configuration."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from conftest import run_script
+from test_sweep import SWEEP, _launch_until, _mid_trial
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_signal_to_the_driver_alone_is_recorded_as_an_interruption_and_resumed(tmp_path, signum, exit_code):
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    command = [sys.executable, SWEEP, "--smoke", "--num-samples", "1", "--epochs", "3", "--output-dir",
+               str(tmp_path / "runs"), "--tracking-uri", uri]
+    process, _ = _launch_until(command, tmp_path, _mid_trial)
+    os.kill(process.pid, signum)  # the driver only: Ray's processes and the trials' workers get nothing
+    _, stderr = process.communicate(timeout=240)
+    assert process.returncode == exit_code, stderr[-4000:]
+    assert f"stopped by {signal.Signals(signum).name}" in stderr and shlex.join(command) in stderr, stderr[-3000:]
+
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(uri, "apao-synthetic")
+    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    assert parent.info.status == "KILLED" and parent.data.tags["apao.outcome"].startswith("interrupted")
+    children = tracker.child_runs(parent.info.run_id)
+    assert children and all(run.info.status in ("FINISHED", "KILLED") for run in children)  # none left RUNNING
+    unfinished = [run for run in children if run.info.status == "KILLED"]
+    assert unfinished, "the signal came mid-trial, yet no trial was left unfinished"
+    for run in unfinished:  # never told as pruned: nothing pruned them
+        assert run.data.tags["apao.outcome"].startswith("interrupted"), run.data.tags["apao.outcome"]
+
+    resumed = run_script(command[1:], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    assert parent.info.status == "FINISHED" and parent.data.tags["apao.outcome"] == "finished"
+    children = tracker.child_runs(parent.info.run_id)
+    trial_ids = [run.data.tags["apao.trial_id"] for run in children]
+    assert len(trial_ids) == len(set(trial_ids)) == int(parent.data.params["num_trials"]) == 2
+    assert all(run.info.status == "FINISHED" for run in children)
+
+
+def test_limit_threads_caps_both_torch_pools_and_the_thread_env_of_a_fresh_worker():
+    """In a fresh process, as a Ray Train worker starts: torch's intra-op and inter-op pools and the
+    OpenMP/MKL/OpenBLAS variables all take the reserved CPU count (torch defaults to every core)."""
+    import subprocess
+
+    from conftest import ROOT
+
+    code = ("import os, torch; from apao_ray.training.worker import limit_threads, THREAD_ENV_VARS; limit_threads(1); "
+            "print(torch.get_num_threads(), torch.get_num_interop_threads(), *(os.environ[v] for v in THREAD_ENV_VARS))")
+    env = {key: value for key, value in os.environ.items() if not key.endswith("_NUM_THREADS")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**env, "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["1"] * 5, result.stdout
+
+
+BUSY_RAY = """
+import sys, time
+import ray
+ray.init(num_cpus=1, include_dashboard=False)  # another Ray on the machine, as a studies/train.py run is
+print("ready", flush=True)
+end = time.time() + float(sys.argv[1])
+while time.time() < end:  # and one core kept busy
+    pass
+"""
+
+
+def test_beside_a_busy_ray_process_pruned_trials_free_their_cpus_and_are_tested_on_their_best_checkpoint(tmp_path):
+    """Three APAO-pointwise trials one after the other, ASHA's rung at epoch 1, while another process runs
+    its own Ray and keeps a core busy (bounded in time). The paper's setting runs first; a trial below it
+    at epoch 1 is pruned and must free its CPU for the next (Ray Train's placement-group cleaner cannot
+    find its cluster among two unless told), is recorded as pruned, and is tested on its best checkpoint.
+    Every trial trains on one intra-op and one inter-op thread, the CPU it reserved."""
+    import subprocess
+
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_RAY, "500"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert busy.stdout.readline().strip() == "ready"
+        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        result = run_script([SWEEP, "--smoke", "--losses", "apao_pointwise", "--num-samples", "3", "--epochs", "3",
+                             "--asha-grace-period", "1", "--max-concurrent", "1", "--output-dir", str(tmp_path / "runs"),
+                             "--tracking-uri", uri], cwd=tmp_path, timeout=540)
+    finally:
+        busy.terminate()  # Ray's SIGTERM handler exits and shuts its processes down
+        busy.wait(timeout=60)
+    assert result.returncode == 0, result.stderr[-4000:]
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(uri, "apao-synthetic")
+    children = tracker.child_runs()
+    pruned = [run for run in children if run.info.status == "KILLED"]
+    assert len(children) == 3 and pruned, [run.data.tags["apao.outcome"] for run in children]
+    for run in pruned:
+        epoch = int(run.data.tags["apao.pruned_epoch"])
+        assert run.data.tags["apao.outcome"] == f"pruned at epoch {epoch}"
+        # every epoch up to the pruning is logged (Tune marks the stopped epoch's report done=True)
+        assert [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")] == list(range(1, epoch + 1))
+        tested = tracker.metric_history(run.info.run_id, "test/ndcg_at_10")
+        assert len(tested) == 1 and 1 <= tested[0][0] <= epoch  # the best epoch before pruning
+        assert run.data.tags["apao.tested_on"] == f"its best checkpoint before pruning (epoch {tested[0][0]})"
+    for run in children:
+        assert run.data.metrics["perf/torch_threads"] == run.data.metrics["perf/torch_interop_threads"] == 1
+        # the worker's scratch directory is gone, also where the scheduler killed the worker
+        trial_id = run.data.tags["apao.trial_id"]
+        assert not list(Path(tempfile.gettempdir()).glob(f"apao-worker-train-trial_id_{trial_id}-*")), trial_id
+    assert "pruned at epoch" in result.stderr
