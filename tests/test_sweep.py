@@ -179,13 +179,13 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
 
     import mlflow
     import pandas as pd
-    import torch
 
     import apao_ray
     from apao_ray.data import load_dataset
     from apao_ray.decoding import beam_search
     from apao_ray.data.batches import iter_batches
     from apao_ray.inference import Recommender
+    from apao_ray.training.precision import autocast
 
     mlflow.set_tracking_uri(study["uri"])
     recommender = apao_ray.load_recommender("models:/apao-synthetic-tiger-apao_pointwise@best")
@@ -194,7 +194,8 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     trial = Recommender.from_checkpoint(run.data.tags["apao.checkpoint"])
     dataset = load_dataset("synthetic")
     batch = next(iter_batches(dataset.catalog, dataset.splits["test"], 8))
-    beam = beam_search(trial.model, batch.history_ids, batch.history_mask, dataset.catalog.tensors(), 20)
+    with autocast(trial.precision, "cpu"):  # the trial evaluated (and the recommender decodes) in its own precision
+        beam = beam_search(trial.model, batch.history_ids, batch.history_mask, dataset.catalog.tensors(), 20)
     expected = [[dataset.catalog.item_ids[dataset.catalog.sem_items[s]] for s in row[:10]] for row in beam.sem_ids.tolist()]
     histories = [[dataset.catalog.item_ids[i] for i in h if i >= 0] for h in dataset.splits["test"].histories[:8]]
     got = recommender.recommend(histories, k=10)
