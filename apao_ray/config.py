@@ -148,7 +148,7 @@ class TrainConfig(_Config):
     """Optimisation and evaluation schedule (SPEC §5 defaults)."""
 
     epochs: int = 200
-    batch_size: int = 256              # per optimizer micro-step
+    batch_size: int = 128              # per optimizer micro-step (fastest of 128/256 on 2 CPUs, RESULTS.md)
     effective_batch_size: int = 1024   # reached by gradient accumulation
     lr: float = 5e-4
     weight_decay: float = 0.01

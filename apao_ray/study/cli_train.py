@@ -41,7 +41,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-max-users", type=positive_int, help="validate on a fixed random subset of users")
     parser.add_argument("--epochs", type=positive_int, default=200, help="maximum epochs (default 200, SPEC §5)")
     parser.add_argument("--patience", type=positive_int, default=20, help="early-stopping patience (default 20)")
-    parser.add_argument("--batch-size", type=positive_int, default=256, help="micro-batch size (default 256)")
+    parser.add_argument("--batch-size", type=positive_int, default=128,
+                        help="micro-batch size (default %(default)s: on 2 CPUs 128 ran 1.08x faster than 256; on a GPU try more)")
     parser.add_argument("--effective-batch-size", type=positive_int, default=1024,
                         help="samples per optimizer step via gradient accumulation (default 1024)")
     parser.add_argument("--lr", type=non_negative_float, default=5e-4, help="AdamW learning rate (default 5e-4)")
