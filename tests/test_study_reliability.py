@@ -49,28 +49,54 @@ def _wait_http(url: str, process: subprocess.Popen, timeout: float = 120) -> Non
             time.sleep(0.5)
 
 
+def _alive_nodes(address: str, env: dict) -> list[str]:
+    listing = subprocess.run([sys.executable, "-c", "import json, ray; ray.init(address='auto', logging_level='ERROR');"
+                              "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"],
+                             capture_output=True, text=True, env={**env, "RAY_ADDRESS": address}, timeout=120)
+    lines = listing.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if listing.returncode == 0 and lines else []
+
+
+def _start_node(arguments: list[str], env: dict) -> subprocess.Popen:
+    """`ray start --block` in a session of its own, so that the teardown stops these nodes only (`ray stop`
+    would stop every Ray on the machine, a study running beside the tests included)."""
+    return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *arguments], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _stop_node(node: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
+        try:
+            os.killpg(node.pid, sig)
+            node.wait(timeout=wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 @pytest.fixture
 def two_node_cluster():
     """A head node and a worker node on this machine (2 logical CPUs each), torn down afterwards."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     port = _free_port()
+    address = f"127.0.0.1:{port}"
+    nodes: list[subprocess.Popen] = []
     try:
-        head = subprocess.run([RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-                               "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}", "--disable-usage-stats"],
-                              capture_output=True, text=True, env=env, timeout=120)
-        assert head.returncode == 0, head.stderr[-3000:]
-        worker = subprocess.run([RAY, "start", f"--address=127.0.0.1:{port}", "--num-cpus=2", "--disable-usage-stats"],
-                                capture_output=True, text=True, env=env, timeout=120)
-        assert worker.returncode == 0, worker.stderr[-3000:]
-        listing = subprocess.run([sys.executable, "-c", "import json, ray; ray.init(address='auto', logging_level='ERROR');"
-                                  "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"],
-                                 capture_output=True, text=True, env={**env, "RAY_ADDRESS": f"127.0.0.1:{port}"},
-                                 timeout=120)
-        nodes = json.loads(listing.stdout.strip().splitlines()[-1])
-        assert len(nodes) == 2, listing.stderr[-2000:]
-        yield f"127.0.0.1:{port}", set(nodes)
+        for arguments, count in ((["--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
+                                   "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}"], 1),
+                                 ([f"--address={address}", "--num-cpus=2"], 2)):
+            nodes.append(_start_node(arguments, env))
+            deadline = time.time() + 180
+            while len(alive := _alive_nodes(address, env)) < count:
+                assert nodes[-1].poll() is None, nodes[-1].communicate()[1][-3000:]
+                assert time.time() < deadline, f"the Ray node {arguments} did not join in 180 s"
+                time.sleep(2)
+        yield address, set(alive)
     finally:
-        subprocess.run([RAY, "stop", "--force"], capture_output=True, env=env, timeout=120)
+        for node in reversed(nodes):
+            _stop_node(node)
 
 
 def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_path, two_node_cluster):
