@@ -16,6 +16,7 @@ compares both in float64).
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -103,10 +104,11 @@ class PackedHistory:
         token_index = order[row_of_token] * length + (length - token_length) + positions
         last_token = torch.empty_like(order)
         last_token[order] = row_start + sorted_lengths - 1
+        offsets = list(itertools.accumulate(host_lengths, initial=0))  # offsets[i]: first token of sorted row i
         buckets = []
         for first in range(0, num_rows, bucket_rows):
             last = min(first + bucket_rows, num_rows)
-            start, end = int(sum(host_lengths[:first])), int(sum(host_lengths[:last]))
+            start, end = offsets[first], offsets[last]
             bucket_length = max(1, host_lengths[first])  # rows are sorted: the first is the longest
             local_row = row_of_token[start:end] - first
             local_length = token_length[start:end]
