@@ -182,6 +182,19 @@ def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(t
     for run in [parent, *runs.values()]:
         assert "s3cret" not in json.dumps({**run.data.params, **run.data.tags})
 
+    # the memory was the machine's fault: a resume with --retry-failed and a larger cap runs the failed trials
+    # again in their own child runs; the one that failed for its own reason fails again
+    retried = run_script([SWEEP, "--smoke", "--losses", "ce,apao_pointwise,apao_pairwise", "--num-samples", "1",
+                          "--beta", "1e39", "--negatives", "300", "--memory-per-trial", "8", "--max-concurrent", "3",
+                          "--cpus-per-trial", "0.5", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri,
+                          "--precision", "fp32", "--retry-failed"], cwd=tmp_path)
+    assert retried.returncode == 0, retried.stderr[-4000:]
+    after = {c.data.tags["loss"]: c for c in _children(tracker).values()}
+    assert len(after) == 3 and {k: r.info.run_id for k, r in after.items()} == {k: r.info.run_id for k, r in runs.items()}
+    assert after["apao_pairwise"].info.status == "FINISHED", after["apao_pairwise"].data.tags.get("apao.error")
+    assert after["apao_pairwise"].data.metrics["test/ndcg_at_10"] >= 0
+    assert after["apao_pointwise"].info.status == "FAILED" and after["ce"].info.status == "FINISHED"
+
 
 def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
                            overwrite: bool = False):

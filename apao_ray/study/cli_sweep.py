@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--study-name", help="default <dataset>-study; re-running the same name resumes it")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted study (refused when there is "
                         "none); re-running the same command does the same")
+    parser.add_argument("--retry-failed", action="store_true", help="on a resume, also run again the trials that "
+                        "failed (e.g. killed for memory), each from its last epoch checkpoint; without it they stay "
+                        "failed")
     parser.add_argument("--overwrite", action="store_true", help="start the study again from scratch")
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                         help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db)")
@@ -186,10 +189,14 @@ def main(argv: list[str] | None = None) -> int:
                                cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
                                time_budget_s=args.time_budget, max_failures=args.max_failures,
                                memory_per_trial_bytes=memory, asha_grace_period=args.asha_grace_period,
-                               seed=args.seed, overwrite=args.overwrite)
+                               seed=args.seed, overwrite=args.overwrite,
+                               retry_failed=args.retry_failed)
         if args.resume and not study_state_exists(options):
             raise ValueError(f"--resume: no study {study_name!r} to resume under {options.output_dir}; "
                              "check --study-name and --output-dir, or drop --resume to start it")
+        if args.retry_failed and not study_state_exists(options):
+            raise ValueError(f"--retry-failed: no study {study_name!r} under {options.output_dir} whose failed "
+                             "trials could run again; check --study-name and --output-dir")
         check_resumable(tracking_uri, options, dataset.checksums)
         # after the checks on the data: a changed dataset is the first thing to say on a resume
         check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are

@@ -67,7 +67,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             # trial's workers never start: name our dashboard to every process of this job.
             port = free_port()
             runtime_env["env_vars"][API_SERVER_ENV] = f"http://127.0.0.1:{port}"
-            context = ray.init(num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
+            # address="local": a Ray of our own even where `ray start` left /tmp/ray/ray_current_cluster
+            # behind (ray.init() would join that cluster, a study running beside this one, or fail on a stale
+            # address); joining a cluster is what --address / $RAY_ADDRESS ask for
+            context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                                dashboard_port=port, runtime_env=runtime_env, log_to_driver=True)
             if context.dashboard_url and not context.dashboard_url.endswith(f":{port}"):
                 print(f"warning: Ray's dashboard took {context.dashboard_url}, not port {port} (taken meanwhile); "

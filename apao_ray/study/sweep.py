@@ -42,6 +42,7 @@ class StudyOptions:
     asha_grace_period: int = 5
     seed: int = 0
     overwrite: bool = False
+    retry_failed: bool = False  # on a resume, run the trials that failed again (from their last checkpoint)
     command_line: list[str] = field(default_factory=lambda: list(sys.argv))
 
 
@@ -211,7 +212,8 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     trainable = tune.with_resources(make_trial_function(options.base, train_root, resources, options.max_failures),
                                     {"cpu": TRIAL_DRIVER_CPUS})
     if study_state_exists(options):
-        tuner = tune.Tuner.restore(str(study_dir), trainable, resume_unfinished=True, resume_errored=False)
+        tuner = tune.Tuner.restore(str(study_dir), trainable, resume_unfinished=True,
+                                   resume_errored=options.retry_failed)
         # the restored run config carries the callbacks pickled at the first start; use this run's
         # (current tracking URI and parent run, a fresh progress clock)
         tuner._local_tuner.get_run_config().callbacks = callbacks

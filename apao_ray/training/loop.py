@@ -208,6 +208,7 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
             raise NonFiniteLossError(f"training loss became {train_metrics['train/loss']} in epoch {epoch} "
                                      f"(loss {loss_fn.name!r}, lr {train_cfg.lr}); stopping this trial")
         train_seconds = time.perf_counter() - tick
+        runner.memory.release()  # the training phase's free blocks, before validation allocates its own
         metrics: dict[str, Any] = {"epoch": epoch, PRECISION_KEY: train_cfg.precision, **train_metrics}
         if resumed_after:
             metrics["train/resumed_after_epoch"] = resumed_after
@@ -220,6 +221,7 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                     metrics["val/loss"] = validation_loss(_unwrap(model), loss_fn, runner, dataset, valid_users,
                                                           train_cfg.eval_batch_size, reference)
         epoch_seconds = time.perf_counter() - tick
+        runner.memory.release()
         epoch_times.append(epoch_seconds)
         value = selection_score(metrics, select_by) if hooks.rank == 0 else -math.inf  # larger is better
         if hooks.rank == 0 and value > state["best_value"]:

@@ -15,6 +15,7 @@ from ..data import CatalogTensors, Dataset, collate
 from ..data.batches import group_by_length
 from ..losses import sample_negatives
 from ..losses.base import LossInputs, LossOutput
+from .memory import MemoryReleaser
 from ..models.base import label_log_probs
 from ..protocol import gradient_scale, with_end_token
 from .evaluation import select_users
@@ -41,6 +42,7 @@ class EpochRunner:
         self.optimizer_steps_per_epoch = math.ceil(micro_batches / self.accumulation)
         self.item_tokens = dataset.catalog.item_tokens
         self.sem_tokens = torch.as_tensor(dataset.catalog.sem_tokens, device=device)          # (U, T)
+        self.memory = MemoryReleaser()  # keeps a worker's resident memory near what it holds
 
     def _candidates(self, batch: Any, num_negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Positive first, then negatives: tokens (B, 1+N, T or T+1 with EOS) and prefix nodes (B, 1+N, T+1)."""
@@ -105,6 +107,7 @@ class EpochRunner:
                 num_steps += 1
             optimizer.step()
             scheduler.step()
+            self.memory.step()
             if progress is not None:
                 progress(start + len(step_indices), len(local))
             if prefix_sum is not None:
