@@ -11,6 +11,7 @@ from typing import Any
 from ray import tune
 
 from ..tracking import Tracker
+from ..training.evaluation import PER_USER_FILE
 from ..training.loop import PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..training.worker import WORKER_NODE_KEY, remove_scratch, train_run_name
 from . import interrupt, plots
@@ -152,6 +153,8 @@ class MlflowStudyCallback(tune.Callback):
             return
         self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
         self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
+        if (checkpoint / PER_USER_FILE).exists():  # absent in checkpoints from before it existed
+            self.tracker.log_artifact(run_id, checkpoint / PER_USER_FILE)
         model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history)
         weights = {key: self.tracker.metric_history(run_id, key) for key in
                    (f"train/apao_weight_m{m}" for m in range(1, 5))}

@@ -23,7 +23,7 @@ from ..data import Dataset, load_dataset
 from ..losses import build_loss
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
-from .evaluation import evaluate_split, select_users
+from .evaluation import PER_USER_FILE, evaluate_split, evaluate_split_per_user, select_users, write_per_user
 from .hooks import TrainingHooks
 from .precision import resolve_precision
 from .selection import LOSS, selection_score, validation_loss
@@ -266,9 +266,12 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                   "perf/total_seconds": time.perf_counter() - started, "done": True})
     if hooks.rank == 0:
         _unwrap(model).load_state_dict(best_weights)
-        final.update(evaluate_split(_unwrap(model), dataset, "test", tensors, train_cfg, device, None, scoring))
+        test_metrics, per_user = evaluate_split_per_user(_unwrap(model), dataset, "test", tensors, train_cfg, device,
+                                                         None, scoring)
+        final.update(test_metrics)
         final_dir = hooks.new_checkpoint_dir(state["epoch"])
         save_checkpoint(final_dir, {**state, "model": best_weights}, best_weights, config.to_dict())
+        write_per_user(final_dir / PER_USER_FILE, per_user)  # the paired significance tests read it
         save_catalog(final_dir, catalog.item_ids, catalog.item_codes)
         (final_dir / FINAL_METRICS_FILE).write_text(json.dumps(final, indent=2, sort_keys=True))
         # a resumed run may have trained nothing new: its history goes with the final report too
