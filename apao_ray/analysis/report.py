@@ -43,10 +43,9 @@ def _paper_cell(method: Method) -> str:
 
 def _metrics_table(methods: list[Method]) -> list[str]:
     header = ["dataset", "backbone", "method", "seeds", "R@10", "R@20", "N@10", "N@20", "paper R@10 / N@10",
-              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch", "trial minutes (sum)"]
+              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
-        seconds = method.values("perf/total_seconds")
         epoch_seconds = [float(t.history("perf/epoch_seconds").mean()) for t in method.trials
                          if not t.history("perf/epoch_seconds").empty]
         cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
@@ -56,8 +55,24 @@ def _metrics_table(methods: list[Method]) -> list[str]:
                  _mean_std(method, "epochs_trained", 1) if method.values("epochs_trained") else
                  ",".join(str(int(t.history("perf/epoch_seconds").index.max())) for t in method.trials
                           if not t.history("perf/epoch_seconds").empty) or "-",
-                 _number(sum(epoch_seconds) / len(epoch_seconds), 1) if epoch_seconds else "-",
-                 _number(sum(seconds) / 60, 1) if seconds else "-"]
+                 _number(sum(epoch_seconds) / len(epoch_seconds), 1) if epoch_seconds else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _cost_table(methods: list[Method]) -> list[str]:
+    """Per method, summed over its seeds: wall and CPU time, energy; the largest peak memory."""
+    header = ["dataset", "backbone", "method", "seeds", "wall min", "CPU min", "peak RSS MB", "peak GPU MB", "energy kWh",
+              "energy method"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in methods:
+        wall = method.values("cost/wall_seconds") or method.values("perf/total_seconds")  # runs before cost/ existed
+        cpu, energy = method.values("cost/cpu_seconds"), method.values("cost/energy_kwh")
+        rss, gpu = method.values("cost/peak_rss_mb"), method.values("cost/peak_gpu_memory_mb")
+        cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
+                 _number(sum(wall) / 60, 1) if wall else "-", _number(sum(cpu) / 60, 1) if cpu else "-",
+                 _number(max(rss), 0) if rss else "-", _number(max(gpu), 0) if gpu else "-",
+                 f"{sum(energy):.3g}" if energy else "-", method.tag_values("apao.energy_method", "not recorded")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -103,7 +118,8 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods), "",
              "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
-             "parentheses with `n/c` (not comparable) otherwise.", ""]
+             "parentheses with `n/c` (not comparable) otherwise.", "",
+             "## Cost per method (summed over seeds; peak memory: the largest)", "", *_cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
     if compared:
         lines += ["Mean per-user difference, 95% percentile bootstrap CI over users, two-sided Wilcoxon signed-rank "
