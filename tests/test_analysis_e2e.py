@@ -53,6 +53,20 @@ def test_every_finished_trial_logs_a_per_user_table_that_averages_to_its_test_me
         assert (hits == (table["recall_at_10"] == 1)).all() and (table.loc[~table["rank"].between(1, 20), "rank"] == -1).all()
 
 
+def test_every_trial_records_its_cost_and_the_parent_sums_it_per_method(studies):
+    tracker = studies["tracker"]
+    for parent in tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'"):
+        children = tracker.child_runs(parent.info.run_id)
+        for run in children:
+            metrics = run.data.metrics
+            assert 0 < metrics["cost/cpu_seconds"] and metrics["cost/peak_rss_mb"] > 100, metrics
+            assert metrics["cost/wall_seconds"] >= metrics["perf/total_seconds"]  # setup and test included
+            assert run.data.tags["apao.energy_method"]  # measured, estimated, or why not
+        for loss in ("ce", "apao_pointwise"):
+            cpu = [r.data.metrics["cost/cpu_seconds"] for r in children if r.data.tags["loss"] == loss]
+            assert parent.data.metrics[f"cost/tiger/{loss}/cpu_seconds"] == pytest.approx(sum(cpu))
+
+
 def test_export_is_compact_and_holds_what_the_report_needs(studies, tmp_path):
     out = tmp_path / "smoke-s0"
     printed = _cli(["export-study", "--study", "smoke-s0", "--tracking-uri", studies["uri"], "--to", str(out)],
@@ -128,5 +142,7 @@ def test_report_from_mlflow_equals_the_report_from_the_exports(studies, tmp_path
     assert f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}" in ce
     paired = [r for r in rows if "apao_pointwise b=0.3 eta=0.0001 - ce" in r]
     assert len(paired) == 4 and all(r.count("p_holm = ") == 3 and r.endswith("| 600 |") for r in paired)
+    cost = next(r for r in rows if "| ce | 0,1 |" in r and r.count("|") == 11)  # the cost table's row
+    assert cost.split("|")[6].strip() != "-"  # CPU minutes summed over both seeds
     for name in ("prefix_recall.png", "beam_retention.png", "adaptive_weights.png", "val_ndcg_at_10.png"):
         assert (from_exports / name).stat().st_size > 5000
