@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import figures
 from .export import STUDY_FILE, StudyExport, export_study, load_export
 from .results import (SELECTION_METRIC, TEST_METRICS, TRIAL_CHOICES, Method, Paired, compare_methods, finished_trials,
                       group_methods)
@@ -104,6 +103,8 @@ def _sources(exports: list[StudyExport]) -> list[str]:
 def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str = "ce", trials: str = "best",
                  num_resamples: int = 10_000) -> Path:
     """Writes ``report.md`` and its PNGs into ``out_dir``; returns the markdown file's path."""
+    from . import figures  # matplotlib (which writes a font cache on first import) only when a report is made
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     methods = group_methods(finished_trials(exports, trials))
