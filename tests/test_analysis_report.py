@@ -15,6 +15,7 @@ from apao_ray.cli import main
 from apao_ray.training.evaluation import write_per_user
 
 NUM_USERS = 3000
+SELECTION = "best/val/ndcg_at_10"
 
 
 def _per_user(ranks: np.ndarray) -> dict[str, np.ndarray]:
@@ -116,3 +117,22 @@ def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match="not a study export"):
         load_export(tmp_path)
     assert len(find_exports([str(tmp_path / "results")], None)) == 2
+
+
+def test_trials_without_test_metrics_are_listed_with_their_validation_curves(tmp_path):
+    directory = _fabricate(tmp_path / "exports", 0, effect=0.01)
+    record = json.loads((directory / "study.json").read_text())
+    for trial in record["trials"]:  # as a study still training: no test metrics yet
+        trial["status"], trial["per_user"] = "RUNNING", None
+        trial["metrics"] = {"val/ndcg_at_10": 0.03, SELECTION: 0.03}
+    (directory / "study.json").write_text(json.dumps(record))
+    report = build_report([load_export(directory)], tmp_path / "out", num_resamples=200).read_text()
+    rows = _section(report, "Trials without test metrics")
+    assert len(rows) == 3 and "| office-s0 | tiger | ce | 0 | RUNNING | - | 3 | 0.0300 | 0.0300 | 40.0 |" in rows
+    assert (tmp_path / "out" / "unfinished_val_ndcg_at_10.png").exists()
+    assert len(_section(report, "Test metrics")) == 1  # the header only: nothing finished
+    for trial in record["trials"]:
+        trial["metrics"] = {}  # not even one epoch
+    (directory / "study.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"studies \['office-s0'\] have no trial that trained an epoch"):
+        build_report([load_export(directory)], tmp_path / "out2")

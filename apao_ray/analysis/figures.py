@@ -102,7 +102,8 @@ def validation_curves(methods: list[Method], path: Path, key: str = "val/ndcg_at
             for index, trial in enumerate(method.trials):
                 series = trial.history(key)
                 axis.plot(series.index, series.values, SEED_STYLES[index % len(SEED_STYLES)], color=f"C{color}",
-                          marker=".", label=f"{method.label} seed {trial.seed}")
+                          marker=".", label=f"{method.label} seed {trial.seed}" + (
+                              "" if trial.record["status"] == "FINISHED" else f" ({trial.record['status'].lower()})"))
         axis.set(title=f"{dataset} / {backbone}", xlabel="epoch", ylabel=key)
         axis.xaxis.get_major_locator().set_params(integer=True)
         axis.legend(fontsize=7)

@@ -16,7 +16,7 @@ from typing import Any
 
 from .export import STUDY_FILE, StudyExport, export_study, load_export
 from .results import (SELECTION_METRIC, TEST_METRICS, TRIAL_CHOICES, Method, Paired, compare_methods, finished_trials,
-                      group_methods)
+                      group_methods, unfinished_trials)
 
 REPORT_FILE = "report.md"
 
@@ -76,6 +76,22 @@ def _cost_table(methods: list[Method]) -> list[str]:
     return lines
 
 
+def _unfinished_table(methods: list[Method]) -> list[str]:
+    header = ["study", "backbone", "method", "seed", "status", "outcome", "epochs so far", "val NDCG@10 (last)",
+              "best val NDCG@10", "s/epoch"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in methods:
+        for trial in method.trials:
+            curve = trial.history("val/ndcg_at_10")
+            seconds = trial.history("perf/epoch_seconds")
+            cells = [trial.export.name, method.backbone, method.label, str(trial.seed), trial.record["status"],
+                     trial.tags.get("apao.outcome", "-")[:80], str(int(curve.index.max())) if not curve.empty else "0",
+                     _number(float(curve.iloc[-1])) if not curve.empty else "-",
+                     _number(trial.metrics.get(SELECTION_METRIC)), _number(float(seconds.mean()), 1) if not seconds.empty else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _significance_table(results: list[Paired]) -> list[str]:
     seeds = sorted({s for r in results for s in r.per_seed})
     header = ["dataset", "backbone", "method - baseline", "metric", "seeds pooled", *(f"seed {s}" for s in seeds), "users"]
@@ -108,9 +124,10 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     methods = group_methods(finished_trials(exports, trials))
-    if not methods:
+    unfinished = group_methods(unfinished_trials(exports))
+    if not methods and not unfinished:
         names = [e.name for e in exports]
-        raise ValueError(f"studies {names} have no finished, tested trial to report on")
+        raise ValueError(f"studies {names} have no trial that trained an epoch: nothing to report on")
     compared = compare_methods(methods, baseline, num_resamples=num_resamples)
     lines = [f"# Study report: {', '.join(e.name for e in exports)}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report`. "
@@ -133,6 +150,11 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
                 ("Beam retention (paper Fig. 1c)", figures.retention(methods, out_dir / "beam_retention.png")),
                 ("Adaptive weights per epoch", figures.adaptive_weights(methods, out_dir / "adaptive_weights.png")),
                 ("Validation NDCG@10 per epoch", figures.validation_curves(methods, out_dir / "val_ndcg_at_10.png"))]
+    if unfinished:
+        pictures.append(("Trials without test metrics yet: validation NDCG@10 per epoch",
+                         figures.validation_curves(unfinished, out_dir / "unfinished_val_ndcg_at_10.png")))
+        lines += ["## Trials without test metrics (running, interrupted, pruned or failed)", "",
+                  *_unfinished_table(unfinished), ""]
     lines += ["## Figures", ""]
     for title, path in pictures:
         lines += [f"### {title}", "", f"![{title}]({path.name})" if path else "(no data for this figure)", ""]

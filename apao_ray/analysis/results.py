@@ -132,6 +132,14 @@ def finished_trials(exports: list[StudyExport], which: str = "best") -> list[Tri
     return list(best.values())
 
 
+def unfinished_trials(exports: list[StudyExport]) -> list[Trial]:
+    """Trials that trained at least one epoch but have no test metrics (still running, interrupted,
+    pruned or failed): the report shows how far their validation curves got."""
+    return [Trial(export, record) for export in exports for record in export.trials
+            if not (record["status"] == "FINISHED" and "test/ndcg_at_10" in record["metrics"])
+            and "val/ndcg_at_10" in record["metrics"]]
+
+
 def group_methods(trials: list[Trial]) -> list[Method]:
     """Trials grouped by (dataset, backbone, method); two trials of one method with the same seed
     (the same configuration run twice) both stay, the later study's second."""
