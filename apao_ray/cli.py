@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--max-history", type=int, default=20, help="history truncation (default 20)")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(handler=_data_stats)
+    from .analysis import export as analysis_export, report as analysis_report  # noqa: E402 - pandas/matplotlib: only here
+
+    analysis_export.register(commands)  # export-study
+    analysis_report.register(commands)  # report
     return parser
 
 

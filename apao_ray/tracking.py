@@ -239,3 +239,24 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
 def load_checkpoint_dir_from_model(model_uri: str) -> str:
     """Downloads a logged model and returns its local checkpoint directory."""
     return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().checkpoint_dir
+
+
+def study_experiment(tracking_uri: str, study: str) -> str | None:
+    """The name of the experiment whose parent run is study ``study`` (tag ``apao.study``), if any."""
+    client = MlflowClient(tracking_uri)
+    for experiment in client.search_experiments():
+        runs = client.search_runs([experiment.experiment_id], f"tags.`apao.study` = '{study}' and "
+                                  "tags.`apao.role` = 'study'", max_results=1)
+        if runs:
+            return experiment.name
+    return None
+
+
+def studies_in(tracking_uri: str) -> list[str]:
+    """Names of every study with a parent run in the store (for messages naming what exists)."""
+    client = MlflowClient(tracking_uri)
+    names = set()
+    for experiment in client.search_experiments():
+        for run in client.search_runs([experiment.experiment_id], "tags.`apao.role` = 'study'", max_results=5000):
+            names.add(run.data.tags.get("apao.study", "?"))
+    return sorted(names)

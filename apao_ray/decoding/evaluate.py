@@ -5,7 +5,7 @@ averaged once at the end, so the figures are exact means over users whatever the
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -16,6 +16,22 @@ from ..data.catalog import CatalogTensors
 from .beam import beam_search, check_beam_size
 from .full_sort import full_sort, topk_from_scores
 from .scoring import VOCABULARY_SCORING, StepScoring
+
+
+class PerUser(NamedTuple):
+    """Per-user outcomes of one evaluation pass, in batch order.
+
+    Attributes:
+        sample_index: (U,) index of each user's sample in its split (``Batch.sample_index``).
+        ranks: (U,) 1-based rank of the target's semantic ID in the beam, 0 when absent.
+        prefix_hits: (U, T) bool, the target's length-m prefix survived step m of the beam.
+        retention: (U,) beam retention per user, or None without ``with_full_sort``.
+    """
+
+    sample_index: torch.Tensor
+    ranks: torch.Tensor
+    prefix_hits: torch.Tensor
+    retention: torch.Tensor | None
 
 
 def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors,
@@ -52,6 +68,16 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors
     Raises:
         ValueError: a cutoff above ``beam_size``, a bad ``beam_size``, or no users.
     """
+    per_user = evaluate_per_user(model, batches, catalog, topk, beam_size, with_full_sort, device, amp_dtype, scoring)
+    return summarize(per_user.ranks, per_user.prefix_hits, per_user.retention, topk, beam_size)
+
+
+def evaluate_per_user(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors,
+                      topk: tuple[int, ...] = (5, 10, 20), beam_size: int = 20, with_full_sort: bool = False,
+                      device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None,
+                      scoring: StepScoring = VOCABULARY_SCORING) -> PerUser:
+    """What :func:`evaluate` averages, per user (same arguments and errors): the paired tests of
+    ``apao_ray.analysis.stats`` compare two models on these, user by user."""
     check_beam_size(beam_size, catalog.leaf_prefix_nodes.shape[0])
     bad = [k for k in topk if not isinstance(k, int) or not 1 <= k <= beam_size]
     if bad:
@@ -63,7 +89,7 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors
     def precision() -> torch.autocast:
         return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
-    ranks, prefix_hits, retention = [], [], []
+    samples, ranks, prefix_hits, retention = [], [], [], []
     was_training = model.training
     model.eval()
     try:
@@ -72,20 +98,21 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors
             with precision():
                 result = beam_search(model, batch.history_ids, batch.history_mask, catalog, beam_size,
                                      scoring=scoring)
-            ranks.append(metrics.target_ranks(result.sem_ids, batch.target_sem))
+            samples.append(batch.sample_index.cpu())
+            ranks.append(metrics.target_ranks(result.sem_ids, batch.target_sem).cpu())
             target_nodes = catalog.leaf_prefix_nodes[batch.target_sem]          # (B, T+1)
-            prefix_hits.append(metrics.prefix_hits(result.prefix_nodes, target_nodes))
+            prefix_hits.append(metrics.prefix_hits(result.prefix_nodes, target_nodes).cpu())
             if with_full_sort:
                 with precision():
                     scores = full_sort(model, batch.history_ids, batch.history_mask, catalog, scoring=scoring)
                 exact_ids, _ = topk_from_scores(scores, beam_size)
-                retention.append(metrics.retention_per_user(result.sem_ids, exact_ids))
+                retention.append(metrics.retention_per_user(result.sem_ids, exact_ids).cpu())
     finally:
         model.train(was_training)
     if not ranks:
         raise ValueError("evaluate got no batches")
-    return summarize(torch.cat(ranks), torch.cat(prefix_hits),
-                     torch.cat(retention) if with_full_sort else None, topk, beam_size)
+    return PerUser(torch.cat(samples), torch.cat(ranks), torch.cat(prefix_hits),
+                   torch.cat(retention) if with_full_sort else None)
 
 
 def summarize(ranks: torch.Tensor, prefix_hits: torch.Tensor, retention: torch.Tensor | None,

@@ -11,6 +11,8 @@ from typing import Any
 from ray import tune
 
 from ..tracking import Tracker
+from ..training.cost import ENERGY_METHOD_KEY
+from ..training.evaluation import PER_USER_FILE
 from ..training.loop import PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..training.worker import WORKER_NODE_KEY, remove_scratch, train_run_name
 from . import interrupt, plots
@@ -21,6 +23,7 @@ TRIAL_TAG = "apao.trial_id"
 STUDY_TAG = "apao.study"
 OUTCOME_TAG = "apao.outcome"
 NODE_TAG = "apao.node_id"
+ENERGY_TAG = "apao.energy_method"  # how cost/energy_kwh was obtained (measured, estimated, or not at all)
 PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its worker (fp32/bf16)
 INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
 PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (pruned.py)
@@ -127,7 +130,9 @@ class MlflowStudyCallback(tune.Callback):
             self._backfill(run_id, result[RESUMED_HISTORY_KEY])
         metrics = {k: v for k, v in result.items() if "/" in k and not k.startswith("config/")}
         if is_final_report(result):  # it repeats the last epoch's values: log only what is new
-            metrics = {k: v for k, v in metrics.items() if k.startswith("test/") or k == "perf/total_seconds"}
+            metrics = {k: v for k, v in metrics.items() if k.startswith(("test/", "cost/")) or k == "perf/total_seconds"}
+            if result.get(ENERGY_METHOD_KEY):
+                self.tracker.set_tags(run_id, {ENERGY_TAG: result[ENERGY_METHOD_KEY]})
         step = int(result.get("epoch", result.get("training_iteration", 0)))
         self.logged_metrics += self.tracker.log_metrics(run_id, metrics, step)
         if result.get(WORKER_NODE_KEY) and trial.trial_id not in self._nodes_tagged:
@@ -152,6 +157,8 @@ class MlflowStudyCallback(tune.Callback):
             return
         self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
         self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
+        if (checkpoint / PER_USER_FILE).exists():  # absent in checkpoints from before it existed
+            self.tracker.log_artifact(run_id, checkpoint / PER_USER_FILE)
         model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history)
         weights = {key: self.tracker.metric_history(run_id, key) for key in
                    (f"train/apao_weight_m{m}" for m in range(1, 5))}
@@ -196,7 +203,25 @@ class MlflowStudyCallback(tune.Callback):
                 self.on_trial_error(0, trials, trial)
         for trial in trials:  # workers that Tune's cleanup killed left theirs (this node only)
             remove_scratch(train_run_name(trial.trial_id))
+        log_cost_per_method(self.tracker, self.parent_run_id)
         for run_id in running.values():  # created just before a kill, never saved by Tune
             self.tracker.set_tags(run_id, {OUTCOME_TAG: "lost: the driver was killed before Tune recorded this "
                                            "trial; a new trial replaced it"})
             self.tracker.end_run(run_id, "KILLED")
+
+
+def log_cost_per_method(tracker: Tracker, parent_run_id: str) -> dict[str, dict[str, float]]:
+    """Sums every child run's ``cost/*`` (wall and CPU seconds, energy; the largest peak memory) per
+    (backbone, loss) and logs them on the parent run as ``cost/<backbone>/<loss>/<name>``."""
+    from ..training.cost import SUMMED
+
+    totals: dict[str, dict[str, float]] = {}
+    for run in tracker.child_runs(parent_run_id):
+        method = f"{run.data.tags.get('backbone', '?')}/{run.data.tags.get('loss', '?')}"
+        for key, value in run.data.metrics.items():
+            if key.startswith("cost/"):
+                sums = totals.setdefault(method, {})
+                sums[key] = sums.get(key, 0.0) + value if key in SUMMED else max(sums.get(key, 0.0), value)
+    tracker.log_metrics(parent_run_id, {f"cost/{method}/{key.removeprefix('cost/')}": value
+                                        for method, sums in totals.items() for key, value in sums.items()}, 0)
+    return totals

@@ -1,5 +1,11 @@
-"""Validation/test of a model on one split: beam metrics, CE loss, beam retention."""
+"""Validation/test of a model on one split: beam metrics, CE loss, beam retention, and the
+per-user test table that paired significance tests read (``per_user_test.csv.gz``)."""
 from __future__ import annotations
+
+import csv
+import gzip
+import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -7,7 +13,9 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..data import CatalogTensors, Dataset, iter_batches
-from ..decoding import evaluate
+from .. import metrics as metric_fns
+from ..decoding import PerUser, evaluate_per_user
+from ..decoding.evaluate import summarize
 from ..decoding.scoring import VOCABULARY_SCORING, StepScoring
 from ..models.base import label_log_probs
 from .precision import autocast, autocast_dtype
@@ -39,12 +47,23 @@ def split_ce_loss(model: nn.Module, dataset: Dataset, split_name: str, batch_siz
     return total / max(count, 1)
 
 
+PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial
+PER_USER_CUTOFFS = (10, 20)
+
+
 def evaluate_split(model: nn.Module, dataset: Dataset, split_name: str, tensors: CatalogTensors,
                    train: TrainConfig, device: torch.device, indices: np.ndarray | None,
                    scoring: StepScoring = VOCABULARY_SCORING) -> dict[str, float]:
     """``{split}/recall_at_k``, ndcg, prefix recall and ``loss_ce`` on a user subset; beam retention
     (a full sort of every semantic ID for ``train.retention_users`` users: costly) on the test split,
     and on validation only when ``train.validate_retention``."""
+    return evaluate_split_per_user(model, dataset, split_name, tensors, train, device, indices, scoring)[0]
+
+
+def evaluate_split_per_user(model: nn.Module, dataset: Dataset, split_name: str, tensors: CatalogTensors,
+                            train: TrainConfig, device: torch.device, indices: np.ndarray | None,
+                            scoring: StepScoring = VOCABULARY_SCORING) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """:func:`evaluate_split`'s metrics and, from the same beam pass, :func:`per_user_table`."""
     prefix = "val" if split_name == "valid" else split_name
     split = dataset.splits[split_name]
     topk = tuple(k for k in train.topk if k <= train.beam_size)
@@ -53,14 +72,46 @@ def evaluate_split(model: nn.Module, dataset: Dataset, split_name: str, tensors:
     order = order[np.argsort(split.history_lengths[order], kind="stable")]
     batches = iter_batches(dataset.catalog, split, train.eval_batch_size, indices=order)
     amp_dtype = autocast_dtype(train.precision)  # evaluation runs in the training precision
-    metrics = evaluate(model, batches, tensors, topk=topk, beam_size=train.beam_size, device=device,
-                       amp_dtype=amp_dtype, scoring=scoring)
+    per_user = evaluate_per_user(model, batches, tensors, topk=topk, beam_size=train.beam_size, device=device,
+                                 amp_dtype=amp_dtype, scoring=scoring)
+    metrics = summarize(per_user.ranks, per_user.prefix_hits, None, topk, train.beam_size)
     if train.retention_users and (split_name != "valid" or train.validate_retention):
         subset = select_users(len(split), train.retention_users, train.seed + 1)
         retention_batches = iter_batches(dataset.catalog, split, min(train.eval_batch_size, 64), indices=subset)
-        retained = evaluate(model, retention_batches, tensors, topk=topk, beam_size=train.beam_size,
-                            with_full_sort=True, device=device, amp_dtype=amp_dtype, scoring=scoring)
-        metrics.update({k: v for k, v in retained.items() if k.startswith("beam_retention")})
+        retained = evaluate_per_user(model, retention_batches, tensors, topk=topk, beam_size=train.beam_size,
+                                     with_full_sort=True, device=device, amp_dtype=amp_dtype, scoring=scoring)
+        metrics[metric_fns.metric_name("beam_retention", train.beam_size)] = float(retained.retention.mean())
     metrics["loss_ce"] = split_ce_loss(model, dataset, split_name, train.eval_batch_size, device, order,
                                        train.precision)
-    return {f"{prefix}/{name}": float(value) for name, value in metrics.items()}
+    named = {f"{prefix}/{name}": float(value) for name, value in metrics.items()}
+    return named, per_user_table(per_user, dataset.user_ids, split.users)
+
+
+def per_user_table(per_user: PerUser, user_ids: tuple[str, ...], split_users: np.ndarray,
+                   cutoffs: tuple[int, ...] = PER_USER_CUTOFFS) -> dict[str, np.ndarray]:
+    """One row per evaluated user, sorted by user index: ``user`` (external id), ``rank`` (1-based rank
+    of the target's semantic ID in the beam, -1 when absent), ``recall_at_{k}`` / ``ndcg_at_{k}`` and
+    ``prefix_hit_m{m}``, whose means are the split's metrics (SPEC §4)."""
+    user_index = split_users[per_user.sample_index.numpy()]
+    order = np.argsort(user_index, kind="stable")
+    ranks = per_user.ranks[torch.as_tensor(order)]
+    table: dict[str, np.ndarray] = {"user": np.asarray(user_ids, dtype=object)[user_index[order]],
+                                    "rank": np.where(ranks.numpy() > 0, ranks.numpy(), -1)}
+    for k in cutoffs:
+        table[f"recall_at_{k}"] = metric_fns.recall_from_ranks(ranks, k).double().numpy()
+        table[f"ndcg_at_{k}"] = metric_fns.ndcg_from_ranks(ranks, k).double().numpy()
+    for m in range(1, per_user.prefix_hits.shape[1] + 1):
+        table[f"prefix_hit_m{m}"] = per_user.prefix_hits[torch.as_tensor(order), m - 1].numpy().astype(np.int8)
+    return table
+
+
+def write_per_user(path: str | os.PathLike, table: dict[str, np.ndarray]) -> Path:
+    """Writes a per-user table as gzip CSV (a few tens of KB for Office's 4,905 test users)."""
+    path = Path(path)
+    columns = list(table)
+    with gzip.open(path, "wt", newline="", compresslevel=9) as handle:
+        writer = csv.writer(handle)
+        writer.writerow(columns)
+        for row in zip(*(table[c] for c in columns)):
+            writer.writerow([f"{v:.6g}" if isinstance(v, (float, np.floating)) else v for v in row])
+    return path

@@ -23,7 +23,8 @@ from ..data import Dataset, load_dataset
 from ..losses import build_loss
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
-from .evaluation import evaluate_split, select_users
+from .cost import CostMeter
+from .evaluation import PER_USER_FILE, evaluate_split, evaluate_split_per_user, select_users, write_per_user
 from .hooks import TrainingHooks
 from .precision import resolve_precision
 from .selection import LOSS, selection_score, validation_loss
@@ -123,6 +124,7 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     # 'auto' becomes this worker's precision: recorded in the checkpoint, the reports and MLflow
     config = config.replace(train=config.train.replace(precision=resolve_precision(config.train.precision, hooks.device)))
     train_cfg, loss_cfg = config.train, config.loss
+    meter = CostMeter(hooks.device)  # wall, CPU seconds, peak memory, energy: setup and test included
     torch.manual_seed(train_cfg.seed)
     dataset = dataset or load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
                                       config.data.synthetic_seed)
@@ -181,6 +183,7 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         if reference_weights is not None:
             reference = _frozen_copy(_unwrap(model), reference_weights)
         resumed_after = state["epoch"]
+        meter.previous = saved.get("cost") or {}  # what the earlier segments of this trial cost
         hooks.log(f"resumed from {restored} after epoch {resumed_after}")
 
     started = time.perf_counter()
@@ -246,7 +249,7 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                 hooks.new_checkpoint_dir(epoch),
                 {**state, "model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "loss": main_loss.state_dict(),
-                 "torch_rng": torch.get_rng_state()},
+                 "torch_rng": torch.get_rng_state(), "cost": meter.totals()},
                 best_weights, config.to_dict(),
                 reference.state_dict() if reference is not None else None)
         should_stop = stage == "main" and epoch - state["best_epoch"] >= train_cfg.patience  # the CE stage runs in full
@@ -268,14 +271,19 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                   "perf/total_seconds": time.perf_counter() - started, "done": True})
     if hooks.rank == 0:
         _unwrap(model).load_state_dict(best_weights)
-        final.update(evaluate_split(_unwrap(model), dataset, "test", tensors, train_cfg, device, None, scoring))
+        test_metrics, per_user = evaluate_split_per_user(_unwrap(model), dataset, "test", tensors, train_cfg, device,
+                                                         None, scoring)
+        final.update(test_metrics)
+        final.update(meter.stop())  # the test pass included
         final_dir = hooks.new_checkpoint_dir(state["epoch"])
         save_checkpoint(final_dir, {**state, "model": best_weights}, best_weights, config.to_dict())
+        write_per_user(final_dir / PER_USER_FILE, per_user)  # the paired significance tests read it
         save_catalog(final_dir, catalog.item_ids, catalog.item_codes)
         (final_dir / FINAL_METRICS_FILE).write_text(json.dumps(final, indent=2, sort_keys=True))
         # a resumed run may have trained nothing new: its history goes with the final report too
         hooks.report({**final, RESUMED_HISTORY_KEY: state["history"]} if resumed_after else final, final_dir)
     else:
+        meter.stop()
         hooks.report(final, None)
     return final
 

@@ -1,0 +1,219 @@
+"""``python -m apao_ray report``: a markdown report with PNGs from one or more studies (one per seed).
+
+Reads MLflow (each study is exported first, into ``<out>/exports/<study>/``, so the report's data lie
+beside it) or committed exports (``benchmarks/results/<study>/``), and writes ``<out>/report.md``:
+test metrics per (backbone, method) as mean and spread over seeds next to paper Table 1 where the
+protocol and schedule match, paired differences against the baseline with bootstrap CIs and
+Holm-corrected Wilcoxon p-values, cost per method, and the figures.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from .export import STUDY_FILE, StudyExport, export_study, load_export
+from .results import (SELECTION_METRIC, TEST_METRICS, TRIAL_CHOICES, Method, Paired, compare_methods, finished_trials,
+                      group_methods, unfinished_trials)
+
+REPORT_FILE = "report.md"
+
+
+def _number(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def _mean_std(method: Method, key: str, digits: int = 4) -> str:
+    stats = method.mean_std(key)
+    if stats is None:
+        return "-"
+    mean, std = stats
+    return _number(mean, digits) if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def _paper_cell(method: Method) -> str:
+    if method.paper is None:
+        return "-"
+    recall, ndcg = method.paper
+    return f"{recall:.4f} / {ndcg:.4f}" if method.is_paper_protocol else f"({recall:.4f} / {ndcg:.4f}) n/c"
+
+
+def _metrics_table(methods: list[Method]) -> list[str]:
+    header = ["dataset", "backbone", "method", "seeds", "R@10", "R@20", "N@10", "N@20", "paper R@10 / N@10",
+              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in methods:
+        epoch_seconds = [float(t.history("perf/epoch_seconds").mean()) for t in method.trials
+                         if not t.history("perf/epoch_seconds").empty]
+        cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
+                 *(_mean_std(method, key) for key in TEST_METRICS), _paper_cell(method),
+                 method.tag_values("apao.protocol", "paper"), method.tag_values("apao.schedule"),
+                 method.tag_values("apao.precision"), _mean_std(method, "best/epoch", 1),
+                 _mean_std(method, "epochs_trained", 1) if method.values("epochs_trained") else
+                 ",".join(str(int(t.history("perf/epoch_seconds").index.max())) for t in method.trials
+                          if not t.history("perf/epoch_seconds").empty) or "-",
+                 _number(sum(epoch_seconds) / len(epoch_seconds), 1) if epoch_seconds else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _cost_table(methods: list[Method]) -> list[str]:
+    """Per method, summed over its seeds: wall and CPU time, energy; the largest peak memory."""
+    header = ["dataset", "backbone", "method", "seeds", "wall min", "CPU min", "peak RSS MB", "peak GPU MB", "energy kWh",
+              "energy method"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in methods:
+        wall = method.values("cost/wall_seconds") or method.values("perf/total_seconds")  # runs before cost/ existed
+        cpu, energy = method.values("cost/cpu_seconds"), method.values("cost/energy_kwh")
+        rss, gpu = method.values("cost/peak_rss_mb"), method.values("cost/peak_gpu_memory_mb")
+        cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
+                 _number(sum(wall) / 60, 1) if wall else "-", _number(sum(cpu) / 60, 1) if cpu else "-",
+                 _number(max(rss), 0) if rss else "-", _number(max(gpu), 0) if gpu else "-",
+                 f"{sum(energy):.3g}" if energy else "-", method.tag_values("apao.energy_method", "not recorded")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _unfinished_table(methods: list[Method]) -> list[str]:
+    header = ["study", "backbone", "method", "seed", "status", "outcome", "epochs so far", "val NDCG@10 (last)",
+              "best val NDCG@10", "s/epoch"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for method in methods:
+        for trial in method.trials:
+            curve = trial.history("val/ndcg_at_10")
+            seconds = trial.history("perf/epoch_seconds")
+            cells = [trial.export.name, method.backbone, method.label, str(trial.seed), trial.record["status"],
+                     trial.tags.get("apao.outcome", "-")[:80], str(int(curve.index.max())) if not curve.empty else "0",
+                     _number(float(curve.iloc[-1])) if not curve.empty else "-",
+                     _number(trial.metrics.get(SELECTION_METRIC)), _number(float(seconds.mean()), 1) if not seconds.empty else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _significance_table(results: list[Paired]) -> list[str]:
+    seeds = sorted({s for r in results for s in r.per_seed})
+    header = ["dataset", "backbone", "method - baseline", "metric", "seeds pooled", *(f"seed {s}" for s in seeds), "users"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in results:
+        users = r.pooled.num_users if r.pooled else max((c.num_users for c in r.per_seed.values()), default=0)
+        cells = [r.method.dataset, r.method.backbone, f"{r.method.label} - {r.baseline.label}", r.metric,
+                 (r.pooled.text() if r.pooled else "-") + (f" ({r.note})" if r.note else ""),
+                 *(r.per_seed[s].text() if s in r.per_seed else "-" for s in seeds), str(users)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _sources(exports: list[StudyExport]) -> list[str]:
+    lines = []
+    for export in exports:
+        for parent in export.record["parents"]:
+            tags = parent["tags"]
+            lines.append(f"- study `{export.name}` (exported {export.record['exported_at']} from "
+                         f"`{export.record['tracking_uri']}`; code `{tags.get('code_version', '?')[:12]}`, "
+                         f"{len(export.trials)} trials):\n  `{tags.get('command_line', '?')}`")
+    return lines
+
+
+def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str = "ce", trials: str = "best",
+                 num_resamples: int = 10_000) -> Path:
+    """Writes ``report.md`` and its PNGs into ``out_dir``; returns the markdown file's path."""
+    from . import figures  # matplotlib (which writes a font cache on first import) only when a report is made
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    methods = group_methods(finished_trials(exports, trials))
+    unfinished = group_methods(unfinished_trials(exports))
+    if not methods and not unfinished:
+        names = [e.name for e in exports]
+        raise ValueError(f"studies {names} have no trial that trained an epoch: nothing to report on")
+    compared = compare_methods(methods, baseline, num_resamples=num_resamples)
+    lines = [f"# Study report: {', '.join(e.name for e in exports)}", "",
+             f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report`. "
+             f"Trials: {'the best by ' + SELECTION_METRIC + ' per (study, backbone, loss)' if trials == 'best' else 'all finished'}; "
+             "seeds of one method are its trials across the given studies.", "", "## Sources", "", *_sources(exports), "",
+             "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods), "",
+             "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
+             "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
+             "parentheses with `n/c` (not comparable) otherwise.", "",
+             "## Cost per method (summed over seeds; peak memory: the largest)", "", *_cost_table(methods), ""]
+    lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
+    if compared:
+        lines += ["Mean per-user difference, 95% percentile bootstrap CI over users, two-sided Wilcoxon signed-rank "
+                  "p-value, Holm-corrected over all pooled comparisons of a dataset (and, per seed, over that "
+                  "seed's comparisons). Pooled: each user's difference averaged over the seeds both methods have.", "",
+                  *_significance_table(compared), ""]
+    else:
+        lines += [f"No method to compare: each (dataset, backbone) needs a `{baseline}` trial and another method.", ""]
+    pictures = [("Per-prefix recall (paper Fig. 7)", figures.prefix_recall(methods, out_dir / "prefix_recall.png")),
+                ("Beam retention (paper Fig. 1c)", figures.retention(methods, out_dir / "beam_retention.png")),
+                ("Adaptive weights per epoch", figures.adaptive_weights(methods, out_dir / "adaptive_weights.png")),
+                ("Validation NDCG@10 per epoch", figures.validation_curves(methods, out_dir / "val_ndcg_at_10.png"))]
+    if unfinished:
+        pictures.append(("Trials without test metrics yet: validation NDCG@10 per epoch",
+                         figures.validation_curves(unfinished, out_dir / "unfinished_val_ndcg_at_10.png")))
+        lines += ["## Trials without test metrics (running, interrupted, pruned or failed)", "",
+                  *_unfinished_table(unfinished), ""]
+    lines += ["## Figures", ""]
+    for title, path in pictures:
+        lines += [f"### {title}", "", f"![{title}]({path.name})" if path else "(no data for this figure)", ""]
+    report = out_dir / REPORT_FILE
+    report.write_text("\n".join(lines))
+    return report
+
+
+def find_exports(directories: list[str], studies: list[str] | None) -> list[StudyExport]:
+    """Export directories given directly or as a folder of them (``benchmarks/results/``), kept to
+    ``studies`` when given (each must be found)."""
+    found: dict[str, StudyExport] = {}
+    for directory in map(Path, directories):
+        if not directory.is_dir():
+            raise FileNotFoundError(f"--exports {directory}: no such directory")
+        candidates = [directory] if (directory / STUDY_FILE).exists() else sorted(
+            path.parent for path in directory.glob(f"*/{STUDY_FILE}"))
+        for candidate in candidates:
+            export = load_export(candidate)
+            found.setdefault(export.name, export)
+    if studies:
+        missing = [s for s in studies if s not in found]
+        if missing:
+            raise ValueError(f"studies {missing} are not in the exports given; found {sorted(found)}")
+        return [found[s] for s in studies]
+    if not found:
+        raise ValueError(f"no study export (a folder with {STUDY_FILE}) in {directories}")
+    return list(found.values())
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.exports:
+        exports = find_exports(args.exports, args.study)
+    else:
+        if not args.study:
+            raise ValueError("--study NAME is required when reading MLflow (--tracking-uri)")
+        exports = []
+        for study in args.study:
+            directory = Path(args.out) / "exports" / study
+            export_study(args.tracking_uri, study, directory)
+            exports.append(load_export(directory))
+    report = build_report(exports, args.out, args.baseline, args.trials, args.resamples)
+    print(f"wrote {report} ({len(exports)} studies)")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Adds ``report`` to ``python -m apao_ray``."""
+    parser = subparsers.add_parser("report", help="markdown report with figures and significance from studies",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--study", action="append", help="a study name; repeat for several (one per seed)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--tracking-uri", default=None,
+                        help="read MLflow (default when --exports is absent: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    source.add_argument("--exports", action="append",
+                        help="an export directory, or a folder of them (e.g. benchmarks/results); repeatable")
+    parser.add_argument("--out", required=True, help="directory for report.md and its PNGs")
+    parser.add_argument("--baseline", default="ce", help="loss every other method is compared with (default ce)")
+    parser.add_argument("--trials", choices=TRIAL_CHOICES, default="best",
+                        help="per (study, backbone, loss): the best trial by validation NDCG@10, or all (default best)")
+    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.set_defaults(handler=_main)

@@ -1,0 +1,221 @@
+"""Finished trials of several studies, grouped into methods with their seeds (what the report shows).
+
+A method is (dataset, backbone, loss, knobs); its seeds are the trials of that method across the
+given studies (a seed is a study flag today: one study per seed). Paired comparisons match a
+method's seed with the baseline's same seed and the same test users.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from .export import StudyExport
+from .paper import table1
+from .per_user import PER_USER_METRICS
+from .stats import Comparison, paired_comparison, pooled_comparison, with_holm
+
+SELECTION_METRIC = "best/val/ndcg_at_10"
+KNOBS = (("beta", "b"), ("eta", "eta"), ("num_negatives", "N"))
+TEST_METRICS = tuple(f"test/{name}" for name in PER_USER_METRICS)
+TRIAL_CHOICES = ("best", "all")
+
+
+@dataclass
+class Trial:
+    export: StudyExport
+    record: dict[str, Any]
+
+    @property
+    def params(self) -> dict[str, str]:
+        return self.record["params"]
+
+    @property
+    def tags(self) -> dict[str, str]:
+        return self.record["tags"]
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return self.record["metrics"]
+
+    @property
+    def run_id(self) -> str:
+        return self.record["run_id"]
+
+    @property
+    def seed(self) -> int:
+        return int(float(self.params.get("base.train.seed", 0)))
+
+    @property
+    def dataset(self) -> str:
+        return self.params.get("base.data.dataset") or self.tags.get("dataset", "?")
+
+    @property
+    def backbone(self) -> str:
+        return self.tags.get("backbone") or self.params.get("backbone", "?")
+
+    @property
+    def loss(self) -> str:
+        return self.tags.get("loss") or self.params.get("loss", "?")
+
+    @property
+    def method(self) -> str:
+        """``loss`` and its knobs, e.g. ``apao_pointwise b=0.3 eta=0.0001``."""
+        parts = [self.loss]
+        for name, short in KNOBS:
+            value = self.params.get(name)
+            if value not in (None, "None"):
+                number = float(value)
+                parts.append(f"{short}={int(number) if name == 'num_negatives' else f'{number:.3g}'}")
+        return " ".join(parts)
+
+    def history(self, key: str) -> pd.Series:
+        return self.export.history(self.run_id, key)
+
+    def per_user(self) -> pd.DataFrame | None:
+        return self.export.per_user(self.record)
+
+
+@dataclass
+class Method:
+    dataset: str
+    backbone: str
+    loss: str
+    label: str
+    trials: list[Trial] = field(default_factory=list)  # one per seed, sorted by seed
+
+    @property
+    def seeds(self) -> list[int]:
+        return [trial.seed for trial in self.trials]
+
+    def values(self, key: str) -> list[float]:
+        return [trial.metrics[key] for trial in self.trials if key in trial.metrics]
+
+    def mean_std(self, key: str) -> tuple[float, float] | None:
+        values = self.values(key)
+        if not values:
+            return None
+        return float(np.mean(values)), float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
+
+    def tag_values(self, key: str, default: str = "?") -> str:
+        return ", ".join(sorted({trial.tags.get(key, default) for trial in self.trials}))
+
+    @property
+    def is_paper_protocol(self) -> bool:
+        """Trained as paper Table 1 was: protocol ``paper`` and the paper's schedule (200 epochs, patience 20)."""
+        return all(trial.tags.get("apao.protocol", "paper") == "paper" and trial.tags.get("apao.schedule") == "paper"
+                   for trial in self.trials)
+
+    @property
+    def paper(self) -> tuple[float, float] | None:
+        return table1(self.dataset, self.backbone, self.loss)
+
+
+def finished_trials(exports: list[StudyExport], which: str = "best") -> list[Trial]:
+    """Finished, tested trials; with ``best`` only the best by validation NDCG@10 per (study, backbone, loss)."""
+    if which not in TRIAL_CHOICES:
+        raise ValueError(f"unknown trial selection {which!r}; choose from {list(TRIAL_CHOICES)}")
+    trials = [Trial(export, record) for export in exports for record in export.trials
+              if record["status"] == "FINISHED" and "test/ndcg_at_10" in record["metrics"]]
+    if which == "all":
+        return trials
+    best: dict[tuple[str, str, str], Trial] = {}
+    for trial in trials:
+        key = (trial.export.name, trial.backbone, trial.loss)
+        value = trial.metrics.get(SELECTION_METRIC, -math.inf)
+        if key not in best or value > best[key].metrics.get(SELECTION_METRIC, -math.inf):
+            best[key] = trial
+    return list(best.values())
+
+
+def unfinished_trials(exports: list[StudyExport]) -> list[Trial]:
+    """Trials that trained at least one epoch but have no test metrics (still running, interrupted,
+    pruned or failed): the report shows how far their validation curves got."""
+    return [Trial(export, record) for export in exports for record in export.trials
+            if not (record["status"] == "FINISHED" and "test/ndcg_at_10" in record["metrics"])
+            and "val/ndcg_at_10" in record["metrics"]]
+
+
+def group_methods(trials: list[Trial]) -> list[Method]:
+    """Trials grouped by (dataset, backbone, method); two trials of one method with the same seed
+    (the same configuration run twice) both stay, the later study's second."""
+    methods: dict[tuple[str, str, str], Method] = {}
+    for trial in trials:
+        key = (trial.dataset, trial.backbone, trial.method)
+        methods.setdefault(key, Method(trial.dataset, trial.backbone, trial.loss, trial.method)).trials.append(trial)
+    for method in methods.values():
+        method.trials.sort(key=lambda t: t.seed)
+    return sorted(methods.values(), key=lambda m: (m.dataset, m.backbone, m.loss != "ce", m.label))
+
+
+def prefix_keys(metrics: dict[str, float], split: str = "test") -> list[str]:
+    """``{split}/prefix_recall_at_{K}_m{m}`` keys in order of m."""
+    pattern = re.compile(rf"^{split}/prefix_recall_at_\d+_m(\d+)$")
+    return sorted((k for k in metrics if pattern.match(k)), key=lambda k: int(pattern.match(k).group(1)))
+
+
+@dataclass
+class Paired:
+    """A method against the baseline of its (dataset, backbone) on one metric: pooled and per seed."""
+
+    method: Method
+    baseline: Method
+    metric: str
+    pooled: Comparison | None
+    per_seed: dict[int, Comparison]
+    note: str = ""
+
+
+def _aligned(trial: Trial, baseline: Trial, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
+    ours, theirs = trial.per_user(), baseline.per_user()
+    if ours is None or theirs is None:
+        return None
+    joined = ours[["user", metric]].merge(theirs[["user", metric]], on="user", suffixes=("", "_baseline"))
+    return joined[metric].to_numpy(float), joined[f"{metric}_baseline"].to_numpy(float)
+
+
+def compare_methods(methods: list[Method], baseline_loss: str = "ce", metrics: tuple[str, ...] = PER_USER_METRICS,
+                    num_resamples: int = 10_000) -> list[Paired]:
+    """Every method against the ``baseline_loss`` method of its (dataset, backbone), per metric, on the
+    seeds both have. Holm's correction runs over all pooled comparisons of a dataset, and over all
+    comparisons of each seed of a dataset."""
+    results: list[Paired] = []
+    for method in methods:
+        baselines = [m for m in methods if (m.dataset, m.backbone, m.loss) == (method.dataset, method.backbone,
+                                                                                baseline_loss)]
+        if method.loss == baseline_loss or not baselines:
+            continue
+        baseline = baselines[0]
+        by_seed = {trial.seed: trial for trial in baseline.trials}
+        for metric in metrics:
+            per_seed, pairs, missing = {}, [], []
+            for trial in method.trials:
+                aligned = _aligned(trial, by_seed[trial.seed], metric) if trial.seed in by_seed else None
+                if aligned is None or len(aligned[0]) < 2:
+                    missing.append(trial.seed)
+                    continue
+                per_seed[trial.seed] = paired_comparison(*aligned, num_resamples=num_resamples, seed=trial.seed)
+                pairs.append(aligned)
+            pooled = None
+            if pairs and len({len(p[0]) for p in pairs}) == 1:
+                pooled = pooled_comparison([p[0] for p in pairs], [p[1] for p in pairs], num_resamples=num_resamples)
+            note = f"seeds {missing}: no paired per-user tables" if missing else ""
+            results.append(Paired(method, baseline, metric, pooled, per_seed, note))
+    _holm(results)
+    return results
+
+
+def _holm(results: list[Paired]) -> None:
+    for dataset in {r.method.dataset for r in results}:
+        mine = [r for r in results if r.method.dataset == dataset]
+        pooled = [r for r in mine if r.pooled is not None]
+        for r, corrected in zip(pooled, with_holm([r.pooled for r in pooled])):
+            r.pooled = corrected
+        for seed in {s for r in mine for s in r.per_seed}:
+            family = [r for r in mine if seed in r.per_seed]
+            for r, corrected in zip(family, with_holm([r.per_seed[seed] for r in family])):
+                r.per_seed[seed] = corrected

@@ -1,0 +1,138 @@
+"""The report from study exports alone: fabricated exports of two seeds with a known APAO effect."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from apao_ray.analysis.export import load_export
+from apao_ray.analysis.report import build_report, find_exports
+from apao_ray.cli import main
+from apao_ray.training.evaluation import write_per_user
+
+NUM_USERS = 3000
+SELECTION = "best/val/ndcg_at_10"
+
+
+def _per_user(ranks: np.ndarray) -> dict[str, np.ndarray]:
+    hit = lambda k: ((ranks > 0) & (ranks <= k)).astype(float)  # noqa: E731
+    gain = lambda k: np.where(hit(k) > 0, 1 / np.log2(np.maximum(ranks, 1) + 1), 0.0)  # noqa: E731
+    return {"user": np.array([f"u{i:04d}" for i in range(ranks.size)], dtype=object), "rank": np.where(ranks > 0, ranks, -1),
+            "recall_at_10": hit(10), "ndcg_at_10": gain(10), "recall_at_20": hit(20), "ndcg_at_20": gain(20)}
+
+
+def _trial(run_id: str, loss: str, seed: int, ranks: np.ndarray, schedule: str, extra: dict) -> tuple[dict, dict]:
+    table = _per_user(ranks)
+    metrics = {f"test/{k}": float(v.mean()) for k, v in table.items() if k not in ("user", "rank")}
+    metrics.update({"best/val/ndcg_at_10": 0.01, "best/epoch": 2.0, "perf/total_seconds": 120.0,
+                    "test/beam_retention_at_20": 0.8, **{f"test/prefix_recall_at_20_m{m}": 1.0 / m for m in range(1, 5)}})
+    params = {"base.train.seed": str(seed), "base.data.dataset": "office", "backbone": "tiger", "loss": loss, **extra}
+    tags = {"backbone": "tiger", "loss": loss, "apao.protocol": "paper", "apao.schedule": schedule, "apao.precision": "fp32"}
+    record = {"run_id": run_id, "name": f"tiger/{loss}", "status": "FINISHED", "tags": tags, "params": params,
+              "metrics": metrics, "per_user": f"per_user/{run_id}.csv.gz", "per_user_source": "logged by the trial"}
+    return record, table
+
+
+def _fabricate(root: Path, seed: int, effect: float, schedule: str = "paper") -> Path:
+    """A study export of one seed: CE, and APAO-pointwise whose ranks are CE's with ``effect`` of the
+    users moved from a miss to rank 1 (so APAO's Recall@10 is higher by exactly ``effect``)."""
+    rng = np.random.default_rng(seed)
+    directory = root / f"office-s{seed}"
+    (directory / "per_user").mkdir(parents=True)
+    ce_ranks = np.where(rng.random(NUM_USERS) < 0.06, rng.integers(1, 21, NUM_USERS), 0)
+    apao_ranks = ce_ranks.copy()
+    apao_ranks[rng.choice(np.flatnonzero(ce_ranks == 0), int(effect * NUM_USERS), replace=False)] = 1
+    trials, rows = [], []
+    for run_id, loss, ranks, extra in ((f"ce{seed}", "ce", ce_ranks, {}),
+                                       (f"ap{seed}", "apao_pointwise", apao_ranks, {"beta": "0.3", "eta": "0.0001"})):
+        record, table = _trial(run_id, loss, seed, ranks, schedule, extra)
+        write_per_user(directory / record["per_user"], table)
+        trials.append(record)
+        for epoch in (1, 2, 3):
+            rows.append((run_id, "val/ndcg_at_10", epoch, 0.01 * epoch))
+            rows.append((run_id, "perf/epoch_seconds", epoch, 40.0))
+            if loss != "ce":
+                rows += [(run_id, f"train/apao_weight_m{m}", epoch, 0.25 + 0.01 * epoch * (m - 2.5)) for m in range(1, 5)]
+    parent = {"run_id": f"p{seed}", "tags": {"command_line": f"studies/sweep.py --seed {seed}", "code_version": "abc"}}
+    record = {"format_version": 1, "study": f"office-s{seed}", "experiment": "apao-office", "tracking_uri": "sqlite:///x",
+              "exported_at": "2026-11-23T00:00:00Z", "parents": [parent], "trials": trials}
+    (directory / "study.json").write_text(json.dumps(record))
+    with gzip.open(directory / "epochs.csv.gz", "wt") as handle:
+        pd.DataFrame(rows, columns=["run_id", "key", "step", "value"]).to_csv(handle, index=False)
+    return directory
+
+
+def _section(text: str, title: str) -> list[str]:
+    lines = text.split(f"## {title}", 1)[1].split("\n## ", 1)[0].splitlines()
+    return [line for line in lines if line.startswith("| ")]
+
+
+def test_report_finds_a_known_effect_and_shows_paper_numbers(tmp_path):
+    exports = [load_export(_fabricate(tmp_path / "exports", seed, effect=0.02)) for seed in (0, 1)]
+    report = build_report(exports, tmp_path / "out", num_resamples=1000).read_text()
+    metrics = _section(report, "Test metrics")
+    ce = next(line for line in metrics if "| ce |" in line)
+    apao = next(line for line in metrics if "apao_pointwise b=0.3 eta=0.0001" in line)
+    expected = [exports[s].trials[0]["metrics"]["test/recall_at_10"] for s in (0, 1)]
+    assert f"{np.mean(expected):.4f} ± {np.std(expected, ddof=1):.4f}" in ce
+    assert "| 0,1 |" in ce and "| 0.0608 / 0.0292 |" in ce and "| 0.0667 / 0.0337 |" in apao  # paper schedule: comparable
+    rows = _section(report, "Paired differences")
+    recall = next(line for line in rows if "| recall_at_10 |" in line)
+    cells = [cell.strip() for cell in recall.strip("|").split("|")]
+    assert cells[2] == "apao_pointwise b=0.3 eta=0.0001 - ce"
+    pooled, seed0, seed1 = cells[4], cells[5], cells[6]
+    assert pooled.startswith("+0.0200 [") and "p_holm = " in pooled  # +2% of users gained a hit in both seeds
+    low = float(pooled.split("[")[1].split(",")[0])
+    assert 0 < low < 0.02 and float(pooled.split("p_holm = ")[1]) < 0.001
+    assert seed0.startswith("+0.0200") and seed1.startswith("+0.0200") and cells[7] == str(NUM_USERS)
+    for name in ("prefix_recall.png", "beam_retention.png", "adaptive_weights.png", "val_ndcg_at_10.png"):
+        assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG" and f"]({name})" in report
+
+
+def test_no_effect_is_not_significant_and_short_schedules_are_not_compared_with_the_paper(tmp_path):
+    exports = [load_export(_fabricate(tmp_path / "exports", seed, effect=0.0, schedule="10 epochs / patience 10"))
+               for seed in (0, 1)]
+    report = build_report(exports, tmp_path / "out", num_resamples=1000).read_text()
+    assert "| (0.0608 / 0.0292) n/c |" in report
+    for line in _section(report, "Paired differences"):
+        if "apao_pointwise" in line:
+            assert "+0.0000 [0.0000, 0.0000], p_holm = 1.000" in line
+
+
+def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
+    for seed in (0, 1):
+        _fabricate(tmp_path / "results", seed, effect=0.01)
+    assert main(["report", "--exports", str(tmp_path / "results"), "--study", "office-s1", "--out",
+                 str(tmp_path / "out"), "--resamples", "200"]) == 0
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "office-s1" in report and "office-s0" not in report and "| 1 |" in _section(report, "Test metrics")[2]
+    assert main(["report", "--exports", str(tmp_path / "results"), "--study", "nope", "--out", str(tmp_path / "o")]) == 2
+    assert "studies ['nope'] are not in the exports given; found ['office-s0', 'office-s1']" in capsys.readouterr().err
+    assert main(["report", "--exports", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match="not a study export"):
+        load_export(tmp_path)
+    assert len(find_exports([str(tmp_path / "results")], None)) == 2
+
+
+def test_trials_without_test_metrics_are_listed_with_their_validation_curves(tmp_path):
+    directory = _fabricate(tmp_path / "exports", 0, effect=0.01)
+    record = json.loads((directory / "study.json").read_text())
+    for trial in record["trials"]:  # as a study still training: no test metrics yet
+        trial["status"], trial["per_user"] = "RUNNING", None
+        trial["metrics"] = {"val/ndcg_at_10": 0.03, SELECTION: 0.03}
+    (directory / "study.json").write_text(json.dumps(record))
+    report = build_report([load_export(directory)], tmp_path / "out", num_resamples=200).read_text()
+    rows = _section(report, "Trials without test metrics")
+    assert len(rows) == 3 and "| office-s0 | tiger | ce | 0 | RUNNING | - | 3 | 0.0300 | 0.0300 | 40.0 |" in rows
+    assert (tmp_path / "out" / "unfinished_val_ndcg_at_10.png").exists()
+    assert len(_section(report, "Test metrics")) == 1  # the header only: nothing finished
+    for trial in record["trials"]:
+        trial["metrics"] = {}  # not even one epoch
+    (directory / "study.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"studies \['office-s0'\] have no trial that trained an epoch"):
+        build_report([load_export(directory)], tmp_path / "out2")
