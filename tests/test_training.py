@@ -357,3 +357,20 @@ def test_preference_loss_without_ce_stage_fails_before_training(short, tmp_path,
     with pytest.raises(ValueError, match=re.escape(f"loss {loss!r} needs a CE stage first")):
         run_trial(make_config("tiger", loss, {"num_negatives": 5}), hooks, short)
     assert hooks.reports == [] and not (tmp_path / "checkpoints").exists()
+
+
+def test_in_epoch_progress_lines_name_their_trial_and_are_shown_in_a_quiet_study_worker(tmp_path, capsys):
+    from apao_ray.training.hooks import TrainingHooks
+    from apao_ray.training.loop import EpochProgress
+
+    hooks = TrainingHooks(tmp_path, verbose=False)  # a study's worker: no per-epoch lines of its own
+    hooks.progress_label = "[tiger/ce] "
+    progress = EpochProgress(hooks, epoch=2, num_epochs=5, seconds_per_other_epoch=60.0, interval=0.0)
+    progress(500, 1000)
+    progress(1000, 1000)  # the epoch's end: its own report says the rest
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[tiger/ce] epoch 2/5: 500/1,000 samples"), lines
+    assert lines[0].endswith("min") and "trial ETA" in lines[0]
+    hooks.show_progress = False
+    progress(600, 1000)
+    assert capsys.readouterr().err == ""

@@ -53,6 +53,7 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         from ray import tune
         from ray.tune.integration.ray_train import TuneReportCallback
 
+        from .mlflow_callback import describe
         from .trial import fit, make_trainer
 
         choices = trial_choices(config)
@@ -64,7 +65,8 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
 
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
         trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,
-                               max_failures=max_failures, callbacks=[TuneReportCallback()], verbose=False)
+                               max_failures=max_failures, callbacks=[TuneReportCallback()], verbose=False,
+                               progress_label=f"[{describe(choices)}] ")
         fit(trainer)  # raises once, with the worker's reason, if it gave up
 
     return apao_trial

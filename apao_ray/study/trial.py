@@ -48,13 +48,15 @@ class Resources:
 
 
 def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
-                 max_failures: int = 0, callbacks: list[Any] | None = None, verbose: bool = True) -> TorchTrainer:
+                 max_failures: int = 0, callbacks: list[Any] | None = None, verbose: bool = True,
+                 progress_label: str = "") -> TorchTrainer:
     """Builds (does not run) the trial's ``TorchTrainer``.
 
     ``name`` must be stable across restarts (derive it from the Tune trial id, never a
     timestamp): Ray finds the run's checkpoints to resume from by (storage_path, name).
     """
-    loop_config = {"trial": config.to_dict(), "verbose": verbose, "max_memory_bytes": resources.memory_bytes,
+    loop_config = {"trial": config.to_dict(), "verbose": verbose, "progress_label": progress_label,
+                   "max_memory_bytes": resources.memory_bytes,
                    "failure_file": str(Path(storage_path).resolve() / name / FAILURE_FILE),
                    "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(name)}
     run_config = ray.train.RunConfig(

@@ -56,6 +56,15 @@ class TrainingHooks:
             for old in sorted(root.glob("epoch_*"))[:-self.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
 
+    progress_label = ""  # set in a study: progress lines name their trial among the others'
+    show_progress = True  # in-epoch progress lines even when not verbose (a study's trials)
+
     def log(self, line: str) -> None:
         if self.verbose and self.rank == 0:
             print(line, file=sys.stderr, flush=True)
+
+    def progress(self, line: str) -> None:
+        """An in-epoch progress line: printed when verbose, or in a study where the driver only hears of
+        finished epochs (a long epoch would otherwise be silent for many minutes)."""
+        if (self.verbose or self.show_progress) and self.rank == 0:
+            print(f"{self.progress_label}{line}", file=sys.stderr, flush=True)

@@ -113,7 +113,7 @@ class EpochProgress:
         # later epochs take what this one is taking (validation included once measured)
         per_epoch = self.seconds_per_other_epoch or total / rate
         trial_left = epoch_left + (self.num_epochs - self.epoch) * per_epoch
-        self.hooks.log(f"epoch {self.epoch}/{self.num_epochs}: {done:,}/{total:,} samples, {rate:.0f} samples/s, "
+        self.hooks.progress(f"epoch {self.epoch}/{self.num_epochs}: {done:,}/{total:,} samples, {rate:.0f} samples/s, "
                        f"epoch ETA {epoch_left / 60:.1f} min, trial ETA <= {trial_left / 60:.0f} min")
 
 

@@ -127,6 +127,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         limit_memory(int(loop_config["max_memory_bytes"]))
     hooks = RayTrainHooks(verbose=loop_config.get("verbose", True),
                           scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX))
+    hooks.progress_label = loop_config.get("progress_label", "")
     try:
         run_trial(TrialConfig.from_dict(loop_config["trial"]), hooks)
     except (NonFiniteLossError, TrialOutOfMemoryError) as error:

@@ -12,7 +12,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$HOME/apao_evidence}
-EPOCHS=${EPOCHS:-10}
+EPOCHS=${EPOCHS:-4}
 export APAO_DATA_DIR=${APAO_DATA_DIR:-$(cd .. && pwd)/shared/datasets}
 mkdir -p "$OUT"
 for seed in "${@:-0}"; do
