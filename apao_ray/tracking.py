@@ -6,6 +6,8 @@ concurrent trials never contend for the SQLite database.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import os
 import re
 import time
@@ -18,13 +20,19 @@ from typing import Any, Iterable
 import mlflow
 import mlflow.pyfunc
 import pandas as pd
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_DB_NAME = "mlflow.db"
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests children by
 MODEL_NAME = "model"
+# MLflow 3's UI opens an experiment on its GenAI overview (traces) unless this tag names the
+# "Machine learning" kind; then it opens on the runs table (the value is the UI's enum)
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+DATASET_CONTEXT_TAG = "mlflow.data.context"
+_DIGEST_LENGTH = 36  # MLflow's datasets table holds a digest of at most 36 characters
 _MAX_BATCH = 900  # log_batch accepts at most 1000 metrics
 
 
@@ -120,6 +128,8 @@ class Tracker:
                 self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
         else:
             self.experiment_id = existing.experiment_id
+        if existing is None or EXPERIMENT_KIND_TAG not in existing.tags:  # a kind the user chose stays
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
     @classmethod
     def existing(cls, tracking_uri: str, experiment: str) -> "Tracker | None":
@@ -166,11 +176,18 @@ class Tracker:
             self.client.log_batch(run_id, metrics=items[start:start + _MAX_BATCH])
         return len(items)
 
+    def log_dataset(self, run_id: str, record: dict[str, Any], context: str = "training") -> None:
+        """Logs a dataset (see ``dataset_record``) as the run's input: the runs table's Dataset column."""
+        self.client.log_inputs(run_id, [DatasetInput(dataset_entity(record), [InputTag(DATASET_CONTEXT_TAG, context)])])
+
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self.client.get_metric_history(run_id, key)]
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_dict(self, run_id: str, data: Any, artifact_file: str) -> None:
+        self.client.log_dict(run_id, data, artifact_file)
 
     def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
         self.client.log_figure(run_id, figure, artifact_file)
@@ -217,6 +234,34 @@ class Tracker:
         if filter_string:
             parts.append(filter_string)
         return list(self.client.search_runs([self.experiment_id], " and ".join(parts), max_results=50000))
+
+
+def dataset_record(name: str, checksums: dict[str, str], split_sizes: dict[str, int], source: str,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A dataset as MLflow records it: a plain (picklable) dict for ``Tracker.log_dataset``.
+
+    Args:
+        name: the dataset's name (``office``).
+        checksums: file name -> SHA-256 of that file; the digest is the SHA-256 over them (sorted by
+            name), so it changes exactly when a file does. Empty for a generated dataset: then the
+            digest covers the name and split sizes.
+        split_sizes: split name -> number of samples (the profile shows them).
+        source: where the files are (a directory), or what generated them.
+        extra: more profile entries (items, users, ...).
+    """
+    lines = [f"{file}:{digest}" for file, digest in sorted(checksums.items())] or \
+        [f"{name}:{split}={size}" for split, size in sorted(split_sizes.items())]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    profile = {f"{split}_samples": int(size) for split, size in split_sizes.items()}
+    profile.update({"num_rows": int(sum(split_sizes.values())), **(extra or {}),
+                    "sha256": dict(sorted(checksums.items())), "combined_sha256": digest})
+    return {"name": name, "digest": digest[:_DIGEST_LENGTH], "source_type": "local" if checksums else "code",
+            "source": json.dumps({"uri": source}), "profile": json.dumps(profile)}
+
+
+def dataset_entity(record: dict[str, Any]) -> Dataset:
+    return Dataset(record["name"], record["digest"], record["source_type"], record["source"],
+                   record.get("schema"), record.get("profile"))
 
 
 class RecommenderModel(mlflow.pyfunc.PythonModel):
