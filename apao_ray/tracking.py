@@ -27,10 +27,12 @@ TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_DB_NAME = "mlflow.db"
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests children by
 MODEL_NAME = "model"
-# MLflow 3's UI opens an experiment on its GenAI overview (traces) unless this tag names the
-# "Machine learning" kind; then it opens on the runs table (the value is the UI's enum)
+# The experiment's kind for MLflow 3 UIs that read it ("Machine learning": open on the runs table,
+# not the GenAI overview). MLflow 3.17's UI ignores it for a global "GenAI | Model training" switch,
+# remembered per browser, that a link sets with ?workflowType=machine_learning (runs_table_url)
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` / `mlflow server` listen by default
 DATASET_CONTEXT_TAG = "mlflow.data.context"
 _DIGEST_LENGTH = 36  # MLflow's datasets table holds a digest of at most 36 characters
 _MAX_BATCH = 900  # log_batch accepts at most 1000 metrics
@@ -83,6 +85,20 @@ def redact(text: str) -> str:
     """Hides passwords in URLs (``http://user:***@host``) and values of token/password/secret flags:
     command lines are recorded as tags, and an MLflow server's users can read every tag."""
     return _SECRET_FLAG.sub(r"\g<flag>***", _URL_PASSWORD.sub(r"\g<head>:***@", text))
+
+
+def runs_table_url(tracking_uri: str, experiment_id: str) -> str:
+    """The UI's link to an experiment's runs table (an MLflow server's own address, else where
+    ``mlflow ui`` listens by default), with the switch that keeps MLflow 3.17 off its GenAI overview."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
+    return f"{redact(base)}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def ui_hint(tracking_uri: str, experiment_id: str) -> str:
+    """How to look at a study's runs: the command that serves a database, and the runs table's link."""
+    serve = "" if tracking_uri.startswith(("http://", "https://")) else \
+        f"mlflow ui --backend-store-uri {redact(tracking_uri)}, then open "
+    return f"MLflow: {serve}{runs_table_url(tracking_uri, experiment_id)}"
 
 
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:

@@ -229,9 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(1 for row in rows if row["error"])
     print(f"study {study_name}: {len(rows)} trials ({failed} failed); best per (backbone, loss) by validation:",
           file=sys.stderr)
-    table = table_rows(Tracker(tracking_uri, experiment_name(base.data.dataset)), study=study_name)
+    table_tracker = Tracker(tracking_uri, experiment_name(base.data.dataset))
+    table = table_rows(table_tracker, study=study_name)
     print(format_rows(table, "markdown"))
     print(outcome.optuna_summary)
+    from ..tracking import ui_hint
+
+    print(ui_hint(tracking_uri, table_tracker.experiment_id))
     return 0
 
 

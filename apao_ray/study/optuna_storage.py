@@ -112,14 +112,25 @@ class PerMethodTPESampler(BaseSampler):
     by value: in a study of several methods (baselines included) one method's knobs would be modelled
     from whether *other* methods scored well. Here each method's parameters (named
     ``backbone__loss__knob``) are sampled from that method's trials alone.
+
+    Each trial's draws come from a generator seeded by (seed, trial number), not from one generator
+    that runs through the study: a searcher restored from an older pickle would otherwise replay the
+    draws of trials it asked after that pickle (and a re-asked lost trial keeps its params anyway).
     """
 
     def __init__(self, seed: int | None = None, n_startup_trials: int = STARTUP_TRIALS_PER_METHOD) -> None:
-        self.n_startup_trials = n_startup_trials
-        self._tpe = TPESampler(seed=seed, n_startup_trials=n_startup_trials, multivariate=False)
+        self.seed, self.n_startup_trials = seed, n_startup_trials
+        self._current: tuple[int, TPESampler] | None = None
+
+    def _tpe_for(self, trial_number: int) -> TPESampler:
+        if self._current is None or self._current[0] != trial_number:
+            seed = None if self.seed is None else (self.seed * 1_000_003 + trial_number) % 2**32
+            self._current = (trial_number, TPESampler(seed=seed, n_startup_trials=self.n_startup_trials,
+                                                      multivariate=False))
+        return self._current[1]
 
     def reseed_rng(self) -> None:
-        self._tpe.reseed_rng()
+        self._current = None
 
     def infer_relative_search_space(self, study: Any, trial: Any) -> dict[str, Any]:
         return {}
@@ -129,13 +140,11 @@ class PerMethodTPESampler(BaseSampler):
 
     def sample_independent(self, study: Any, trial: Any, param_name: str, param_distribution: Any) -> Any:
         prefix = param_name.rsplit(SEPARATOR, 1)[0] + SEPARATOR
-        return self._tpe.sample_independent(_MethodView(study, prefix), trial, param_name, param_distribution)
-
-    def before_trial(self, study: Any, trial: Any) -> None:
-        self._tpe.before_trial(study, trial)
+        return self._tpe_for(trial.number).sample_independent(_MethodView(study, prefix), trial, param_name,
+                                                               param_distribution)
 
     def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
-        self._tpe.after_trial(study, trial, state, values)
+        self._tpe_for(trial.number).after_trial(study, trial, state, values)
 
 
 class PersistentOptunaSearch(OptunaSearch):
