@@ -223,6 +223,9 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     (["--beam-size", "400"], "beam_size=400 exceeds the 399 semantic IDs"),
     (["--tracking-uri", "http://127.0.0.1:9"], "MLflow tracking server 'http://127.0.0.1:9' is unreachable"),
     (["--tracking-uri", "file:./mlruns"], "is not supported"),
+    (["--optuna-storage", "postgresql://u:pw@host:port/db"],
+     "--optuna-storage 'postgresql://u:***@host:port/db' is not a SQLAlchemy URL"),  # the password never printed
+    (["--optuna-storage", "postgress://host/db"], "--optuna-storage 'postgress://host/db' is not a SQLAlchemy URL"),
     (["--study-name", "../escape"], "study name '../escape' must be a plain name"),
     (["--dataset", "../synthetic"], "dataset name '../synthetic' must be a plain name"),
     (["--address", "127.0.0.1:9"], "Ray address '127.0.0.1:9' is unreachable"),

@@ -54,8 +54,8 @@ def resolve_storage_url(url: str | None, tracking_uri: str, output_dir: Path) ->
     import sqlalchemy.engine
 
     try:
-        sqlalchemy.engine.make_url(url)
-    except Exception as error:  # sqlalchemy.exc.ArgumentError, or a bad port
+        sqlalchemy.engine.make_url(url).get_dialect()  # an unknown database name fails here, before Ray starts
+    except Exception as error:  # sqlalchemy.exc.ArgumentError / NoSuchModuleError, or a bad port
         raise ValueError(f"--optuna-storage {redact(url)!r} is not a SQLAlchemy URL ({error}); give e.g. "
                          "sqlite:////abs/optuna.db, postgresql://host/db or a path to a SQLite file") from None
     return url
