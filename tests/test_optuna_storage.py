@@ -183,3 +183,11 @@ def test_the_ui_link_opens_the_runs_table_of_the_server_or_of_mlflow_ui():
         "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning")
     assert ui_hint("http://user:pw@mlflow.lan:8080/", "7") == \
         "MLflow: http://user:***@mlflow.lan:8080/#/experiments/7/runs?workflowType=machine_learning"
+
+
+def test_a_study_missing_from_its_storage_is_reported_not_raised(tmp_path, mlflow_uri):
+    tracker = Tracker(mlflow_uri, "apao-missing")
+    parent = tracker.start_run("study s", {})
+    summary = optuna_storage.log_study_artifacts(tracker, parent, f"sqlite:///{tmp_path}/optuna.db", "apao-x/gone")
+    assert summary.startswith("Optuna study 'apao-x/gone' is not in sqlite:///") and "no importances" in summary
+    assert not tracker.client.list_artifacts(parent)

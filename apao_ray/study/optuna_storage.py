@@ -266,7 +266,10 @@ def log_study_artifacts(tracker: Any, parent_run_id: str, storage_url: str, stud
     importance table (when there is one) and the ``optuna-dashboard`` command."""
     from . import plots
 
-    study = load_study(storage_url, study_name)
+    try:
+        study = load_study(storage_url, study_name)
+    except KeyError:  # the storage was replaced or cleared while the study ran: its trials are in MLflow still
+        return f"Optuna study {study_name!r} is not in {redact(storage_url)}: no importances or Optuna plots"
     importances = param_importances(study)
     tracker.log_dict(parent_run_id, importances, "optuna/param_importances.json")
     figures = plots.optuna_figures(study, method_studies(study),
