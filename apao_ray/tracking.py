@@ -6,6 +6,8 @@ concurrent trials never contend for the SQLite database.
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import os
 import re
 import time
@@ -18,13 +20,21 @@ from typing import Any, Iterable
 import mlflow
 import mlflow.pyfunc
 import pandas as pd
-from mlflow.entities import Metric, Param, RunStatus, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
 from mlflow.tracking import MlflowClient
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_DB_NAME = "mlflow.db"
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests children by
 MODEL_NAME = "model"
+# The experiment's kind for MLflow 3 UIs that read it ("Machine learning": open on the runs table,
+# not the GenAI overview). MLflow 3.17's UI ignores it for a global "GenAI | Model training" switch,
+# remembered per browser, that a link sets with ?workflowType=machine_learning (runs_table_url)
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` / `mlflow server` listen by default
+DATASET_CONTEXT_TAG = "mlflow.data.context"
+_DIGEST_LENGTH = 36  # MLflow's datasets table holds a digest of at most 36 characters
 _MAX_BATCH = 900  # log_batch accepts at most 1000 metrics
 
 
@@ -77,6 +87,20 @@ def redact(text: str) -> str:
     return _SECRET_FLAG.sub(r"\g<flag>***", _URL_PASSWORD.sub(r"\g<head>:***@", text))
 
 
+def runs_table_url(tracking_uri: str, experiment_id: str) -> str:
+    """The UI's link to an experiment's runs table (an MLflow server's own address, else where
+    ``mlflow ui`` listens by default), with the switch that keeps MLflow 3.17 off its GenAI overview."""
+    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
+    return f"{redact(base)}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+def ui_hint(tracking_uri: str, experiment_id: str) -> str:
+    """How to look at a study's runs: the command that serves a database, and the runs table's link."""
+    serve = "" if tracking_uri.startswith(("http://", "https://")) else \
+        f"mlflow ui --backend-store-uri {redact(tracking_uri)}, then open "
+    return f"MLflow: {serve}{runs_table_url(tracking_uri, experiment_id)}"
+
+
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     """Where a new experiment keeps its artifacts: beside a SQLite database, in ``mlartifacts/<experiment>``.
 
@@ -120,6 +144,8 @@ class Tracker:
                 self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
         else:
             self.experiment_id = existing.experiment_id
+        if existing is None or EXPERIMENT_KIND_TAG not in existing.tags:  # a kind the user chose stays
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
     @classmethod
     def existing(cls, tracking_uri: str, experiment: str) -> "Tracker | None":
@@ -166,11 +192,18 @@ class Tracker:
             self.client.log_batch(run_id, metrics=items[start:start + _MAX_BATCH])
         return len(items)
 
+    def log_dataset(self, run_id: str, record: dict[str, Any], context: str = "training") -> None:
+        """Logs a dataset (see ``dataset_record``) as the run's input: the runs table's Dataset column."""
+        self.client.log_inputs(run_id, [DatasetInput(dataset_entity(record), [InputTag(DATASET_CONTEXT_TAG, context)])])
+
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self.client.get_metric_history(run_id, key)]
 
     def log_artifact(self, run_id: str, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(run_id, str(path), artifact_path)
+
+    def log_dict(self, run_id: str, data: Any, artifact_file: str) -> None:
+        self.client.log_dict(run_id, data, artifact_file)
 
     def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
         self.client.log_figure(run_id, figure, artifact_file)
@@ -217,6 +250,34 @@ class Tracker:
         if filter_string:
             parts.append(filter_string)
         return list(self.client.search_runs([self.experiment_id], " and ".join(parts), max_results=50000))
+
+
+def dataset_record(name: str, checksums: dict[str, str], split_sizes: dict[str, int], source: str,
+                   extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A dataset as MLflow records it: a plain (picklable) dict for ``Tracker.log_dataset``.
+
+    Args:
+        name: the dataset's name (``office``).
+        checksums: file name -> SHA-256 of that file; the digest is the SHA-256 over them (sorted by
+            name), so it changes exactly when a file does. Empty for a generated dataset: then the
+            digest covers the name and split sizes.
+        split_sizes: split name -> number of samples (the profile shows them).
+        source: where the files are (a directory), or what generated them.
+        extra: more profile entries (items, users, ...).
+    """
+    lines = [f"{file}:{digest}" for file, digest in sorted(checksums.items())] or \
+        [f"{name}:{split}={size}" for split, size in sorted(split_sizes.items())]
+    digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()
+    profile = {f"{split}_samples": int(size) for split, size in split_sizes.items()}
+    profile.update({"num_rows": int(sum(split_sizes.values())), **(extra or {}),
+                    "sha256": dict(sorted(checksums.items())), "combined_sha256": digest})
+    return {"name": name, "digest": digest[:_DIGEST_LENGTH], "source_type": "local" if checksums else "code",
+            "source": json.dumps({"uri": source}), "profile": json.dumps(profile)}
+
+
+def dataset_entity(record: dict[str, Any]) -> Dataset:
+    return Dataset(record["name"], record["digest"], record["source_type"], record["source"],
+                   record.get("schema"), record.get("profile"))
 
 
 class RecommenderModel(mlflow.pyfunc.PythonModel):

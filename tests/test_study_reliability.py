@@ -37,7 +37,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_http(url: str, process: subprocess.Popen, timeout: float = 120) -> None:
+def _wait_http(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.time() + timeout
     while True:
         try:

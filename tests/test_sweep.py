@@ -160,7 +160,10 @@ def test_checkpoint_model_and_plots_are_artifacts(study):
         if run.data.tags["loss"] == "apao_pointwise":
             assert "adaptive_weights.png" in files
     parent = client.search_runs([study["tracker"].experiment_id], "tags.`apao.role` = 'study'")[0]
-    assert {"prefix_recall_per_method.png", "optuna_slice.png"} <= {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert "prefix_recall_per_method.png" in {a.path for a in client.list_artifacts(parent.info.run_id)}
+    optuna_files = {a.path for a in client.list_artifacts(parent.info.run_id, "optuna")}
+    assert {"optuna/param_importances.json", "optuna/optimization_history.png",
+            "optuna/slice_tiger_apao_pointwise.png"} <= optuna_files, optuna_files
 
 
 def test_best_table_registers_models_and_recommender_matches_the_trial(study):
@@ -220,6 +223,9 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     (["--beam-size", "400"], "beam_size=400 exceeds the 399 semantic IDs"),
     (["--tracking-uri", "http://127.0.0.1:9"], "MLflow tracking server 'http://127.0.0.1:9' is unreachable"),
     (["--tracking-uri", "file:./mlruns"], "is not supported"),
+    (["--optuna-storage", "postgresql://u:pw@host:port/db"],
+     "--optuna-storage 'postgresql://u:***@host:port/db' is not a SQLAlchemy URL"),  # the password never printed
+    (["--optuna-storage", "postgress://host/db"], "--optuna-storage 'postgress://host/db' is not a SQLAlchemy URL"),
     (["--study-name", "../escape"], "study name '../escape' must be a plain name"),
     (["--dataset", "../synthetic"], "dataset name '../synthetic' must be a plain name"),
     (["--address", "127.0.0.1:9"], "Ray address '127.0.0.1:9' is unreachable"),
@@ -251,3 +257,42 @@ def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, caps
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and problem in stderr, stderr[-2000:]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+def test_optuna_storage_holds_each_trial_once_with_the_validation_metric_mlflow_has(study):
+    """The study was interrupted twice (Ctrl-C, SIGKILL) and resumed: its Optuna storage (beside
+    mlflow.db) has each trial once, with the value that MLflow's child run reports."""
+    import optuna
+
+    parent = study["tracker"].client.search_runs([study["tracker"].experiment_id], "tags.`apao.role` = 'study'")[0]
+    url = f"sqlite:///{study['dir']}/optuna.db"
+    assert parent.data.tags["apao.optuna_storage"] == url
+    optuna_study = optuna.load_study(study_name="apao-synthetic/synthetic-study", storage=url)
+    trials = optuna_study.trials
+    assert [t.number for t in trials] == list(range(int(parent.data.params["num_trials"]))), trials
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), [t.state for t in trials]
+    by_params = {tuple(sorted((k.rsplit("__", 1)[1], v) for k, v in t.params.items())): t.value for t in trials}
+    assert len(by_params) == len(trials)  # no trial repeated
+    for child in _children(study):
+        knobs = tuple(sorted((k, float(child.data.params[k])) for k in ("beta", "eta") if k in child.data.params))
+        assert by_params[knobs] == pytest.approx(child.data.metrics["best/val/ndcg_at_10"], rel=1e-9), knobs
+    # the paper setting was enqueued as the first apao_pointwise trial
+    assert trials[1].params == {"tiger__apao_pointwise__beta": 0.3, "tiger__apao_pointwise__eta": 1e-4}
+    assert f"optuna-dashboard {url}" in study["stdout"]
+    assert "Optuna parameter importances" in study["stdout"]  # 3 apao_pointwise trials, beta and eta varied
+
+
+def test_mlflow_opens_on_runs_with_datasets_and_the_parent_has_the_summary_metrics(study):
+    tracker = study["tracker"]
+    assert tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
+    parent = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")[0]
+    children = _children(study)
+    for run in (parent, *children):  # the runs table's Dataset column
+        (dataset,) = [d.dataset for d in run.inputs.dataset_inputs]
+        assert dataset.name == "synthetic" and len(dataset.digest) == 36
+        assert json.loads(dataset.profile)["train_samples"] > 0
+    for loss in ("ce", "apao_pointwise"):
+        runs = [run for run in children if run.data.tags["loss"] == loss and run.info.status == "FINISHED"]
+        best = max(runs, key=lambda run: run.data.metrics["best/val/ndcg_at_10"])
+        assert parent.data.metrics[f"best/tiger/{loss}/val/ndcg_at_10"] == best.data.metrics["best/val/ndcg_at_10"]
+        assert parent.data.metrics[f"best/tiger/{loss}/test/recall_at_10"] == best.data.metrics["test/recall_at_10"]

@@ -96,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="start the study again from scratch")
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                         help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db)")
+    parser.add_argument("--optuna-storage", metavar="URL",
+                        help="SQLAlchemy URL (or SQLite file path) of the searcher's Optuna study (default: optuna.db "
+                             "beside a SQLite MLflow database, else in --output-dir); open it with optuna-dashboard URL")
+    parser.add_argument("--enqueue-paper-setting", action=argparse.BooleanOptionalAction, default=True,
+                        help="each tuned (backbone, loss) starts with the paper's setting (Table 5), clipped to the "
+                             "ranges (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPUs: tiny model, data subset, 2 epochs, "
                         "4 trials, no ASHA stopping")
     add_protocol_arguments(parser, with_eta=False)
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         from ..losses import LOSSES
         from ..tracking import check_tracking_uri, resolve_tracking_uri
         from .space import SearchSpec
+        from .mlflow_callback import dataset_record_of
+        from .optuna_storage import resolve_storage_url
         from .sweep import StudyOptions, check_resumable, study_state_exists
 
         unknown = [b for b in args.backbones if b not in BACKBONE_NAMES]
@@ -189,8 +197,11 @@ def main(argv: list[str] | None = None) -> int:
                                cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
                                time_budget_s=args.time_budget, max_failures=args.max_failures,
                                memory_per_trial_bytes=memory, asha_grace_period=args.asha_grace_period,
-                               seed=args.seed, overwrite=args.overwrite,
-                               retry_failed=args.retry_failed)
+                               seed=args.seed, overwrite=args.overwrite, retry_failed=args.retry_failed,
+                               enqueue_paper_setting=args.enqueue_paper_setting,
+                               optuna_storage=resolve_storage_url(args.optuna_storage, tracking_uri,
+                                                                  Path(args.output_dir).resolve()),
+                               dataset_record=dataset_record_of(dataset, args.data_dir))
         if args.resume and not study_state_exists(options):
             raise ValueError(f"--resume: no study {study_name!r} to resume under {options.output_dir}; "
                              "check --study-name and --output-dir, or drop --resume to start it")
@@ -225,8 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(1 for row in rows if row["error"])
     print(f"study {study_name}: {len(rows)} trials ({failed} failed); best per (backbone, loss) by validation:",
           file=sys.stderr)
-    table = table_rows(Tracker(tracking_uri, experiment_name(base.data.dataset)), study=study_name)
+    table_tracker = Tracker(tracking_uri, experiment_name(base.data.dataset))
+    table = table_rows(table_tracker, study=study_name)
     print(format_rows(table, "markdown"))
+    print(outcome.optuna_summary)
+    from ..tracking import ui_hint
+
+    print(ui_hint(tracking_uri, table_tracker.experiment_id))
     return 0
 
 

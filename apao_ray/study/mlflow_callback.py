@@ -71,13 +71,14 @@ def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
 class MlflowStudyCallback(tune.Callback):
     def __init__(self, tracking_uri: str, experiment: str, parent_run_id: str, study_name: str,
                  train_root: str, trial_params: dict[str, Any], example_history: list[str],
-                 run_tags: dict[str, str] | None = None) -> None:
+                 run_tags: dict[str, str] | None = None, dataset_record: dict[str, Any] | None = None) -> None:
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.parent_run_id, self.study_name = parent_run_id, study_name
         self.train_root = Path(train_root)
         self.trial_params = trial_params
         self.example_history = example_history
         self.run_tags = dict(run_tags or {})  # on every child run (apao.protocol, apao.schedule)
+        self.dataset_record = dataset_record  # each new child run's dataset input (the UI's Dataset column)
         self.run_ids: dict[str, str] = {}
         self.logged_metrics = 0
         self.interrupted: list[str] = []  # trial ids left unfinished when the experiment ended
@@ -108,6 +109,8 @@ class MlflowStudyCallback(tune.Callback):
                                                                 "backbone": choices["backbone"], "loss": choices["loss"],
                                                                 **getattr(self, "run_tags", {})},
                                             params, parent_run_id=self.parent_run_id)
+            if self.dataset_record:
+                self.tracker.log_dataset(run_id, self.dataset_record)
         self.run_ids[trial.trial_id] = run_id
         return run_id
 
@@ -225,3 +228,38 @@ def log_cost_per_method(tracker: Tracker, parent_run_id: str) -> dict[str, dict[
     tracker.log_metrics(parent_run_id, {f"cost/{method}/{key.removeprefix('cost/')}": value
                                         for method, sums in totals.items() for key, value in sums.items()}, 0)
     return totals
+
+
+def dataset_record_of(dataset: Any, data_dir: str | None = None) -> dict[str, Any]:
+    """The study's dataset as an MLflow dataset input (``tracking.dataset_record``): its name, the
+    SHA-256 of its files (the checksums the study already verified), split sizes and where it is."""
+    from ..tracking import dataset_record
+
+    source = "apao_ray.data.synthetic (generated)"
+    if dataset.checksums:
+        from ..data.files import locate
+
+        files = locate(dataset.name, data_dir, allow_download=False)  # found moments ago: no download
+        source = str(files.inter_path.parent)
+    sizes = {name: len(split) for name, split in dataset.splits.items()}
+    return dataset_record(dataset.name, dataset.checksums, sizes, source,
+                          {"num_items": dataset.catalog.num_items, "num_users": len(dataset.user_ids)})
+
+
+def summary_metric_name(backbone: str, loss: str, metric: str) -> str:
+    """``best/tiger/ce/val/ndcg_at_10`` for ``best/val/ndcg_at_10``; ``best/tiger/ce/test/recall_at_10``."""
+    return f"best/{backbone}/{loss}/{metric.removeprefix('best/')}"
+
+
+def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str, metric: str) -> dict[str, float]:
+    """Gives the parent run the study's result as metrics: per (backbone, loss), the best trial's (by
+    validation) validation and test metrics, so the parent's chart view is not empty. Returns them."""
+    from .report import TEST_COLUMNS, table_rows
+
+    summary: dict[str, float] = {}
+    for row in table_rows(tracker, metric, study_name):
+        for key in (metric, *TEST_COLUMNS):
+            if row.get(key) is not None:
+                summary[summary_metric_name(row["backbone"], row["loss"], key)] = row[key]
+    tracker.log_metrics(parent_run_id, summary, step=0)
+    return summary

@@ -40,18 +40,34 @@ def close(figure: Any) -> None:
     plt.close(figure)
 
 
-def slice_figure(points: list[tuple[dict[str, Any], float]], knobs: tuple[str, ...]) -> Any:
-    """Optuna-style slice plot: the objective against each tuned knob, one colour per method."""
-    present = [k for k in knobs if any(k in choices for choices, _ in points)]
-    figure, axes = plt.subplots(1, len(present), figsize=(4 * len(present), 3.2), squeeze=False)
-    for axis, knob in zip(axes[0], present):
-        methods = sorted({f"{c['backbone']}/{c['loss']}" for c, _ in points if knob in c})
-        for method in methods:
-            xs = [c[knob] for c, v in points if knob in c and f"{c['backbone']}/{c['loss']}" == method]
-            ys = [v for c, v in points if knob in c and f"{c['backbone']}/{c['loss']}" == method]
-            axis.scatter(xs, ys, label=method, s=18)
-        axis.set(xlabel=knob, ylabel="best validation NDCG@10", xscale="log" if knob in ("eta", "num_negatives") else "linear")
-    axes[0][0].legend(fontsize=7)
-    figure.suptitle("Study slice plot")
-    figure.tight_layout()
-    return figure
+def optuna_figures(study: Any, method_studies: dict[str, Any], importance_methods: set[str]) -> dict[str, Any]:
+    """Optuna's own matplotlib plots of a study: ``{artifact name: figure}``.
+
+    The optimization history over the whole study; a slice plot per method, and parameter
+    importances per method in ``importance_methods`` (``method_studies``: method -> a study of its
+    trials with knob names): one method's knobs ranked against another's would mean nothing.
+    """
+    import warnings
+
+    from optuna.exceptions import ExperimentalWarning
+    from optuna.visualization import matplotlib as optuna_plots
+
+    with warnings.catch_warnings():  # "experimental since v2.2.0": Optuna's label, not a problem here
+        warnings.simplefilter("ignore", ExperimentalWarning)
+        figures = {"optimization_history": _figure_of(optuna_plots.plot_optimization_history(study))}
+        for method, sub in method_studies.items():
+            name = method.replace("/", "_")
+            figure = _figure_of(optuna_plots.plot_slice(sub))  # laid out by Optuna (it has a colorbar)
+            figure.suptitle(f"Slice plot: {method}")
+            figures[f"slice_{name}"] = figure
+            if method in importance_methods:
+                figure = _figure_of(optuna_plots.plot_param_importances(sub))
+                figure.axes[0].set_title(f"Hyperparameter importances: {method}")
+                figure.tight_layout()
+                figures[f"param_importances_{name}"] = figure
+    return figures
+
+
+def _figure_of(axes: Any) -> Any:
+    """Optuna's plot functions return an Axes, or an array of them (one slice panel per parameter)."""
+    return axes.flat[0].figure if hasattr(axes, "flat") else axes.figure

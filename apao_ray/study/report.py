@@ -4,7 +4,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 from typing import Any
 
 from ..protocol import PROTOCOL_TAG, schedule_label
@@ -151,7 +150,7 @@ def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str, al
 
 
 def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str, Any]], beam_size: int) -> None:
-    """Per-prefix recall of the best trial per method, and a slice plot per tuned knob."""
+    """Per-prefix recall of the best trial per method (Optuna's own plots come from optuna_storage.py)."""
     best: dict[str, dict[str, Any]] = {}
     for row in rows:
         label = f"{row['choices']['backbone']}/{row['choices']['loss']}"
@@ -161,11 +160,4 @@ def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str,
     if best:
         figure = plots.prefix_recall_figure(list(best.values()), beam_size)
         tracker.log_figure(parent_run_id, figure, "prefix_recall_per_method.png")
-        plots.close(figure)
-    points = [(r["choices"], r["metrics"].get("best/val/ndcg_at_10")) for r in rows]
-    # failed trials end with a NaN metric: they have no point to plot
-    points = [(c, v) for c, v in points if v is not None and math.isfinite(v) and any(k in c for k in KNOBS)]
-    if points:
-        figure = plots.slice_figure(points, KNOBS)
-        tracker.log_figure(parent_run_id, figure, "optuna_slice.png")
         plots.close(figure)

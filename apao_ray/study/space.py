@@ -4,7 +4,8 @@ Which (backbone, loss) a trial runs is fixed by its Optuna trial number: every b
 (a loss with nothing to tune) runs once per backbone, then the tuned losses take turns. Each
 tuned combination has its own parameter names (``tiger__apao_pairwise__beta``) so TPE models
 each conditional space separately, and negatives are only suggested for losses that use them.
-The first trial of each tuned combination evaluates the paper's setting (Table 5).
+The first trial of each tuned combination evaluates the paper's setting (Table 5) when the study
+enqueues it (``--enqueue-paper-setting``, the default); else it is a startup draw like the others.
 """
 from __future__ import annotations
 
@@ -66,13 +67,14 @@ class SearchSpec:
     def num_trials(self) -> int:
         return len(self.allocation())
 
-    def points_to_evaluate(self) -> list[dict[str, Any]]:
-        """Enqueued first trials (Optuna numbers them first): baselines, then paper settings."""
+    def points_to_evaluate(self, enqueue_paper_setting: bool = True) -> list[dict[str, Any]]:
+        """Enqueued first trials (Optuna numbers them first): baselines (an empty point holds their
+        trial numbers), then, when asked, the paper settings clipped to the ranges searched."""
         points: list[dict[str, Any]] = []
         for backbone, loss, is_paper in self.allocation():
             if loss not in TUNED_KNOBS:
                 points.append({})
-            elif is_paper:
+            elif is_paper and enqueue_paper_setting:
                 setting = {**DEFAULT_SETTING, **PAPER_SETTINGS.get((backbone, loss), {})}
                 points.append({param_name(backbone, loss, k): self._clip(k, setting[k]) for k in TUNED_KNOBS[loss]})
         return points

@@ -43,6 +43,9 @@ class StudyOptions:
     seed: int = 0
     overwrite: bool = False
     retry_failed: bool = False  # on a resume, run the trials that failed again (from their last checkpoint)
+    optuna_storage: str | None = None  # SQLAlchemy URL; None: optuna.db beside a SQLite MLflow DB (optuna_storage.py)
+    enqueue_paper_setting: bool = True  # each tuned method's first trial is the paper's setting
+    dataset_record: dict[str, Any] | None = None  # logged as each run's MLflow dataset input
     command_line: list[str] = field(default_factory=lambda: list(sys.argv))
 
 
@@ -145,6 +148,8 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
         parent_id = None
     if parent_id is None:
         parent_id = tracker.start_run(f"study {options.study_name}", {**tags, "dataset": options.base.data.dataset})
+        if options.dataset_record:
+            tracker.log_dataset(parent_id, options.dataset_record)
         tracker.log_params(parent_id, {"space": space_param(options.spec),
                                        "dataset": options.base.data.dataset, "num_trials": options.spec.num_trials,
                                        "base": options.base.to_dict(), "max_concurrent": options.max_concurrent})
@@ -161,6 +166,7 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
 class StudyOutcome:
     rows: list[dict[str, Any]]     # one summary per trial
     interrupted: bool = False      # stopped before every trial ended: resumable
+    optuna_summary: str = ""       # parameter importances and the optuna-dashboard command
     stop_signal: int | None = None  # the signal that stopped it (SIGINT, SIGTERM), if one did
 
 
@@ -191,12 +197,11 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
 
 def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_history: list[str]) -> StudyOutcome:
     """Builds (or restores) the Tuner, runs it, and records the study's end in the parent run."""
-    import optuna
     from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
 
     from ..tracking import experiment_name
-    from .mlflow_callback import OUTCOME_TAG, MlflowStudyCallback
+    from . import optuna_storage
+    from .mlflow_callback import OUTCOME_TAG, MlflowStudyCallback, log_study_summary
     from .progress import ProgressCallback
 
     study_dir = options.output_dir / options.study_name
@@ -205,7 +210,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     train_root = str(study_dir / "train_runs")
     recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
                                    options.study_name, train_root, {"base": options.base.to_dict()}, example_history,
-                                   run_tags(options.base))
+                                   run_tags(options.base), options.dataset_record)
     callbacks = [recorder, ProgressCallback(metric, options.spec.num_trials)]
     # a trial holds exactly --cpus-per-trial: a sliver for its Tune driver, the rest for its Train worker
     # (a driver taking 0.01 on top would leave a 1-CPU node 0.99 CPU, too little for a 1-CPU worker)
@@ -213,17 +218,28 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
                           options.memory_per_trial_bytes)
     trainable = tune.with_resources(make_trial_function(options.base, train_root, resources, options.max_failures),
                                     {"cpu": TRIAL_DRIVER_CPUS})
-    if study_state_exists(options):
+    storage_url = options.optuna_storage or optuna_storage.resolve_storage_url(None, options.tracking_uri,
+                                                                              options.output_dir)
+    optuna_name = optuna_storage.optuna_study_name(options.base.data.dataset, options.study_name)
+    if study_state_exists(options):  # the restored searcher keeps the storage it was started with
+        recorded = tracker.client.get_run(parent_id).data.tags.get(optuna_storage.STORAGE_TAG)
+        if recorded is None:  # started before studies had an Optuna storage: its searcher has none
+            storage_url = None
+        elif "***" not in recorded:  # the tag is the URL unless it held a password
+            storage_url = recorded
         tuner = tune.Tuner.restore(str(study_dir), trainable, resume_unfinished=True,
                                    resume_errored=options.retry_failed)
         # the restored run config carries the callbacks pickled at the first start; use this run's
         # (current tracking URI and parent run, a fresh progress clock)
         tuner._local_tuner.get_run_config().callbacks = callbacks
     else:
-        searcher = OptunaSearch(
-            options.spec.define_by_run(), metric=metric, mode="max",
-            points_to_evaluate=options.spec.points_to_evaluate(),
-            sampler=optuna.samplers.TPESampler(seed=options.seed, n_startup_trials=max(2, options.spec.trials_per_tuned // 2)))
+        tracker.set_tags(parent_id, {optuna_storage.STORAGE_TAG: redact(storage_url),
+                                     optuna_storage.OPTUNA_STUDY_TAG: optuna_name})
+        searcher = optuna_storage.make_searcher(options.spec, metric, storage_url, optuna_name, options.seed,
+                                                options.enqueue_paper_setting)
+        note = optuna_storage.startup_note(options.spec)
+        if note:
+            print(note, file=sys.stderr)
         # max_t: one report per epoch plus the final (test) report, which ASHA must not cut off
         scheduler = PerMethodASHA(metric=metric, mode="max", max_t=options.base.train.epochs + 1,
                                   grace_period=options.asha_grace_period)
@@ -248,9 +264,12 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker)
 
     log_study_figures(tracker, parent_id, rows, options.base.train.beam_size)
+    log_study_summary(tracker, parent_id, options.study_name, metric)
+    optuna_summary = optuna_storage.log_study_artifacts(tracker, parent_id, storage_url, optuna_name) \
+        if storage_url else "this study was started without an Optuna storage: no importances or Optuna plots"
     tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})
     tracker.end_run(parent_id, "FINISHED")
-    return StudyOutcome(rows)
+    return StudyOutcome(rows, optuna_summary=optuna_summary)
 
 
 def summarize(results: Any) -> list[dict[str, Any]]:

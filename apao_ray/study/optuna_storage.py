@@ -1,0 +1,287 @@
+"""The searcher's Optuna study in an RDB storage (SQLite beside the MLflow database by default).
+
+Persisting the study is what makes ``optuna-dashboard <url>``, ``optuna.importance`` and Optuna's
+own plots work on a study, running or finished. Tune still owns the trials: ``Tuner.restore``
+restores the searcher from its pickle, which reconnects to the same storage (an ``RDBStorage``
+pickles as its URL), so a resumed study keeps its Optuna trials, never re-creates them.
+
+Two things the storage changes, handled here:
+- a driver killed between the searcher's ``ask`` and Tune's next save leaves a RUNNING Optuna trial
+  that the restored searcher does not know. It is put back to WAITING, so the next ``ask`` takes it
+  again, with its number: the trial number decides which (backbone, loss) runs (``space.py``), and a
+  skipped number would shift every later trial to another method.
+- a fresh start (no Tune state) under a study name that the storage already holds drops the old
+  Optuna study: its trials belong to a Tune run that no longer exists.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.samplers import BaseSampler, TPESampler
+from optuna.trial import TrialState
+from ray.tune.search.optuna import OptunaSearch
+
+from ..tracking import redact
+from .space import SEPARATOR, TUNED_KNOBS, SearchSpec
+
+OPTUNA_DB_NAME = "optuna.db"
+STORAGE_TAG = "apao.optuna_storage"  # on the parent run: where the study's Optuna trials are
+OPTUNA_STUDY_TAG = "apao.optuna_study"
+# TPE samples at random until a (backbone, loss) has this many COMPLETE or PRUNED trials (its paper
+# setting counts as one). Why 4: with Optuna's gamma(n) = ceil(0.1 n), TPE's "good" density holds one
+# trial up to n = 10 and its "bad" density the rest; with 4 observations the first TPE proposal is
+# drawn near the best of them and away from 3 others. With fewer, the bad density is mostly Optuna's
+# prior and TPE is a random draw with extra steps.
+STARTUP_TRIALS_PER_METHOD = 4
+
+
+def resolve_storage_url(url: str | None, tracking_uri: str, output_dir: Path) -> str:
+    """``--optuna-storage`` (a SQLAlchemy URL or a plain path to a SQLite file), else ``optuna.db``
+    beside a SQLite MLflow database, else ``<output_dir>/optuna.db``; SQLite paths made absolute
+    (a trial's working directory is not the driver's)."""
+    if url is None:
+        if tracking_uri.startswith("sqlite:///"):
+            return "sqlite:///" + str(Path(tracking_uri[len("sqlite:///"):]).parent / OPTUNA_DB_NAME)
+        return "sqlite:///" + str(Path(output_dir).resolve() / OPTUNA_DB_NAME)
+    if "://" not in url:  # a plain path
+        return "sqlite:///" + str(Path(url).expanduser().resolve())
+    if url.startswith("sqlite:///"):
+        path = url[len("sqlite:///"):]
+        return url if path.startswith("/") else "sqlite:///" + str(Path(path).expanduser().resolve())
+    import sqlalchemy.engine
+
+    try:
+        sqlalchemy.engine.make_url(url).get_dialect()  # an unknown database name fails here, before Ray starts
+    except Exception as error:  # sqlalchemy.exc.ArgumentError / NoSuchModuleError, or a bad port
+        raise ValueError(f"--optuna-storage {redact(url)!r} is not a SQLAlchemy URL ({error}); give e.g. "
+                         "sqlite:////abs/optuna.db, postgresql://host/db or a path to a SQLite file") from None
+    return url
+
+
+def optuna_study_name(dataset: str, study_name: str) -> str:
+    """One storage can hold the studies of several datasets, which may share a study name."""
+    return f"apao-{dataset}/{study_name}"
+
+
+def open_storage(url: str) -> optuna.storages.RDBStorage:
+    """An ``RDBStorage`` (``OptunaSearch`` refuses a URL string); creates a SQLite file's directory."""
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return optuna.storages.RDBStorage(url)
+    except Exception as error:  # a driver not installed, a server that does not answer
+        raise ValueError(f"cannot open the Optuna storage {redact(url)!r}: {error}") from None
+
+
+def drop_stale_study(storage: optuna.storages.RDBStorage, name: str) -> int:
+    """Deletes Optuna study ``name`` if it exists; returns how many trials it had (0 if none)."""
+    try:
+        study_id = storage.get_study_id_from_name(name)
+    except KeyError:
+        return 0
+    num_trials = len(storage.get_all_trials(study_id, deepcopy=False))
+    storage.delete_study(study_id)
+    return num_trials
+
+
+def dashboard_command(url: str) -> str:
+    return f"optuna-dashboard {redact(url)}"
+
+
+class _MethodView:
+    """A study as one (backbone, loss) sees it: only the trials that have its parameters."""
+
+    def __init__(self, study: optuna.Study, prefix: str) -> None:
+        self._study, self._prefix = study, prefix
+
+    def _get_trials(self, *args: Any, **kwargs: Any) -> list[optuna.trial.FrozenTrial]:
+        trials = self._study._get_trials(*args, **kwargs)
+        return [t for t in trials if any(name.startswith(self._prefix) for name in t.distributions)]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._study, name)
+
+
+class PerMethodTPESampler(BaseSampler):
+    """Independent TPE per (backbone, loss), each with its own startup trials.
+
+    Optuna's TPE counts startup trials over the whole study and splits all trials into good and bad
+    by value: in a study of several methods (baselines included) one method's knobs would be modelled
+    from whether *other* methods scored well. Here each method's parameters (named
+    ``backbone__loss__knob``) are sampled from that method's trials alone.
+
+    Each trial's draws come from a generator seeded by (seed, trial number), not from one generator
+    that runs through the study: a searcher restored from an older pickle would otherwise replay the
+    draws of trials it asked after that pickle (and a re-asked lost trial keeps its params anyway).
+    """
+
+    def __init__(self, seed: int | None = None, n_startup_trials: int = STARTUP_TRIALS_PER_METHOD) -> None:
+        self.seed, self.n_startup_trials = seed, n_startup_trials
+        self._current: tuple[int, TPESampler] | None = None
+
+    def _tpe_for(self, trial_number: int) -> TPESampler:
+        if self._current is None or self._current[0] != trial_number:
+            seed = None if self.seed is None else (self.seed * 1_000_003 + trial_number) % 2**32
+            self._current = (trial_number, TPESampler(seed=seed, n_startup_trials=self.n_startup_trials,
+                                                      multivariate=False))
+        return self._current[1]
+
+    def reseed_rng(self) -> None:
+        self._current = None
+
+    def infer_relative_search_space(self, study: Any, trial: Any) -> dict[str, Any]:
+        return {}
+
+    def sample_relative(self, study: Any, trial: Any, search_space: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def sample_independent(self, study: Any, trial: Any, param_name: str, param_distribution: Any) -> Any:
+        prefix = param_name.rsplit(SEPARATOR, 1)[0] + SEPARATOR
+        return self._tpe_for(trial.number).sample_independent(_MethodView(study, prefix), trial, param_name,
+                                                               param_distribution)
+
+    def after_trial(self, study: Any, trial: Any, state: Any, values: Any) -> None:
+        self._tpe_for(trial.number).after_trial(study, trial, state, values)
+
+
+class PersistentOptunaSearch(OptunaSearch):
+    """``OptunaSearch`` whose restore puts back the Optuna trials a killed driver left behind."""
+
+    def restore(self, checkpoint_path: str) -> None:
+        super().restore(checkpoint_path)
+        requeue_lost_trials(self._ot_study, {t._trial_id for t in self._ot_trials.values()})
+
+
+def requeue_lost_trials(study: optuna.Study, known_trial_ids: set[int]) -> list[int]:
+    """RUNNING trials that no Tune trial holds -> WAITING (asked again, same number); returns their numbers."""
+    storage = study._storage  # the storage the restored study writes to (a cache over the RDB)
+    lost = [t for t in storage.get_all_trials(study._study_id, deepcopy=False, states=(TrialState.RUNNING,))
+            if t._trial_id not in known_trial_ids]
+    for trial in lost:
+        storage.set_trial_state_values(trial._trial_id, TrialState.WAITING)
+    if lost:
+        print(f"Optuna: trial(s) {[t.number for t in lost]} were asked by a driver that was killed before Tune "
+              "saved them; they are asked again", file=sys.stderr)
+    return [t.number for t in lost]
+
+
+def make_searcher(spec: SearchSpec, metric: str, storage_url: str, study_name: str, seed: int,
+                  enqueue_paper_setting: bool = True) -> PersistentOptunaSearch:
+    """The searcher of a fresh study: its Optuna study in ``storage_url`` (an old one of the same name
+    is dropped), baselines and (when asked) the paper settings enqueued first."""
+    storage = open_storage(storage_url)
+    dropped = drop_stale_study(storage, study_name)
+    if dropped:
+        print(f"Optuna: dropped the {dropped} trial(s) of an earlier study {study_name!r} in {redact(storage_url)} "
+              "(its Tune state is gone; this study starts afresh)", file=sys.stderr)
+    return PersistentOptunaSearch(spec.define_by_run(), metric=metric, mode="max",
+                                  points_to_evaluate=spec.points_to_evaluate(enqueue_paper_setting),
+                                  sampler=PerMethodTPESampler(seed=seed), study_name=study_name, storage=storage)
+
+
+def startup_note(spec: SearchSpec) -> str | None:
+    """Says so when the budget leaves TPE nothing to do (every tuned trial a startup trial)."""
+    if spec.num_trials and any(loss in TUNED_KNOBS for loss in spec.losses) \
+            and spec.trials_per_tuned <= STARTUP_TRIALS_PER_METHOD:
+        return (f"note: TPE proposes a method's knobs once it has {STARTUP_TRIALS_PER_METHOD} finished trials; with "
+                f"{spec.trials_per_tuned} trials per tuned method this study is the paper setting plus random draws "
+                f"(--num-samples {2 * STARTUP_TRIALS_PER_METHOD} gives TPE {STARTUP_TRIALS_PER_METHOD} proposals)")
+    return None
+
+
+def load_study(storage_url: str, study_name: str) -> optuna.Study:
+    return optuna.load_study(study_name=study_name, storage=open_storage(storage_url))
+
+
+def method_studies(study: optuna.Study) -> dict[str, optuna.Study]:
+    """``"tiger/apao_pointwise"`` -> an in-memory study of that method's COMPLETE trials, its parameters
+    named by knob (``beta``), so importance and plots speak of one method at a time."""
+    grouped: dict[str, list[optuna.trial.FrozenTrial]] = {}
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if not trial.params:  # a baseline
+            continue
+        backbone, loss, _ = next(iter(trial.params)).split(SEPARATOR)
+        grouped.setdefault(f"{backbone}/{loss}", []).append(trial)
+    studies = {}
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created in memory" per method
+    for method, trials in sorted(grouped.items()):
+        sub = optuna.create_study(direction=study.direction, study_name=method)
+        for trial in trials:
+            sub.add_trial(optuna.trial.create_trial(
+                params={k.rsplit(SEPARATOR, 1)[1]: v for k, v in trial.params.items()},
+                distributions={k.rsplit(SEPARATOR, 1)[1]: d for k, d in trial.distributions.items()},
+                value=trial.value, user_attrs={"number": trial.number}))
+        studies[method] = sub
+    optuna.logging.set_verbosity(verbosity)
+    return studies
+
+
+def varied_params(study: optuna.Study) -> list[str]:
+    values: dict[str, set] = {}
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        for name, value in trial.params.items():
+            values.setdefault(name, set()).add(value)
+    return sorted(name for name, seen in values.items() if len(seen) >= 2)
+
+
+def param_importances(study: optuna.Study) -> dict[str, dict[str, Any]]:
+    """Per method: ``{"num_trials", "importances": {knob: share}}`` from ``optuna.importance``
+    (its default evaluator, PED-ANOVA), or ``"skipped"`` saying why there are none (fewer than 2
+    complete trials, or fewer than 2 knobs that varied: importance ranks knobs against each other)."""
+    result: dict[str, dict[str, Any]] = {}
+    for method, sub in method_studies(study).items():
+        num_trials, varied = len(sub.trials), varied_params(sub)
+        entry: dict[str, Any] = {"num_trials": num_trials}
+        if num_trials < 2 or len(varied) < 2:
+            entry["skipped"] = f"{num_trials} complete trial(s), {len(varied)} varied knob(s): needs 2 and 2"
+        else:
+            try:
+                entry["importances"] = dict(optuna.importance.get_param_importances(sub, params=varied))
+            except (ValueError, RuntimeError) as error:
+                entry["skipped"] = f"optuna.importance failed: {error}"
+        result[method] = entry
+    return result
+
+
+def importance_table(importances: dict[str, dict[str, Any]]) -> str:
+    """Markdown: one row per method that has importances, one column per knob (shares sum to 1)."""
+    rows = {m: e["importances"] for m, e in importances.items() if "importances" in e}
+    if not rows:
+        return ""
+    knobs = [k for k in ("beta", "eta", "num_negatives") if any(k in r for r in rows.values())]
+    lines = ["| method | trials | " + " | ".join(knobs) + " |", "|---|---|" + "---|" * len(knobs)]
+    for method, row in rows.items():
+        cells = [f"{row[k]:.2f}" if k in row else "-" for k in knobs]
+        lines.append(f"| {method} | {importances[method]['num_trials']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def log_study_artifacts(tracker: Any, parent_run_id: str, storage_url: str, study_name: str) -> str:
+    """Logs ``optuna/param_importances.json`` and Optuna's matplotlib plots (optimization history;
+    slice and param importances per method) to the parent run; returns the summary to print: the
+    importance table (when there is one) and the ``optuna-dashboard`` command."""
+    from . import plots
+
+    try:
+        study = load_study(storage_url, study_name)
+    except KeyError:  # the storage was replaced or cleared while the study ran: its trials are in MLflow still
+        return f"Optuna study {study_name!r} is not in {redact(storage_url)}: no importances or Optuna plots"
+    importances = param_importances(study)
+    tracker.log_dict(parent_run_id, importances, "optuna/param_importances.json")
+    figures = plots.optuna_figures(study, method_studies(study),
+                                   {method for method, entry in importances.items() if "importances" in entry})
+    for name, figure in figures.items():
+        tracker.log_figure(parent_run_id, figure, f"optuna/{name}.png")
+        plots.close(figure)
+    table = importance_table(importances)
+    # PED-ANOVA compares the top 10% of a method's trials with all of them: below ~10 trials it has
+    # one or two "top" trials, and the shares say little
+    lines = [f"Optuna parameter importances (optuna.importance, share per knob; fewer than 10 trials of a method "
+             f"make them rough):\n{table}"] if table else []
+    lines.append(f"Optuna study {study_name!r}: {dashboard_command(storage_url)}  (pip install optuna-dashboard)")
+    return "\n".join(lines)
+
