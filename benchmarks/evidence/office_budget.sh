@@ -9,6 +9,7 @@
 #
 #   bash benchmarks/evidence/office_budget.sh 0 1 2        # seeds to run, in order
 #   OUT=~/apao_evidence EPOCHS=10 bash benchmarks/evidence/office_budget.sh 0
+#   SWEEP_FLAGS=--retry-failed bash benchmarks/evidence/office_budget.sh 0   # trials that failed (e.g. OOM) again
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$HOME/apao_evidence}
@@ -21,5 +22,5 @@ for seed in "${@:-0}"; do
     --effective-batch-size 256 --protocol paper --seed "$seed" \
     --study-name "office-budget${EPOCHS}-b256-seed${seed}" \
     --cpus-per-trial 1 --max-concurrent 2 --output-dir "$OUT/runs" \
-    --tracking-uri "sqlite:///$OUT/mlflow.db"
+    --tracking-uri "sqlite:///$OUT/mlflow.db" ${SWEEP_FLAGS:-}
 done
