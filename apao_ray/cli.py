@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from . import semantic_ids
+from . import export, semantic_ids
 from .data import known_dataset_names, load_dataset
 
 _ORDER = ["users", "items", "interactions", "density", "distinct_semantic_ids", "colliding_semantic_ids",
@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(handler=_data_stats)
     semantic_ids.register(commands)  # tokenize
+    export.register(commands)  # export (--format hf)
     return parser
 
 
