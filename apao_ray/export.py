@@ -21,16 +21,75 @@ from .data.catalog import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from .data.files import LEVEL_LETTERS
 
 FORMATS = ("hf",)
+TRIAL_CONFIG_FILE = "apao_trial_config.json"  # sizes, max_history, beam and loss: what load_recommender needs
 
 
-def _load_mapped(hf_model: Any, state: dict[str, torch.Tensor], tied: tuple[str, ...]) -> Any:
-    missing, unexpected = hf_model.load_state_dict({k: v.detach().clone().float() for k, v in state.items()},
+def tiger_names(ours: Any) -> dict[str, str]:
+    """T5ForConditionalGeneration parameter name -> the ``TigerBackbone`` parameter it holds (one to one)."""
+    names = {"shared.weight": "embedding.weight",
+             "encoder.final_layer_norm.weight": "encoder_norm.weight",
+             "decoder.final_layer_norm.weight": "decoder_norm.weight",
+             "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "encoder_bias.embedding.weight",
+             "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": "decoder_bias.embedding.weight"}
+    for i in range(len(ours.encoder_layers)):
+        block, layer = f"encoder.block.{i}.layer", f"encoder_layers.{i}"
+        names.update({f"{block}.0.SelfAttention.{n}.weight": f"{layer}.attn.{n}.weight" for n in "qkvo"})
+        names.update({f"{block}.0.layer_norm.weight": f"{layer}.attn_norm.weight",
+                      f"{block}.1.DenseReluDense.wi.weight": f"{layer}.ff.wi.weight",
+                      f"{block}.1.DenseReluDense.wo.weight": f"{layer}.ff.wo.weight",
+                      f"{block}.1.layer_norm.weight": f"{layer}.ff_norm.weight"})
+    for i in range(len(ours.decoder_layers)):
+        block, layer = f"decoder.block.{i}.layer", f"decoder_layers.{i}"
+        names.update({f"{block}.0.SelfAttention.{n}.weight": f"{layer}.self_attn.{n}.weight" for n in "qkvo"})
+        names.update({f"{block}.1.EncDecAttention.{n}.weight": f"{layer}.cross_attn.{n}.weight" for n in "qkvo"})
+        names.update({f"{block}.0.layer_norm.weight": f"{layer}.self_norm.weight",
+                      f"{block}.1.layer_norm.weight": f"{layer}.cross_norm.weight",
+                      f"{block}.2.DenseReluDense.wi.weight": f"{layer}.ff.wi.weight",
+                      f"{block}.2.DenseReluDense.wo.weight": f"{layer}.ff.wo.weight",
+                      f"{block}.2.layer_norm.weight": f"{layer}.ff_norm.weight"})
+    return names
+
+
+def llama_names(ours: Any) -> dict[str, str]:
+    """LlamaForCausalLM parameter name -> the ``LlamaBackbone`` parameter it holds (head tied to embeddings)."""
+    names = {"model.embed_tokens.weight": "embedding.weight", "model.norm.weight": "norm.weight"}
+    for i in range(len(ours.blocks)):
+        hf, block = f"model.layers.{i}", f"blocks.{i}"
+        names.update({f"{hf}.self_attn.{n}.weight": f"{block}.attn.{n}.weight" for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
+        names.update({f"{hf}.mlp.{n}.weight": f"{block}.mlp.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")})
+        names.update({f"{hf}.input_layernorm.weight": f"{block}.attn_norm.weight",
+                      f"{hf}.post_attention_layernorm.weight": f"{block}.mlp_norm.weight"})
+    return names
+
+
+TIED = ("embed_tokens.weight", "lm_head.weight")  # tied to the shared embedding on both sides
+
+
+def _load_mapped(hf_model: Any, ours: Any, names: dict[str, str]) -> Any:
+    state = ours.state_dict()
+    missing, unexpected = hf_model.load_state_dict({hf: state[mine].detach().clone().float() for hf, mine in names.items()},
                                                    strict=False)
-    missing = [k for k in missing if not k.endswith(tied)]
+    missing = [k for k in missing if not k.endswith(TIED)]
     if missing or unexpected:
         raise RuntimeError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
     hf_model.tie_weights()
     return hf_model.eval()
+
+
+def from_hf_state(ours: Any, hf_state: dict[str, torch.Tensor]) -> Any:
+    """Loads an exported (or HF-fine-tuned) model's weights back into our backbone of the same sizes."""
+    from .models import TigerBackbone
+
+    names = tiger_names(ours) if isinstance(ours, TigerBackbone) else llama_names(ours)
+    uncovered = sorted(set(ours.state_dict()) - set(names.values()))
+    if uncovered:  # a backbone change the mapping does not know yet: never leave weights random
+        raise RuntimeError(f"the transformers mapping does not cover {uncovered}")
+    missing = sorted(hf for hf in names if hf not in hf_state)
+    if missing:
+        raise ValueError(f"the transformers weights lack {missing[:5]}{' ...' if len(missing) > 5 else ''}; "
+                         "not a model exported by apao_ray for this backbone and size")
+    ours.load_state_dict({mine: hf_state[hf] for hf, mine in names.items()}, strict=False)
+    return ours
 
 
 def tiger_to_t5(ours: Any) -> Any:
@@ -46,31 +105,7 @@ def tiger_to_t5(ours: Any) -> Any:
                       dropout_rate=ours.dropout.p, layer_norm_epsilon=1e-6, feed_forward_proj="relu",
                       tie_word_embeddings=True, pad_token_id=PAD_TOKEN, eos_token_id=EOS_TOKEN,
                       decoder_start_token_id=BOS_TOKEN)
-    state = {"shared.weight": ours.embedding.weight,
-             "encoder.final_layer_norm.weight": ours.encoder_norm.weight,
-             "decoder.final_layer_norm.weight": ours.decoder_norm.weight,
-             "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": ours.encoder_bias.embedding.weight,
-             "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": ours.decoder_bias.embedding.weight}
-
-    def attention(prefix: str, module: Any) -> None:
-        for name in "qkvo":
-            state[f"{prefix}.{name}.weight"] = getattr(module, name).weight
-
-    for i, layer in enumerate(ours.encoder_layers):
-        attention(f"encoder.block.{i}.layer.0.SelfAttention", layer.attn)
-        state[f"encoder.block.{i}.layer.0.layer_norm.weight"] = layer.attn_norm.weight
-        state[f"encoder.block.{i}.layer.1.DenseReluDense.wi.weight"] = layer.ff.wi.weight
-        state[f"encoder.block.{i}.layer.1.DenseReluDense.wo.weight"] = layer.ff.wo.weight
-        state[f"encoder.block.{i}.layer.1.layer_norm.weight"] = layer.ff_norm.weight
-    for i, layer in enumerate(ours.decoder_layers):
-        attention(f"decoder.block.{i}.layer.0.SelfAttention", layer.self_attn)
-        attention(f"decoder.block.{i}.layer.1.EncDecAttention", layer.cross_attn)
-        state[f"decoder.block.{i}.layer.0.layer_norm.weight"] = layer.self_norm.weight
-        state[f"decoder.block.{i}.layer.1.layer_norm.weight"] = layer.cross_norm.weight
-        state[f"decoder.block.{i}.layer.2.DenseReluDense.wi.weight"] = layer.ff.wi.weight
-        state[f"decoder.block.{i}.layer.2.DenseReluDense.wo.weight"] = layer.ff.wo.weight
-        state[f"decoder.block.{i}.layer.2.layer_norm.weight"] = layer.ff_norm.weight
-    return _load_mapped(T5ForConditionalGeneration(config), state, ("embed_tokens.weight", "lm_head.weight"))
+    return _load_mapped(T5ForConditionalGeneration(config), ours, tiger_names(ours))
 
 
 def llama_to_hf(ours: Any) -> Any:
@@ -87,16 +122,7 @@ def llama_to_hf(ours: Any) -> Any:
                          rope_parameters={"rope_type": "default", "rope_theta": float(f"{theta:.6g}")},
                          max_position_embeddings=4096, tie_word_embeddings=True, attention_bias=False,
                          mlp_bias=False, pad_token_id=PAD_TOKEN, eos_token_id=EOS_TOKEN, bos_token_id=BOS_TOKEN)
-    state = {"model.embed_tokens.weight": ours.embedding.weight, "model.norm.weight": ours.norm.weight}
-    for i, block in enumerate(ours.blocks):
-        prefix = f"model.layers.{i}"
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            state[f"{prefix}.self_attn.{name}.weight"] = getattr(block.attn, name).weight
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            state[f"{prefix}.mlp.{name}.weight"] = getattr(block.mlp, name).weight
-        state[f"{prefix}.input_layernorm.weight"] = block.attn_norm.weight
-        state[f"{prefix}.post_attention_layernorm.weight"] = block.mlp_norm.weight
-    return _load_mapped(LlamaForCausalLM(config), state, ("lm_head.weight",))
+    return _load_mapped(LlamaForCausalLM(config), ours, llama_names(ours))
 
 
 def to_hf(ours: Any) -> Any:
@@ -156,6 +182,7 @@ def export_hf(recommender: Any, directory: str | Path) -> Path:
                      **({"decoder_start_token_id": BOS_TOKEN} if is_t5 else {"bos_token_id": BOS_TOKEN}),
                      ).save_pretrained(directory)
     (directory / hf_generate.ITEM_MAP_FILE).write_text(json.dumps(mapping))
+    (directory / TRIAL_CONFIG_FILE).write_text(json.dumps(recommender.config.to_dict(), indent=2, sort_keys=True))
     shutil.copy(Path(hf_generate.__file__), directory / "recommend_hf.py")
     return directory
 

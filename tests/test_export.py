@@ -102,3 +102,13 @@ def test_hf_constrained_beam_search_returns_our_top_10(trained, exported, synthe
     for row, (mine, hf) in enumerate(zip(ours, theirs)):
         assert [item for item, _ in hf] == [item for item, _ in mine], f"history {row}"
         np.testing.assert_allclose([s for _, s in hf], [s for _, s in mine], atol=1e-4)
+
+
+def test_load_recommender_reads_the_export_directory(trained, exported, synthetic):
+    from_checkpoint = load_recommender(str(trained), precision="fp32")
+    from_export = load_recommender(str(exported), precision="fp32")
+    assert from_export.catalog.item_ids == from_checkpoint.catalog.item_ids
+    histories = real_histories(synthetic)
+    for mine, theirs in zip(from_checkpoint.recommend(histories, k=10), from_export.recommend(histories, k=10)):
+        assert [i for i, _ in theirs] == [i for i, _ in mine]
+        np.testing.assert_allclose([s for _, s in theirs], [s for _, s in mine], atol=1e-5)
