@@ -2,6 +2,9 @@
 
     rec = apao_ray.load_recommender("models:/apao-office-tiger-apao_pointwise@best")
     rec.recommend([["12", "7", "301"]], k=10)   # -> [[("88", -1.23), ("5", -2.01), ...]]
+
+A model loads from an MLflow URI, a final checkpoint directory or an ``export --format hf``
+directory (its transformers weights are mapped back, ``export.from_hf_state``).
 """
 from __future__ import annotations
 
@@ -54,34 +57,63 @@ class Recommender:
         model.load_state_dict(torch.load(directory / BEST_MODEL_FILE, map_location="cpu", weights_only=True))
         return cls(model, catalog, config, device, precision)
 
-    def _history_matrix(self, histories: Sequence[Sequence[Any]]) -> np.ndarray:
-        max_history = self.config.data.max_history
-        rows = []
-        for row, history in enumerate(histories):
-            indices = []
-            for item in list(history)[-max_history:]:
-                index = self.catalog.item_index.get(str(item))
-                if index is None:
-                    raise ValueError(f"history {row} contains item {item!r}, which is not in the model's catalog "
-                                     f"of {self.catalog.num_items} items")
-                indices.append(index)
-            rows.append(indices)
-        width = max(1, max(len(r) for r in rows))
-        matrix = np.full((len(rows), width), -1, dtype=np.int64)                   # left-padded
-        for row, indices in enumerate(rows):
-            if indices:
-                matrix[row, width - len(indices):] = indices
+    @classmethod
+    def from_export(cls, directory: str | Path, device: str = "cpu", precision: str | None = None) -> "Recommender":
+        """Loads an ``export --format hf`` directory: safetensors weights, item map, trial config."""
+        from safetensors.torch import load_file
+
+        from .export import TRIAL_CONFIG_FILE, from_hf_state
+        from .hf_generate import ITEM_MAP_FILE
+        from .models import build_model
+
+        directory = Path(directory)
+        config = TrialConfig.from_dict(json.loads((directory / TRIAL_CONFIG_FILE).read_text()))
+        mapping = json.loads((directory / ITEM_MAP_FILE).read_text())
+        item_ids = list(mapping["items"])
+        tokens = np.array([mapping["items"][item]["tokens"] for item in item_ids], dtype=np.int64)  # (I, T)
+        catalog = Catalog.from_codes(item_ids, tokens - np.asarray(mapping["token_offsets"]))
+        model = build_model(config.model, catalog.vocab_size, catalog.num_levels)
+        from_hf_state(model, load_file(str(directory / "model.safetensors")))
+        return cls(model, catalog, config, device, precision)
+
+    def _history_matrix(self, histories: Sequence[Sequence[Any]], skip_unknown: bool) -> np.ndarray:
+        """(B, H) left-padded item indices (-1 = pad) of the last max_history known items of each history."""
+        max_history, index = self.config.data.max_history, self.catalog.item_index
+        lengths = np.fromiter((len(h) for h in histories), dtype=np.int64, count=len(histories))
+        flat = np.fromiter((index.get(str(item), -1) for history in histories for item in history),
+                           dtype=np.int64, count=int(lengths.sum()))              # one dict lookup per item
+        row_of = np.repeat(np.arange(len(histories)), lengths)
+        is_unknown = flat < 0
+        if is_unknown.any():
+            if not skip_unknown:
+                items = [item for history in histories for item in history]
+                unknown = sorted({str(items[i]) for i in np.flatnonzero(is_unknown)})
+                rows = np.unique(row_of[is_unknown])
+                raise ValueError(f"{len(unknown)} item id(s) not in the model's catalog of {self.catalog.num_items} "
+                                 f"items: {unknown[:20]}{' ...' if len(unknown) > 20 else ''} (in histories "
+                                 f"{rows[:10].tolist()}); pass skip_unknown=True to leave them out")
+            flat, row_of = flat[~is_unknown], row_of[~is_unknown]
+            lengths = np.bincount(row_of, minlength=len(histories))
+        # position of each item counted from its history's end: 0 = most recent
+        ends = np.cumsum(lengths)
+        from_end = ends[row_of] - 1 - np.arange(len(flat))
+        keep = from_end < max_history
+        width = max(1, int(min(lengths.max(initial=0), max_history)))
+        matrix = np.full((len(histories), width), -1, dtype=np.int64)              # left-padded
+        matrix[row_of[keep], width - 1 - from_end[keep]] = flat[keep]
         return matrix
 
     @torch.inference_mode()
     def recommend(self, histories: Sequence[Sequence[Any]], k: int = 10, beam_size: int | None = None,
-                  batch_size: int = 256) -> list[list[tuple[str, float]]]:
+                  batch_size: int = 256, skip_unknown: bool = False) -> list[list[tuple[str, float]]]:
         """Top-k items for each history, best first, with their log-probability scores.
 
         Args:
             histories: item ids (str or int), oldest first; truncated to the model's max_history.
             k: items per history (<= beam size).
             beam_size: beam width (default max(k, the trial's beam size)).
+            batch_size: histories per beam search (one model call per code level each).
+            skip_unknown: leave out item ids the catalog does not know (default: ValueError naming them).
 
         Returns:
             For each history, up to k ``(item_id, score)`` pairs. Items sharing one semantic ID
@@ -92,24 +124,29 @@ class Recommender:
         beam_size = beam_size or max(k, self.config.train.beam_size)
         if not 1 <= k <= beam_size:
             raise ValueError(f"k={k} must be between 1 and the beam size {beam_size}")
-        matrix = self._history_matrix(histories)
+        matrix = self._history_matrix(histories, skip_unknown)
+        item_of_sem = np.asarray(self.catalog.item_ids, dtype=object)[self.catalog.sem_items]  # (U,) first item per ID
         results: list[list[tuple[str, float]]] = []
         for start in range(0, len(matrix), batch_size):
             ids, mask = encode_histories(self._item_tokens, matrix[start:start + batch_size])
             with autocast(self.precision, self.device):
                 beam = beam_search(self.model, ids.to(self.device), mask.to(self.device), self._tensors, beam_size,
                                    scoring=decoding_scoring(self.config))
-            sem_ids, scores = beam.sem_ids[:, :k].cpu().numpy(), beam.scores[:, :k].cpu().numpy()
-            for sem_row, score_row in zip(sem_ids, scores):
-                results.append([(self.catalog.item_ids[self.catalog.sem_items[s]], float(v))
-                                for s, v in zip(sem_row, score_row) if s >= 0])
+            sem_ids, scores = beam.sem_ids[:, :k].cpu().numpy(), beam.scores[:, :k].cpu().numpy()  # (B, k)
+            items = item_of_sem[np.maximum(sem_ids, 0)]                                           # (B, k)
+            for item_row, score_row, is_real in zip(items.tolist(), scores.tolist(), (sem_ids >= 0).tolist()):
+                results.append([(i, s) for i, s, r in zip(item_row, score_row, is_real) if r])
         return results
 
 
 def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None) -> Recommender:
-    """Loads a model logged by a study: an MLflow URI (``runs:/<id>/model``, ``models:/<name>@best``)
-    or a local final-checkpoint directory. ``precision`` (fp32/bf16/auto) defaults to the trial's."""
+    """Loads a model logged by a study: an MLflow URI (``runs:/<id>/model``, ``models:/<name>@best``),
+    a local final-checkpoint directory or an ``export --format hf`` directory. ``precision`` (fp32/bf16/auto) defaults to the trial's."""
     if Path(model_uri).is_dir():
+        from .export import TRIAL_CONFIG_FILE
+
+        if (Path(model_uri) / TRIAL_CONFIG_FILE).is_file():  # an `export --format hf` directory
+            return Recommender.from_export(model_uri, device, precision)
         return Recommender.from_checkpoint(model_uri, device, precision)
     from .tracking import load_checkpoint_dir_from_model
 

@@ -114,7 +114,10 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
 
 
 def experiment_name(dataset: str) -> str:
-    return f"apao-{dataset}"
+    """``apao-<dataset>``; a dataset directory path gives its folder name (``data.dataset_label``)."""
+    from .data.files import dataset_label
+
+    return f"apao-{dataset_label(dataset)}"
 
 
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

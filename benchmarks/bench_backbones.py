@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from apao_ray.data.catalog import BOS_TOKEN, EOS_TOKEN, NUM_SPECIAL_TOKENS, PAD_TOKEN
+from apao_ray.export import tiger_to_t5  # the export's TIGER -> T5 weight mapping
 from apao_ray.models import TigerBackbone, label_log_probs
 
 NUM_LEVELS, CODES_PER_LEVEL = 4, 256
@@ -43,52 +44,6 @@ def make_workload(batch: int, length: int, num_candidates: int, seed: int = 0):
     history[:, -1] = EOS_TOKEN
     candidates = torch.randint(0, CODES_PER_LEVEL, (batch, num_candidates, NUM_LEVELS), generator=generator) + offsets
     return history, history != PAD_TOKEN, candidates
-
-
-def build_hf_t5(ours: TigerBackbone):
-    """T5ForConditionalGeneration of the same sizes holding a copy of ``ours``'s weights."""
-    from transformers import T5Config, T5ForConditionalGeneration
-
-    enc0, dec0 = ours.encoder_layers[0], ours.decoder_layers[0]
-    config = T5Config(vocab_size=ours.vocab_size, d_model=ours.d_model, d_kv=enc0.attn.head_dim,
-                      d_ff=enc0.ff.wi.out_features, num_layers=len(ours.encoder_layers),
-                      num_decoder_layers=len(ours.decoder_layers), num_heads=enc0.attn.num_heads,
-                      relative_attention_num_buckets=ours.encoder_bias.num_buckets,
-                      relative_attention_max_distance=ours.encoder_bias.max_distance,
-                      dropout_rate=ours.dropout.p, layer_norm_epsilon=1e-6, feed_forward_proj="relu",
-                      tie_word_embeddings=True, pad_token_id=PAD_TOKEN, eos_token_id=EOS_TOKEN,
-                      decoder_start_token_id=BOS_TOKEN)
-    hf = T5ForConditionalGeneration(config)
-    state = {"shared.weight": ours.embedding.weight,
-             "encoder.final_layer_norm.weight": ours.encoder_norm.weight,
-             "decoder.final_layer_norm.weight": ours.decoder_norm.weight,
-             "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": ours.encoder_bias.embedding.weight,
-             "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": ours.decoder_bias.embedding.weight}
-
-    def attention(prefix: str, module) -> None:
-        for name in "qkvo":
-            state[f"{prefix}.{name}.weight"] = getattr(module, name).weight
-
-    for i, layer in enumerate(ours.encoder_layers):
-        attention(f"encoder.block.{i}.layer.0.SelfAttention", layer.attn)
-        state[f"encoder.block.{i}.layer.0.layer_norm.weight"] = layer.attn_norm.weight
-        state[f"encoder.block.{i}.layer.1.DenseReluDense.wi.weight"] = layer.ff.wi.weight
-        state[f"encoder.block.{i}.layer.1.DenseReluDense.wo.weight"] = layer.ff.wo.weight
-        state[f"encoder.block.{i}.layer.1.layer_norm.weight"] = layer.ff_norm.weight
-    for i, layer in enumerate(ours.decoder_layers):
-        attention(f"decoder.block.{i}.layer.0.SelfAttention", layer.self_attn)
-        attention(f"decoder.block.{i}.layer.1.EncDecAttention", layer.cross_attn)
-        state[f"decoder.block.{i}.layer.0.layer_norm.weight"] = layer.self_norm.weight
-        state[f"decoder.block.{i}.layer.1.layer_norm.weight"] = layer.cross_norm.weight
-        state[f"decoder.block.{i}.layer.2.DenseReluDense.wi.weight"] = layer.ff.wi.weight
-        state[f"decoder.block.{i}.layer.2.DenseReluDense.wo.weight"] = layer.ff.wo.weight
-        state[f"decoder.block.{i}.layer.2.layer_norm.weight"] = layer.ff_norm.weight
-    missing, unexpected = hf.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=False)
-    missing = [k for k in missing if not k.endswith(("embed_tokens.weight", "lm_head.weight"))]  # tied
-    if missing or unexpected:
-        raise RuntimeError(f"weight mapping incomplete: missing {missing}, unexpected {unexpected}")
-    hf.tie_weights()
-    return hf
 
 
 def hf_candidate_logits(hf, history, mask, candidates):
@@ -129,7 +84,7 @@ def main() -> None:
     versions = {"torch": torch.__version__}
     try:
         import transformers
-        hf = build_hf_t5(ours)
+        hf = tiger_to_t5(ours)
         versions["transformers"] = transformers.__version__
         versions["hf_attn_implementation"] = hf.config._attn_implementation
         runners["transformers T5ForConditionalGeneration"] = (

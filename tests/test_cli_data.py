@@ -90,11 +90,16 @@ def isolated(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "/etc"])
 def test_escaping_name_exits_2_with_one_line(isolated, capsys, name):
-    assert cli.main(["data", "stats", "--dataset", name]) == 2
+    # with --data-dir a name must stay inside it; without, a path is a dataset directory (#14) and a
+    # missing or empty one is the error
+    assert cli.main(["data", "stats", "--dataset", name, "--data-dir", str(isolated)]) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert captured.out == "" and len(lines) == 1
     assert lines[0].startswith(f"error: dataset name {name!r} must be a plain name")
+    assert cli.main(["data", "stats", "--dataset", name]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and ("does not exist" in lines[0] or "holds no interaction files" in lines[0])
 
 
 def test_download_failure_exits_2_and_says_how_to_work_offline(isolated, capsys):

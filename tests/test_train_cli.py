@@ -30,7 +30,8 @@ def _metrics(path: Path) -> dict:
     (["--lr", "-1"], "'-1' must be a number >= 0"),
     (["--loss", "apao_pairwise", "--num-negatives", "5000"], "num_negatives=5000 must be < the 399 semantic IDs"),
     (["--beam-size", "1000"], "beam_size=1000 exceeds the 399 semantic IDs"),
-    (["--dataset", "../etc"], "must be a plain name"),
+    (["--dataset", "../etc", "--data-dir", "."], "must be a plain name"),  # a name never leaves --data-dir
+    (["--dataset", "./no/such/dir"], "no/such/dir does not exist"),  # a path is a dataset directory (#14)
     (["--loss", "ce", "--num-negatives", "10"], "loss 'ce' uses no negatives"),
     (["--max-failures", "-1"], "argument --max-failures: '-1' must be an integer >= 0"),
     (["--pretrain-ce-epochs", "-1"], "argument --pretrain-ce-epochs: '-1' must be an integer >= 0"),

@@ -44,17 +44,100 @@ CHECKSUMS: dict[str, dict[str, str | None]] = {
 }
 SYNTHETIC = "synthetic"
 _CODE = re.compile(r"^<([a-z])_(\d{1,6})>$")
-LEVEL_LETTERS = "abcd"
+LEVEL_LETTERS = "abcdefghijklmnopqrstuvwxyz"  # the shipped files use 4 levels, a..d
 
 
 @dataclass(frozen=True)
 class DatasetFiles:
+    """The files of one dataset. ``inter_path`` is ``<Name>.inter.json`` or, for a dataset directory,
+    possibly an interactions table (CSV/TSV/Parquet); ``index_path`` is None until ``tokenize`` wrote one."""
+
     folder: str
     inter_path: Path
-    index_path: Path
+    index_path: Path | None
+    item_path: Path | None = None
+
+    @property
+    def meta_path(self) -> Path | None:
+        """The tokenizer's record beside its index (``X.index.rq-kmeans.meta.json``), when there is one."""
+        if self.index_path is None:
+            return None
+        meta = index_meta_path(self.index_path)
+        return meta if meta.is_file() else None
+
+    @property
+    def is_table(self) -> bool:
+        return self.inter_path.suffix.lower() in TABLE_SUFFIXES
+
+    def require_index(self) -> Path:
+        if self.index_path is None:
+            directory = self.inter_path.parent
+            raise FileNotFoundError(f"{directory} has no semantic-ID index (<Name>.index.<method>.json); make one with: "
+                                    f"python -m apao_ray tokenize --dataset {directory}")
+        return self.index_path
 
     def checksums(self) -> dict[str, str]:
-        return {p.name: sha256_of(p) for p in (self.inter_path, self.index_path)}
+        paths = [self.inter_path, self.require_index(), *([self.meta_path] if self.meta_path else [])]
+        return {p.name: sha256_of(p) for p in paths}
+
+
+TABLE_SUFFIXES = (".csv", ".tsv", ".parquet")
+META_SUFFIX = ".meta.json"
+
+
+def index_meta_path(index_path: Path) -> Path:
+    """``X.index.rq-kmeans.json`` -> ``X.index.rq-kmeans.meta.json``: the tokenizer's record (embedding
+    source, levels, collisions) lives beside the index so that the index keeps the shipped format."""
+    return index_path.with_name(index_path.name[:-len(".json")] + META_SUFFIX)
+
+
+def is_dataset_path(name: str) -> bool:
+    """A dataset given as a directory path (``./mine``, ``/data/mine``, ``~/mine``) rather than by name."""
+    return isinstance(name, str) and (os.sep in name or "/" in name or name.startswith(("~", ".")))
+
+
+def canonical_dataset(name: str) -> str:
+    """What a config records: built-in and folder names lower-cased, paths made absolute."""
+    if is_dataset_path(name):
+        return str(Path(name).expanduser().resolve())
+    return name.lower()
+
+
+def dataset_label(name: str) -> str:
+    """A plain name for experiment, run and model names: a path's folder name, lower-cased."""
+    if is_dataset_path(name):
+        label = re.sub(r"[^a-z0-9_.-]+", "-", Path(name).expanduser().resolve().name.lower()).strip("-.")
+        return label or "dataset"
+    return name.lower()
+
+
+def _single(directory: Path, paths: list[Path], what: str, required: bool) -> Path | None:
+    if len(paths) > 1:
+        raise ValueError(f"{directory} holds several {what}: {sorted(p.name for p in paths)}; keep exactly one")
+    if not paths and required:
+        raise FileNotFoundError(f"{directory} holds no {what}")
+    return paths[0] if paths else None
+
+
+def locate_directory(path: str | os.PathLike) -> DatasetFiles:
+    """A user's dataset directory: ``<Name>.inter.json`` or one interactions table (``.csv``, ``.tsv``,
+    ``.parquet`` with user, item, timestamp columns); ``<Name>.index.<method>.json`` (absent until
+    ``tokenize``); optional item texts ``<Name>.item.json`` or ``items.json``."""
+    directory = Path(path).expanduser().resolve()
+    if not directory.is_dir():
+        raise FileNotFoundError(f"dataset directory {directory} does not exist (a --dataset with a path separator "
+                                f"is a directory; built-in names are {known_dataset_names()})")
+    files = sorted(p for p in directory.iterdir() if p.is_file() and not p.name.startswith("."))
+    inter = [p for p in files if p.name.endswith(".inter.json")] + \
+            [p for p in files if p.suffix.lower() in TABLE_SUFFIXES]
+    inter_path = _single(directory, inter, f"interaction files (<Name>.inter.json or a table {list(TABLE_SUFFIXES)})",
+                         required=True)
+    index_path = _single(directory, [p for p in files if ".index." in p.name and p.name.endswith(".json")
+                                     and not p.name.endswith(META_SUFFIX)], "semantic-ID index files", required=False)
+    item_path = _single(directory, [p for p in files if p.name.endswith(".item.json") or p.name == "items.json"],
+                        "item-text files (<Name>.item.json, items.json)", required=False)
+    folder = inter_path.name[:-len(".inter.json")] if inter_path.name.endswith(".inter.json") else dataset_label(str(directory))
+    return DatasetFiles(folder, inter_path, index_path, item_path)
 
 
 def known_dataset_names() -> list[str]:
@@ -71,7 +154,12 @@ def sha256_of(path: Path) -> str:
 
 def folder_name(name: str) -> str:
     """Dataset name (any case) -> its folder; custom datasets keep their own plain name."""
-    check_plain_name("dataset", name)
+    try:
+        check_plain_name("dataset", name)
+    except ValueError as error:
+        if is_dataset_path(name):  # names stay inside the data dir; a path is read alone
+            raise ValueError(f"{error}; a dataset directory path is read by itself, without --data-dir") from None
+        raise
     return DATASETS.get(name.lower(), name)
 
 
@@ -150,15 +238,22 @@ def _read_json(path: Path) -> object:
 
 
 def parse_index(path: Path) -> tuple[list[str], np.ndarray]:
-    """``{item: ["<a_1>", "<b_2>", "<c_3>", "<d_4>"]}`` -> item ids and (I, 4) code indices."""
+    """``{item: ["<a_1>", "<b_2>", "<c_3>", "<d_4>"]}`` -> item ids and (I, T) code indices.
+
+    T is the first item's number of codes (4 in the shipped files; ``tokenize --levels`` may
+    write others); every item must have T codes, level m's letter being the m-th of a..z.
+    """
     raw = _read_json(path)
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{path}: expected a non-empty JSON object {{item id: [4 codes]}}")
+    first = next(iter(raw.values()))
+    num_levels = len(first) if isinstance(first, list) and 1 <= len(first) <= len(LEVEL_LETTERS) else 4
     item_ids = [str(item) for item in raw]
-    codes = np.empty((len(raw), len(LEVEL_LETTERS)), dtype=np.int64)
-    expected = "['<a_N>', '<b_N>', '<c_N>', '<d_N>'] (4 codes, one per level, in order)"
+    codes = np.empty((len(raw), num_levels), dtype=np.int64)
+    letters = [f"'<{letter}_N>'" for letter in LEVEL_LETTERS[:num_levels]]
+    expected = f"[{', '.join(letters)}] ({num_levels} codes, one per level, in order)"
     for row, (item, sem_id) in enumerate(raw.items()):
-        if not isinstance(sem_id, list) or len(sem_id) != len(LEVEL_LETTERS):
+        if not isinstance(sem_id, list) or len(sem_id) != num_levels:
             raise ValueError(f"{path}: item {item!r} has semantic ID {sem_id!r}; expected {expected}")
         for level, code in enumerate(sem_id):
             match = _CODE.match(code) if isinstance(code, str) else None
@@ -174,6 +269,12 @@ def parse_interactions(path: Path, item_index: dict[str, int], index_path: Path 
     raw = _read_json(path)
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{path}: expected a non-empty JSON object {{user id: [item ids in time order]}}")
+    return index_sequences(raw, item_index, path, index_path)
+
+
+def index_sequences(raw: dict, item_index: dict[str, int], path: Path | str,
+                    index_path: Path | str) -> tuple[list[str], list[np.ndarray]]:
+    """``{user: [item ids in time order]}`` -> user ids and item-index sequences, each checked."""
     users, sequences = [], []
     for user, items in raw.items():
         if not isinstance(items, list):

@@ -170,13 +170,16 @@ def main(argv: list[str] | None = None) -> int:
                              "add apao_pairwise, dmpo, sdpo or ce_sdpo")
         negatives = args.negatives or getattr(args, "default_negatives", (10, 200))
         spec = SearchSpec(tuple(args.backbones), tuple(args.losses), args.beta, args.eta, negatives, args.num_samples)
-        check_plain_name("dataset", args.dataset)  # before the default study name is made from it
-        study_name = check_plain_name("study", args.study_name or f"{args.dataset.lower()}-study")
+        from ..data import canonical_dataset, dataset_label, is_dataset_path
+
+        if not is_dataset_path(args.dataset):
+            check_plain_name("dataset", args.dataset)  # before the default study name is made from it
+        study_name = check_plain_name("study", args.study_name or f"{dataset_label(args.dataset)}-study")
         dataset = load_dataset(args.dataset, args.data_dir, allow_download=not args.data_dir)  # --data-dir: it is there
         pretrain = args.pretrain_ce_epochs if args.pretrain_ce_epochs is not None else max(1, args.epochs // 2)
         needs_stage = any(name in ("dpo", "dmpo", "sdpo") for name in args.losses)
         base = TrialConfig(
-            DataConfig(dataset=args.dataset.lower(), data_dir=str(Path(args.data_dir).resolve()) if args.data_dir else None),
+            DataConfig(dataset=canonical_dataset(args.dataset), data_dir=str(Path(args.data_dir).resolve()) if args.data_dir else None),
             ModelConfig(**(TINY_MODEL if args.model_size == "tiny" else {})),
             LossConfig(num_negatives=negatives[1], pretrain_ce_epochs=pretrain if needs_stage else 0),
             TrainConfig(**train_config_from_args(args, use_gpu=args.gpus_per_trial > 0,
@@ -280,6 +283,7 @@ def best_main(argv: list[str] | None = None) -> int:
     parser = build_best_parser()
     args = parser.parse_args(argv)
     from ..tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
+    from ..data import dataset_label
     from .report import format_rows, register_best, table_rows
 
     try:
@@ -295,7 +299,7 @@ def best_main(argv: list[str] | None = None) -> int:
         print(f"no finished trials for dataset {args.dataset!r} in {uri}", file=sys.stderr)
         return 1
     if not args.no_register:
-        for row, name in zip(rows, register_best(tracker, rows, args.dataset.lower())):
+        for row, name in zip(rows, register_best(tracker, rows, dataset_label(args.dataset))):
             if name:
                 row["registered_model"] = name
     print(format_rows(rows, args.format))

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BACKBONE_NAMES, PRECISIONS, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
-from ..data import known_dataset_names
+from ..data import canonical_dataset, dataset_label, known_dataset_names
 from ..protocol import check_select_by, protocol_tag, resolved_knobs
 from .cli_protocol import add_protocol_arguments, apply_protocol_arguments
 from .cli_types import non_negative_float, non_negative_int, positive_int
@@ -28,8 +28,8 @@ def available_cpus() -> int:
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by train.py and sweep.py: data, compute, Ray."""
-    parser.add_argument("--dataset", default="synthetic", help=f"one of {known_dataset_names()} (any case); "
-                        "default synthetic (no files needed)")
+    parser.add_argument("--dataset", default="synthetic", help=f"one of {known_dataset_names()} (any case), or a "
+                        "dataset directory path such as ./mydata (README: Your own data); default synthetic (no files needed)")
     parser.add_argument("--data-dir", help="directory with <Name>/<Name>.inter.json (default: $APAO_DATA_DIR, "
                         "./data, then the user cache; downloaded when absent)")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
@@ -113,7 +113,7 @@ def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
     loss = LossConfig(name=args.loss, beta=args.beta, num_negatives=args.num_negatives or 100,
                       pretrain_ce_epochs=args.pretrain_ce_epochs)
     train = TrainConfig(**train_config_from_args(args, num_workers=args.num_workers, use_gpu=args.use_gpu))
-    config = TrialConfig(DataConfig(dataset=args.dataset.lower(), data_dir=_abs(args.data_dir)), model, loss, train)
+    config = TrialConfig(DataConfig(dataset=canonical_dataset(args.dataset), data_dir=_abs(args.data_dir)), model, loss, train)
     return apply_protocol_arguments(config, args)
 
 
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))
     output_dir = Path(args.output_dir).resolve()
-    name = args.run_name or f"train-{config.data.dataset}-{args.backbone}-{args.loss}-seed{args.seed}"
+    name = args.run_name or f"train-{dataset_label(config.data.dataset)}-{args.backbone}-{args.loss}-seed{args.seed}"
     run_dir = output_dir / name
     if run_dir.exists() and not args.resume:
         if not args.overwrite:

@@ -1,0 +1,114 @@
+"""export --format hf: the exported transformers model computes our logits and, through HF
+generate with the trie-constrained prefix_allowed_tokens_fn, recommends what load_recommender does."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+from apao_ray.data.batches import encode_histories
+from apao_ray.inference import load_recommender
+from apao_ray.training.hooks import TrainingHooks
+from apao_ray.training.loop import run_trial
+from conftest import ROOT, TINY_MODEL
+
+pytest.importorskip("transformers", reason="export --format hf needs the hf extra (pip install 'apao_ray[hf]')")
+
+
+@pytest.fixture(scope="module", params=["tiger", "llama"])
+def trained(request, synthetic, tmp_path_factory):
+    """A tiny model trained for 2 short epochs on the synthetic data: its final checkpoint directory."""
+    torch.set_num_threads(1)
+    output = tmp_path_factory.mktemp(request.param)
+    config = TrialConfig(DataConfig(), ModelConfig(backbone=request.param, **TINY_MODEL), LossConfig(name="ce"),
+                         TrainConfig(epochs=2, batch_size=128, effective_batch_size=128, lr=3e-3, max_train_samples=768,
+                                     eval_max_users=32, retention_users=8, precision="fp32"))
+    run_trial(config, TrainingHooks(output, verbose=False), synthetic)
+    return next((output / "checkpoints").glob("epoch_*_final"))
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    target = tmp_path_factory.mktemp("export") / "hf"
+    result = subprocess.run([sys.executable, "-m", "apao_ray", "export", "--model", str(trained), "--to", str(target),
+                             "--format", "hf"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    return target
+
+
+def snippet(directory):
+    """The recommend_hf.py written into the export: the documented snippet, run as a user would."""
+    spec = importlib.util.spec_from_file_location(f"recommend_hf_{abs(hash(str(directory)))}",
+                                                  directory / "recommend_hf.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def real_histories(synthetic, count: int = 6) -> list[list[str]]:
+    split = synthetic.splits["test"]
+    rows = np.linspace(0, len(split) - 1, count).astype(int)
+    return [[synthetic.catalog.item_ids[i] for i in split.histories[r] if i >= 0] for r in rows]
+
+
+def test_files_and_item_map(exported, synthetic):
+    names = {p.name for p in exported.iterdir()}
+    assert {"model.safetensors", "config.json", "generation_config.json", "item_map.json", "recommend_hf.py"} <= names
+    mapping = json.loads((exported / "item_map.json").read_text())
+    catalog = synthetic.catalog
+    item = catalog.item_ids[5]
+    assert mapping["items"][item]["tokens"] == catalog.item_tokens[5].tolist()
+    assert mapping["items"][item]["semantic_id"][0] == f"<a_{catalog.item_codes[5, 0]}>"
+    assert mapping["tokens_to_item"][" ".join(map(str, catalog.item_tokens[5]))] == \
+        catalog.item_ids[catalog.sem_items[catalog.item_sem[5]]]
+    generation = json.loads((exported / "generation_config.json").read_text())
+    assert generation["max_new_tokens"] == generation["min_new_tokens"] == 4
+
+
+def test_hf_logits_equal_ours(trained, exported, synthetic):
+    recommender = load_recommender(str(trained), precision="fp32")
+    model, mapping = snippet(exported).load(exported)
+    split = synthetic.splits["test"]
+    rows = np.arange(0, len(split), max(1, len(split) // 16))[:16]
+    history_ids, history_mask = encode_histories(synthetic.catalog.item_tokens, split.histories[rows])  # (B, L)
+    labels = torch.from_numpy(synthetic.catalog.item_tokens[split.targets[rows]])                        # (B, T)
+    with torch.no_grad():
+        ours = recommender.model.candidate_logits(history_ids, history_mask, labels[:, None])[:, 0]      # (B, T, V)
+        if mapping["backbone"] == "tiger":
+            decoder_ids = torch.cat([torch.full_like(labels[:, :1], mapping["special_tokens"]["bos"]), labels[:, :-1]], 1)
+            theirs = model(input_ids=history_ids, attention_mask=history_mask.long(), decoder_input_ids=decoder_ids).logits
+        else:  # decoder-only: history (+ EOS) then the target's codes; logits from the last history token on
+            ids = torch.cat([history_ids, labels[:, :-1]], 1)
+            mask = torch.cat([history_mask, torch.ones_like(labels[:, :-1], dtype=torch.bool)], 1).long()
+            positions = (mask.cumsum(1) - 1).clamp(min=0)
+            theirs = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits[:, history_ids.shape[1] - 1:]
+    assert theirs.shape == ours.shape
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
+
+
+def test_hf_constrained_beam_search_returns_our_top_10(trained, exported, synthetic):
+    recommender = load_recommender(str(trained), precision="fp32")
+    hf_snippet = snippet(exported)
+    model, mapping = hf_snippet.load(exported)
+    histories = real_histories(synthetic)
+    ours = recommender.recommend(histories, k=10)
+    theirs = hf_snippet.recommend(model, mapping, histories, k=10)
+    for row, (mine, hf) in enumerate(zip(ours, theirs)):
+        assert [item for item, _ in hf] == [item for item, _ in mine], f"history {row}"
+        np.testing.assert_allclose([s for _, s in hf], [s for _, s in mine], atol=1e-4)
+
+
+def test_load_recommender_reads_the_export_directory(trained, exported, synthetic):
+    from_checkpoint = load_recommender(str(trained), precision="fp32")
+    from_export = load_recommender(str(exported), precision="fp32")
+    assert from_export.catalog.item_ids == from_checkpoint.catalog.item_ids
+    histories = real_histories(synthetic)
+    for mine, theirs in zip(from_checkpoint.recommend(histories, k=10), from_export.recommend(histories, k=10)):
+        assert [i for i, _ in theirs] == [i for i, _ in mine]
+        np.testing.assert_allclose([s for _, s in theirs], [s for _, s in mine], atol=1e-5)
