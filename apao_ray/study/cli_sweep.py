@@ -216,8 +216,8 @@ def report_interrupted(result: Any, argv: list[str]) -> int:
 
     done = sum(status != "stopped" for status in result.trials.get("status", []))
     num_trials, study_name = result.plan.num_trials, result.study_name
-    script = sys.argv[0] if sys.argv[0].endswith("sweep.py") else "studies/sweep.py"
-    command = shlex.join([sys.executable, script, *argv])
+    script = [sys.argv[0]] if sys.argv[0].endswith("sweep.py") else ["-m", "apao_ray", "sweep"]
+    command = shlex.join([sys.executable, *script, *argv])
     cause = signal.Signals(result.stop_signal).name if result.stop_signal else "an interrupt"
     print(f"study {study_name} stopped by {cause} with {done} of {num_trials} trials ended; its state is saved: "
           f"re-run the same command (or add --resume) to continue:\n  {command}", file=sys.stderr)
