@@ -5,7 +5,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import Plan, make_plan, trial_threads
+from .plan import Plan, make_plan
 from .spec import StudySpec
 
 
@@ -106,4 +106,4 @@ def trial_row(row: dict[str, Any]) -> dict[str, Any]:
     return {**row["choices"], **metrics, "status": status}
 
 
-__all__ = ["StudyResult", "StudySpec", "plan_study", "run_study", "trial_threads"]
+__all__ = ["StudyResult", "StudySpec", "plan_study", "run_study"]

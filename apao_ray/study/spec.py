@@ -9,7 +9,7 @@ The sweep CLI only turns flags into a StudySpec; a notebook builds one directly:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -248,7 +248,3 @@ def with_pretrain(base: Any, losses: tuple[str, ...], pretrain_ce_epochs: int | 
     epochs = base.train.epochs
     pretrain = pretrain_ce_epochs if pretrain_ce_epochs is not None else max(1, epochs // 2)
     return base.replace(loss=base.loss.replace(pretrain_ce_epochs=pretrain).to_dict())
-
-
-def spec_fields() -> list[str]:
-    return [f.name for f in fields(StudySpec) if f.init]
