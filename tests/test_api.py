@@ -79,6 +79,7 @@ def test_help_texts_show_the_real_defaults():
     assert "(default 200;" in option_help(train, "--epochs") and "(default 20;" in option_help(train, "--patience")
     assert "(default 3)" in option_help(sweep, "--num-samples")
     assert "deprecated: --budget SECONDS" in option_help(sweep, "--time-budget")
+    assert "instead of reading ~/.cache/apao_ray/probes.json" in option_help(sweep, "--reprobe")
 
 
 def test_one_cli_lists_and_delegates_its_subcommands(capsys):

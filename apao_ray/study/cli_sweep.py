@@ -104,6 +104,8 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
                         help="deprecated: --budget SECONDS")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (trials, epochs, estimated time and "
                         "memory from a short probe on this machine) and exit without training")
+    parser.add_argument("--reprobe", action="store_true", help="measure the plan's timing probe again instead of "
+                        "reading ~/.cache/apao_ray/probes.json (after a change of hardware load or code)")
     parser.add_argument("--max-failures", type=non_negative_int, default=DEFAULTS["max_failures"],
                         help="restarts of a failed trial from its checkpoint (default %(default)s)")
     parser.add_argument("--memory-per-trial", type=positive_float, metavar="GIB",
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
 
     try:
         spec = spec_from_args(args)
-        plan = plan_study(spec)  # the timing probe; a budget too small for one epoch is refused here
+        plan = plan_study(spec, use_cache=not args.reprobe)  # the probe; a budget too small for one epoch is refused
     except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as error:
         parser.error(str(error))
     print(plan.text(), file=sys.stderr)
