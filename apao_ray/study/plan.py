@@ -252,7 +252,7 @@ class Plan:
         lines.append(f"  study ~{format_duration(fit.estimate_s)} wall, peak memory ~{self.peak_bytes / gib:.1f} GiB "
                      f"({self.slots} trials at once); an upper bound: ASHA pruning and early stopping shorten it")
         source = "cached" if self.probes_cached == len(self.methods) else "measured now"
-        lines.append(f"  (from a probe of {PROBE_STEPS} optimizer steps + 1 validation batch per method on this "
+        lines.append(f"  (from a probe of up to {PROBE_STEPS} optimizer steps + 1 validation batch per method on this "
                      f"machine, {source}; cache {probe_cache_path()})")
         if self.budget_s is not None:
             if fit.changes:

@@ -11,8 +11,14 @@ import resource
 import sys
 import time
 
+from .plan import PROBE_STEPS
 
-def run_probe(config_dict: dict, threads: int, steps: int = 3) -> dict:
+
+class _Enough(Exception):
+    """Ends the probe's training early."""
+
+
+def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, max_seconds: float = 30.0) -> dict:
     import numpy as np
     import torch
 
@@ -52,7 +58,15 @@ def run_probe(config_dict: dict, threads: int, steps: int = 3) -> dict:
             torch.cuda.synchronize()  # the clock must see the GPU's work
         return time.perf_counter()
 
-    runner.train_epoch(1, model, loss_fn, optimizer, scheduler, reference, lambda done, total: stamps.append(synced_now()))
+    def step_done(done: int, total: int) -> None:
+        stamps.append(synced_now())
+        if len(stamps) >= 2 and stamps[-1] - stamps[0] > max_seconds:
+            raise _Enough  # a slow config (pairwise, many negatives): one timed step is enough
+
+    try:
+        runner.train_epoch(1, model, loss_fn, optimizer, scheduler, reference, step_done)
+    except _Enough:
+        pass
     if len(stamps) < 2:
         raise ValueError(f"dataset {config.data.dataset!r} has too few training samples for a probe of "
                          f"{steps + 1} batches of {train.batch_size}")
