@@ -121,7 +121,7 @@ def probe_cache(tmp_path_factory):
 
 @pytest.mark.e2e
 def test_dry_run_prints_the_plan_fits_a_budget_and_refuses_one_too_small(tmp_path, probe_cache):
-    env = {"XDG_CACHE_HOME": str(probe_cache)}
+    env = {"APAO_PROBE_CACHE": str(probe_cache / "probes.json")}
     command = ["-m", "apao_ray", "sweep", "--smoke", "--epochs", "8", "--output-dir", str(tmp_path / "runs"),
                "--dry-run"]
     result = run_script(command, cwd=tmp_path, env=env, timeout=400)
@@ -130,7 +130,7 @@ def test_dry_run_prints_the_plan_fits_a_budget_and_refuses_one_too_small(tmp_pat
     assert "plan: 4 trials on synthetic, protocol paper" in plan and "measured now" in plan
     assert re.search(r"tiger/ce +1 trial +8 epochs +epoch ~[\d.]+ (s|min) +trial ~.* peak ~[\d.]+ GiB", plan), plan
     assert re.search(r"tiger/apao_pointwise +3 trials +8 epochs", plan), plan
-    assert (probe_cache / "apao_ray" / "probes.json").is_file()
+    assert (probe_cache / "probes.json").is_file()
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing ran
     estimate = re.search(r"study ~([\d.]+) (s|min) wall", plan)
     seconds = float(estimate.group(1)) * (60 if estimate.group(2) == "min" else 1)
@@ -147,7 +147,7 @@ def test_dry_run_prints_the_plan_fits_a_budget_and_refuses_one_too_small(tmp_pat
 
 @pytest.mark.e2e
 def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkeypatch, capsys):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(probe_cache))
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(probe_cache / "probes.json"))
     import apao_ray
 
     spec = apao_ray.StudySpec.quick(losses=("ce", "apao_pointwise"), num_samples=1, epochs=1, lr=2e-3,

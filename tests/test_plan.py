@@ -95,7 +95,7 @@ def test_plan_text_names_methods_costs_and_the_fit():
 
 
 def test_probe_cache_is_read_per_hardware_and_config(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "apao_ray" / "probes.json"))
     from apao_ray.config import TrialConfig
 
     config = json.loads(json.dumps(TrialConfig().to_dict()))

@@ -25,6 +25,7 @@ RAY_START_S = 10.0        # ray.init of a local cluster
 TRIAL_START_S = 30.0      # a TorchTrainer's placement group + worker start + torch import + data load
 PROBE_STEPS = 3           # timed optimizer steps (after one warm-up step)
 PROBE_CACHE_FILE = "probes.json"
+PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
 
@@ -180,9 +181,10 @@ def probe_key(config_dict: dict[str, Any], threads: int) -> str:
 
 
 def probe_cache_path() -> Path:
+    """``$APAO_PROBE_CACHE`` (the test suite's own), else ``probes.json`` in the user cache."""
     from ..paths import user_cache_dir
 
-    return user_cache_dir() / PROBE_CACHE_FILE
+    return Path(os.environ.get(PROBE_CACHE_ENV) or user_cache_dir() / PROBE_CACHE_FILE)
 
 
 def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> tuple[Probe, bool]:
