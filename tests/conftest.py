@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,11 @@ SHARED_DATASETS = Path(os.environ.get("APAO_DATA_DIR") or ROOT.parent / "shared"
 for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "disabled",
                    "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}.items():
     os.environ.setdefault(key, value)
+
+# the studies' timing probes: one cache per test session, shared by its sweep subprocesses (the first
+# sweep of a config measures, later ones read), never the user's ~/.cache/apao_ray/probes.json
+_PROBE_CACHE_DIR = tempfile.TemporaryDirectory(prefix="apao-probes-")  # removed at interpreter exit
+os.environ.setdefault("APAO_PROBE_CACHE", os.path.join(_PROBE_CACHE_DIR.name, "probes.json"))
 
 from apao_ray.training.hooks import TrainingHooks  # noqa: E402 - after the environment above
 

@@ -99,6 +99,7 @@ def two_node_cluster():
             _stop_node(node)
 
 
+@pytest.mark.e2e
 def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_path, two_node_cluster):
     """4 trials at once on a head + worker node started with `ray start`, all logging to one SQLite file.
     0.9 CPU per trial on 2-CPU nodes: a node holds at most two trials, so both nodes must train."""
@@ -148,6 +149,7 @@ def mlflow_server(tmp_path):
         server.communicate(timeout=60)
 
 
+@pytest.mark.e2e
 def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(tmp_path, mlflow_server):
     """Against `mlflow server`, three trials at once: CE trains; APAO-pointwise with beta=1e39 overflows
     its loss to inf; APAO-pairwise with 300 negatives needs more than the 2.5 GiB memory cap."""

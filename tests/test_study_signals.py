@@ -16,6 +16,7 @@ from conftest import run_script
 from test_sweep import SWEEP, _launch_until, _mid_trial
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_stop_signal_to_the_driver_alone_is_recorded_as_an_interruption_and_resumed(tmp_path, signum, exit_code):
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -76,6 +77,7 @@ while time.time() < end:  # and one core kept busy
 """
 
 
+@pytest.mark.e2e
 def test_beside_a_busy_ray_process_pruned_trials_free_their_cpus_and_are_tested_on_their_best_checkpoint(tmp_path):
     """Three APAO-pointwise trials one after the other, ASHA's rung at epoch 1, while another process runs
     its own Ray and keeps a core busy (bounded in time). The paper's setting runs first; a trial below it

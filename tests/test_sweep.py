@@ -80,6 +80,7 @@ def _children(study):
     return study["tracker"].child_runs()
 
 
+@pytest.mark.e2e
 def test_parent_and_one_child_per_trial(study):
     tracker = study["tracker"]
     parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
@@ -104,6 +105,7 @@ def test_parent_and_one_child_per_trial(study):
     assert "tiger/ce" in names and any(n.startswith("tiger/apao_pointwise b=") and "eta=" in n for n in names)
 
 
+@pytest.mark.e2e
 def test_interrupted_study_resumed_without_rerun_duplicate_or_orphan(study):
     sigint = study["sigint"]
     assert sigint["returncode"] == 130 and "re-run the same command (or add --resume)" in sigint["stderr"]
@@ -130,6 +132,7 @@ def test_interrupted_study_resumed_without_rerun_duplicate_or_orphan(study):
     assert parent.data.tags["apao.outcome"] == "finished"
 
 
+@pytest.mark.e2e
 def test_per_epoch_and_per_prefix_metrics_are_logged_without_loss(study):
     tracker = study["tracker"]
     finished = [c for c in _children(study) if c.info.status == "FINISHED"]
@@ -151,6 +154,7 @@ def test_per_epoch_and_per_prefix_metrics_are_logged_without_loss(study):
             assert sum(weights) == pytest.approx(1.0, abs=1e-6)
 
 
+@pytest.mark.e2e
 def test_checkpoint_model_and_plots_are_artifacts(study):
     client = study["tracker"].client
     finished = [c for c in _children(study) if c.info.status == "FINISHED"]
@@ -166,6 +170,7 @@ def test_checkpoint_model_and_plots_are_artifacts(study):
             "optuna/slice_tiger_apao_pointwise.png"} <= optuna_files, optuna_files
 
 
+@pytest.mark.e2e
 def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     result = run_script([BEST, "--dataset", "synthetic", "--tracking-uri", study["uri"], "--format", "json"],
                         cwd=study["dir"], timeout=300)

@@ -48,6 +48,7 @@ def test_bad_flags_are_refused_before_any_work(tmp_path, monkeypatch, capsys, fl
     assert not (tmp_path / "runs").exists()  # nothing started
 
 
+@pytest.mark.e2e
 def test_train_llama_pairwise_beats_popularity(tmp_path, popularity_recall_at_10):
     out = tmp_path / "r.json"
     result = run_script([TRAIN, *COMMON, "--backbone", "llama", "--loss", "apao_pairwise", "--num-negatives", "20",
@@ -92,6 +93,7 @@ def _ray_train_worker_pids() -> list[int]:
     return [int(line.split()[0]) for line in listing.splitlines() if "ray::RayTrainWorker" in line]
 
 
+@pytest.mark.e2e
 def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
     """SIGKILL the Ray Train worker mid-run: Ray restarts it from its last checkpoint (FailureConfig)."""
     epochs, out = 4, tmp_path / "r.json"
@@ -118,6 +120,7 @@ def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
         assert resumed[f"train/apao_weight_m{m}"] == pytest.approx(reference[f"train/apao_weight_m{m}"], abs=1e-9)
 
 
+@pytest.mark.e2e
 def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
     """Ctrl-C the driver mid-run; `--resume` lets Ray Train restore the run by name from storage."""
     runs, out = tmp_path / "runs", tmp_path / "r.json"
@@ -140,6 +143,7 @@ def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
     assert "epoch 1/4" not in resumed.stderr  # epoch 1 was not trained again
 
 
+@pytest.mark.e2e
 def test_a_non_finite_loss_fails_the_run_once_with_its_reason(tmp_path):
     """beta=1e39 overflows the APAO loss: the run stops with the reason and exit status 1, and Ray
     Train does not restart it from the checkpoint (--max-failures 3 would otherwise retry 3 times)."""

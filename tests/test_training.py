@@ -82,6 +82,7 @@ def prefixed(metrics: dict, *prefixes: str) -> dict:
     ("tiger", "apao_pointwise", {}, 3000),
     ("llama", "apao_pairwise", {"num_negatives": 20}, 1600),
 ])
+@pytest.mark.e2e  # trains several epochs: seconds to tens of seconds on 2 CPUs
 def test_learns_the_sequential_rule_beyond_popularity(last_item, popularity_recall_at_10, tmp_path, backbone, loss,
                                                       loss_options, max_train_samples):
     # the planted rule needs only the last item: one-item histories learn it in 3 short epochs
@@ -122,6 +123,7 @@ def _val_ce_without_and_with(short, tmp_path, backbone: str, loss: str, flag: st
     return untrained_val_ce(config, short), after
 
 
+@pytest.mark.e2e  # trains several epochs: seconds to tens of seconds on 2 CPUs
 def test_length_grouped_batches_learn_like_random_ones(short, tmp_path):
     """--group-by-length changes only which samples share a batch: training still learns as well."""
     before, after = _val_ce_without_and_with(short, tmp_path, "tiger", "ce", "group_by_length")
@@ -129,6 +131,7 @@ def test_length_grouped_batches_learn_like_random_ones(short, tmp_path):
     assert after[True] != after[False]  # the batches really were different
 
 
+@pytest.mark.e2e  # trains several epochs: seconds to tens of seconds on 2 CPUs
 @pytest.mark.parametrize("backbone", ["tiger", "llama"])
 def test_bf16_autocast_training_on_cpu_learns_like_fp32(short, tmp_path, backbone):
     """--precision bf16 on a CPU (native on AVX512-BF16/AMX machines) trains as well as fp32."""
@@ -147,6 +150,7 @@ def test_bf16_autocast_training_on_cpu_learns_like_fp32(short, tmp_path, backbon
     ("tiger", "sdpo", {"pretrain_ce_epochs": 1, "num_negatives": 5}),
     ("tiger", "ce_sdpo", {"num_negatives": 5, "beta": 0.5}),
 ])
+@pytest.mark.e2e  # trains several epochs: seconds to tens of seconds on 2 CPUs
 def test_every_loss_lowers_validation_ce(short, tmp_path, backbone, loss, loss_options):
     # No dropout for the two-stage losses: the policy runs in train mode against a reference in
     # eval mode, so TIGER's dropout noise alone pushes the rewards of positives down and the
@@ -193,6 +197,7 @@ def apao_run(short, tmp_path_factory):
     return config, output_dir, hooks, final
 
 
+@pytest.mark.e2e  # trains several epochs: seconds to tens of seconds on 2 CPUs
 def test_same_seed_same_metrics_other_seed_different(short, apao_run, tmp_path):
     config, _, _, final = apao_run
     again = run_trial(config, TrainingHooks(tmp_path / "again", verbose=False), short)

@@ -2,36 +2,44 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import math
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
-from ..config import BACKBONE_NAMES, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
-from ..paths import check_plain_name
-from ..protocol import check_select_by
-from .cli_protocol import add_protocol_arguments, apply_protocol_arguments
-from .cli_train import TINY_MODEL, add_common_arguments, check_against_catalog, train_config_from_args
+from ..config import BACKBONE_NAMES
+from ..protocol import KNOBS
+from .cli_protocol import add_protocol_arguments
+from .cli_train import add_common_arguments
 from .cli_types import non_negative_float, non_negative_int, positive_int
+from .plan import parse_duration
+from .spec import QUICK_SETTINGS, StudySpec, quick_negatives
 
 SWEEP_EPILOG = """\
 defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to
 20 epochs each (patience 5), ASHA stopping APAO trials weaker than others of their method after 5 epochs (CE
-runs to the end). An Office epoch of the paper-size model takes minutes on a CPU (benchmarks/RESULTS.md has
-this machine's figures), so the defaults are an evening on a laptop and far less on a GPU (--gpus-per-trial 0.25 runs four trials per GPU). --quick finishes
-in a few minutes on 2 CPUs (tiny model, 2048-sample subset, 2 epochs, 4 trials): a check, not a result.
-These schedules are not the paper's (200 epochs, patience 20; --epochs 200 --patience 20): the results
-table says whether its test columns compare with paper Table 1. --protocol reference trains as the authors'
-released code does (docs/PROTOCOLS.md); eta stays searched under both protocols.
+runs to the end). Before the first trial the study prints its plan: trials per method, epochs, and the wall
+time and peak memory estimated from a few optimizer steps of the real model on this machine (--dry-run stops
+there). A paper-size study on a full dataset takes days on 2 CPUs: give --budget (e.g. 3h) and the study is
+fitted to it (fewer epochs, then fewer trials), or run it on GPUs (--gpus-per-trial 0.25 runs four trials per
+GPU). --quick finishes in a few minutes on 2 CPUs (tiny model, 2048-sample subset, 2 epochs, 4 trials): a
+check, not a result. These schedules are not the paper's (200 epochs, patience 20; --epochs 200 --patience 20):
+the results table says whether its test columns compare with paper Table 1. --protocol reference trains as the
+authors' released code does (docs/PROTOCOLS.md); eta stays searched under both protocols.
 
 examples:
-  python studies/sweep.py --dataset grocery
-  python studies/sweep.py --dataset office --quick
-  python studies/sweep.py --dataset beauty --backbones tiger,llama --losses ce,apao_pairwise --num-samples 10
-  python studies/sweep.py --dataset office --address auto --gpus-per-trial 0.25 --max-concurrent 8
-  python studies/sweep.py --dataset grocery --resume      # after Ctrl-C or a lost driver: continue the study
-then: python studies/best.py --dataset grocery ;  mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db
+  python -m apao_ray sweep --dataset grocery --dry-run    # the plan and its cost, then exit
+  python -m apao_ray sweep --dataset grocery --budget 3h
+  python -m apao_ray sweep --dataset office --quick
+  python -m apao_ray sweep --dataset beauty --backbones tiger,llama --losses ce,apao_pairwise --num-samples 10
+  python -m apao_ray sweep --dataset office --address auto --gpus-per-trial 0.25 --max-concurrent 8
+  python -m apao_ray sweep --dataset grocery --resume     # after Ctrl-C or a lost driver: continue the study
+then: python -m apao_ray best --dataset grocery ;  mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db
+(studies/sweep.py and ./apao sweep take the same flags)
 """
+DEFAULTS = {f.name: f.default for f in fields(StudySpec)}
 
 
 def parse_range(text: str, cast: type = float) -> tuple:
@@ -55,36 +63,58 @@ def comma_list(text: str) -> tuple[str, ...]:
     return items
 
 
-def build_parser() -> argparse.ArgumentParser:
+def duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="studies/sweep.py", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SWEEP_EPILOG,
+        prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SWEEP_EPILOG,
         description="Hyperparameter study: Ray Tune + Optuna TPE over beta, eta and negatives for each "
-                    "(backbone, loss), every trial recorded in MLflow.")
+                    "(backbone, loss), every trial recorded in MLflow. The Python API is apao_ray.run_study("
+                    "apao_ray.StudySpec(...)).")
     add_common_arguments(parser)
-    parser.set_defaults(epochs=20, patience=5)
-    parser.add_argument("--backbones", type=comma_list, default=("tiger",), help=f"comma list of {list(BACKBONE_NAMES)}")
-    parser.add_argument("--losses", type=comma_list, default=("ce", "apao_pointwise", "apao_pairwise"),
+    parser.set_defaults(epochs=DEFAULTS["epochs"], patience=DEFAULTS["patience"])  # %(default)s shows these
+    parser.add_argument("--backbones", type=comma_list, default=DEFAULTS["backbones"],
+                        help=f"comma list of {list(BACKBONE_NAMES)} (default tiger)")
+    parser.add_argument("--losses", type=comma_list, default=DEFAULTS["losses"],
                         help="comma list from apao_ray.losses.LOSSES (default ce,apao_pointwise,apao_pairwise); "
                              "losses with nothing to tune are baselines and run once per backbone")
-    parser.add_argument("--num-samples", type=positive_int, default=3, help="Optuna trials per tuned (backbone, loss) (default 3)")
-    parser.add_argument("--beta", type=parse_range, default=(0.05, 0.4), help="LOW:HIGH (default 0.05:0.4, paper grid)")
-    parser.add_argument("--eta", type=parse_range, default=(5e-6, 5e-4), help="LOW:HIGH, log scale (default 5e-6:5e-4)")
+    parser.add_argument("--num-samples", type=positive_int, default=DEFAULTS["num_samples"],
+                        help="Optuna trials per tuned (backbone, loss) (default %(default)s)")
+    parser.add_argument("--beta", type=parse_range, default=DEFAULTS["beta"], help="LOW:HIGH (default 0.05:0.4, paper grid)")
+    parser.add_argument("--eta", type=parse_range, default=DEFAULTS["eta"], help="LOW:HIGH, log scale (default 5e-6:5e-4)")
     parser.add_argument("--negatives", type=lambda t: parse_range(t, int), default=None,
-                        help="LOW:HIGH negatives for pairwise losses, log scale (default 10:200)")
+                        help="LOW:HIGH negatives for pairwise losses, log scale (default 10:200; 10:20 with --quick)")
     parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=None,
                         help="CE epochs before a preference loss (dpo/dmpo/sdpo; default half the epochs)")
     parser.add_argument("--max-concurrent", type=positive_int, default=None, help="trials at once (default: the cluster's CPUs // cpus-per-trial)")
-    parser.add_argument("--cpus-per-trial", type=positive_float, default=1.0,
-                        help="CPUs per trial (default 1; 0.5 packs two trials per CPU, each on 1 thread)")
-    parser.add_argument("--gpus-per-trial", type=non_negative_float, default=0.0, help="GPUs per trial; fractions share a GPU (0.25)")
-    parser.add_argument("--time-budget", type=positive_float, default=None, help="stop starting trials after this many seconds")
-    parser.add_argument("--max-failures", type=non_negative_int, default=1, help="restarts of a failed trial from its checkpoint")
+    parser.add_argument("--cpus-per-trial", type=positive_float, default=DEFAULTS["cpus_per_trial"],
+                        help="CPUs per trial (default %(default)s; 0.5 packs two trials per CPU, each on 1 thread)")
+    parser.add_argument("--gpus-per-trial", type=non_negative_float, default=DEFAULTS["gpus_per_trial"],
+                        help="GPUs per trial; fractions share a GPU (0.25) (default %(default)s)")
+    parser.add_argument("--budget", type=duration, default=None, metavar="DURATION",
+                        help="wall-clock budget, e.g. 3h, 90m, 1h30m or seconds: the study is fitted to it (fewer "
+                             "epochs, then fewer trials; ASHA rungs from the epochs) and stopped at it; a budget "
+                             "too small for one epoch is refused (default: none)")
+    parser.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+                        help="deprecated: --budget SECONDS")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (trials, epochs, estimated time and "
+                        "memory from a short probe on this machine) and exit without training")
+    parser.add_argument("--reprobe", action="store_true", help="measure the plan's timing probe again instead of "
+                        "reading ~/.cache/apao_ray/probes.json (after a change of hardware load or code)")
+    parser.add_argument("--max-failures", type=non_negative_int, default=DEFAULTS["max_failures"],
+                        help="restarts of a failed trial from its checkpoint (default %(default)s)")
     parser.add_argument("--memory-per-trial", type=positive_float, metavar="GIB",
                         help="memory cap per trial in GiB: reserved in Ray and enforced in the worker, so a trial "
                              "that needs more fails as 'out of memory' instead of taking the node down "
-                             "(a worker with torch loaded already maps ~1.5 GiB)")
-    parser.add_argument("--asha-grace-period", type=positive_int, default=5,
-                        help="epochs before ASHA may stop a trial (default 5); a trial is only compared with trials "
+                             "(a worker with torch loaded already maps ~1.5 GiB) (default: no cap)")
+    parser.add_argument("--asha-grace-period", type=positive_int, default=DEFAULTS["asha_grace_period"],
+                        help="epochs before ASHA may stop a trial (default %(default)s; a quarter of the epochs "
+                             "when --budget shortens them); a trial is only compared with trials "
                              "of its own (backbone, loss), baselines are never stopped, and a pruned trial is tested "
                              "on its best checkpoint")
     parser.add_argument("--study-name", help="default <dataset>-study; re-running the same name resumes it")
@@ -127,10 +157,7 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
 def apply_quick(args: argparse.Namespace, given: set[str]) -> None:
     """--quick / --smoke settings, except for the options written explicitly."""
     if args.quick or args.smoke:
-        settings = {"model_size": "tiny", "epochs": 2, "max_train_samples": 2048, "eval_max_users": 256,
-                    "batch_size": 128, "effective_batch_size": 256, "num_samples": min(args.num_samples, 3),
-                    "losses": ("ce", "apao_pointwise")}
-        for name, value in settings.items():
+        for name, value in {**QUICK_SETTINGS, "num_samples": min(args.num_samples, 3)}.items():
             if name not in given:
                 setattr(args, name, value)
         # grace past the last epoch: 2 epochs leave ASHA nothing to compare, every trial reaches its test
@@ -138,118 +165,64 @@ def apply_quick(args: argparse.Namespace, given: set[str]) -> None:
             args.patience = args.epochs
         if "asha_grace_period" not in given:
             args.asha_grace_period = args.epochs + 1
-        args.default_negatives = (10, 20)
+        if "negatives" not in given:
+            args.negatives = quick_negatives(args.losses)
     if args.smoke:
         args.dataset = "synthetic"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def spec_from_args(args: argparse.Namespace) -> StudySpec:
+    """The StudySpec the flags describe (its construction checks every input)."""
+    if args.time_budget is not None:
+        print("warning: --time-budget is deprecated; use --budget (it also fits the study to the budget)",
+              file=sys.stderr)
+    knobs = {knob: getattr(args, knob, None) for knob in KNOBS if knob != "eta"}
+    values = {name: getattr(args, name) for name in DEFAULTS if hasattr(args, name) and name != "budget"}
+    values.update(budget=args.budget if args.budget is not None else args.time_budget,
+                  memory_per_trial_gib=args.memory_per_trial,
+                  protocol_knobs={k: v for k, v in knobs.items() if v is not None},
+                  retention_users=32 if args.quick or args.smoke else DEFAULTS["retention_users"])
+    return StudySpec(**values)
+
+
+def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
+    parser = build_parser(prog)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     apply_quick(args, given_flags(parser, argv))
+    from .api import plan_study, run_study
+    from .report import format_rows
+
     try:
-        from ..data import load_dataset
-        from ..losses import LOSSES
-        from ..tracking import check_tracking_uri, resolve_tracking_uri
-        from .space import SearchSpec
-        from .mlflow_callback import dataset_record_of
-        from .optuna_storage import resolve_storage_url
-        from .sweep import StudyOptions, check_resumable, study_state_exists
-
-        unknown = [b for b in args.backbones if b not in BACKBONE_NAMES]
-        if unknown:
-            raise ValueError(f"unknown backbone(s) {unknown}; choose from {list(BACKBONE_NAMES)}")
-        unknown = [name for name in args.losses if name not in LOSSES]
-        if unknown:
-            raise ValueError(f"unknown loss(es) {unknown}; choose from {sorted(LOSSES)}")
-        from .space import TUNED_KNOBS
-
-        if args.negatives is not None and not any("num_negatives" in TUNED_KNOBS.get(n, ()) for n in args.losses):
-            raise ValueError(f"--negatives was given, but none of the losses {list(args.losses)} uses negatives; "
-                             "add apao_pairwise, dmpo, sdpo or ce_sdpo")
-        negatives = args.negatives or getattr(args, "default_negatives", (10, 200))
-        spec = SearchSpec(tuple(args.backbones), tuple(args.losses), args.beta, args.eta, negatives, args.num_samples)
-        from ..data import canonical_dataset, dataset_label, is_dataset_path
-
-        if not is_dataset_path(args.dataset):
-            check_plain_name("dataset", args.dataset)  # before the default study name is made from it
-        study_name = check_plain_name("study", args.study_name or f"{dataset_label(args.dataset)}-study")
-        dataset = load_dataset(args.dataset, args.data_dir, allow_download=not args.data_dir)  # --data-dir: it is there
-        pretrain = args.pretrain_ce_epochs if args.pretrain_ce_epochs is not None else max(1, args.epochs // 2)
-        needs_stage = any(name in ("dpo", "dmpo", "sdpo") for name in args.losses)
-        base = TrialConfig(
-            DataConfig(dataset=canonical_dataset(args.dataset), data_dir=str(Path(args.data_dir).resolve()) if args.data_dir else None),
-            ModelConfig(**(TINY_MODEL if args.model_size == "tiny" else {})),
-            LossConfig(num_negatives=negatives[1], pretrain_ce_epochs=pretrain if needs_stage else 0),
-            TrainConfig(**train_config_from_args(args, use_gpu=args.gpus_per_trial > 0,
-                                                 retention_users=32 if args.quick or args.smoke else 128)))
-        # eta stays searched under every protocol; the preset's weighting and other knobs hold for all trials
-        base = apply_protocol_arguments(base, args, with_eta=False)
-        for name in args.losses:  # every loss against the catalog, with the most negatives asked for
-            check_against_catalog(base.replace(loss=base.loss.replace(name=name).to_dict()), dataset.catalog)
-        tracking_uri = resolve_tracking_uri(args.tracking_uri)
-        check_tracking_uri(tracking_uri)
-        if args.cpus_per_trial <= 0.05:
-            raise ValueError(f"--cpus-per-trial {args.cpus_per_trial} leaves the trial's worker nothing; give more than 0.05")
-        if args.resume and args.overwrite:
-            raise ValueError("--resume and --overwrite contradict each other; give one")
-        memory = int(args.memory_per_trial * 2**30) if args.memory_per_trial else None
-        options = StudyOptions(base=base, spec=spec, study_name=study_name, output_dir=Path(args.output_dir).resolve(),
-                               tracking_uri=tracking_uri, address=args.address, max_concurrent=args.max_concurrent or 1,
-                               cpus_per_trial=args.cpus_per_trial, gpus_per_trial=args.gpus_per_trial,
-                               time_budget_s=args.time_budget, max_failures=args.max_failures,
-                               memory_per_trial_bytes=memory, asha_grace_period=args.asha_grace_period,
-                               seed=args.seed, overwrite=args.overwrite, retry_failed=args.retry_failed,
-                               enqueue_paper_setting=args.enqueue_paper_setting,
-                               optuna_storage=resolve_storage_url(args.optuna_storage, tracking_uri,
-                                                                  Path(args.output_dir).resolve()),
-                               dataset_record=dataset_record_of(dataset, args.data_dir))
-        if args.resume and not study_state_exists(options):
-            raise ValueError(f"--resume: no study {study_name!r} to resume under {options.output_dir}; "
-                             "check --study-name and --output-dir, or drop --resume to start it")
-        if args.retry_failed and not study_state_exists(options):
-            raise ValueError(f"--retry-failed: no study {study_name!r} under {options.output_dir} whose failed "
-                             "trials could run again; check --study-name and --output-dir")
-        check_resumable(tracking_uri, options, dataset.checksums)
-        # after the checks on the data: a changed dataset is the first thing to say on a resume
-        check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are
-        from .runner import cluster_cpus, init_ray
-
-        init_ray(args.address)  # an unreachable cluster is refused here, before any trial
-        if args.max_concurrent is None:  # as many as the cluster (or this machine) has CPUs for
-            options = dataclasses.replace(options, max_concurrent=max(1, int(cluster_cpus() // args.cpus_per_trial)))
-    except (ValueError, FileNotFoundError, ConnectionError) as error:
+        spec = spec_from_args(args)
+        plan = plan_study(spec, use_cache=not args.reprobe)  # the probe; a budget too small for one epoch is refused
+    except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as error:
         parser.error(str(error))
-    from .report import format_rows, table_rows
-    from .sweep import StudyOutcome, run_study
-    from ..tracking import Tracker, experiment_name
+    print(plan.text(), file=sys.stderr)
+    if args.dry_run:
+        return 0
+    result = run_study(spec, plan=plan)
+    if result.interrupted:
+        return report_interrupted(result, argv)
+    failed = sum(str(status).startswith("failed") for status in result.trials.get("status", []))
+    print(f"study {result.study_name}: {len(result.trials)} trials ({failed} failed); best per (backbone, loss) "
+          "by validation:", file=sys.stderr)
+    print(format_rows(table_records(result.table), "markdown"))
+    if result.optuna_summary:
+        print(result.optuna_summary)
+    from ..tracking import Tracker, experiment_name, ui_hint
 
-    train_split = dataset.splits["train"]
-    example = [dataset.catalog.item_ids[i] for i in train_split.histories[0] if i >= 0]
-    if study_state_exists(options) and not args.overwrite:
-        print(f"resuming study {study_name} from {options.output_dir / study_name}", file=sys.stderr)
-    try:
-        outcome = run_study(options, dataset.checksums, example)
-    except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
-        outcome = StudyOutcome([], interrupted=True)
-    rows = outcome.rows
-    if outcome.interrupted:
-        return report_interrupted(outcome, study_name, spec.num_trials, argv)
-    failed = sum(1 for row in rows if row["error"])
-    print(f"study {study_name}: {len(rows)} trials ({failed} failed); best per (backbone, loss) by validation:",
-          file=sys.stderr)
-    table_tracker = Tracker(tracking_uri, experiment_name(base.data.dataset))
-    table = table_rows(table_tracker, study=study_name)
-    print(format_rows(table, "markdown"))
-    print(outcome.optuna_summary)
-    from ..tracking import ui_hint
-
-    print(ui_hint(tracking_uri, table_tracker.experiment_id))
+    print(ui_hint(result.tracking_uri, Tracker(result.tracking_uri, experiment_name(spec.resolved["base"].data.dataset)).experiment_id))
     return 0
 
 
-def report_interrupted(outcome: "StudyOutcome", study_name: str, num_trials: int, argv: list[str]) -> int:
+def table_records(table: Any) -> list[dict[str, Any]]:
+    """A result DataFrame back to row dicts, NaN (a missing value) as None."""
+    return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+            for row in table.to_dict("records")]
+
+
+def report_interrupted(result: Any, argv: list[str]) -> int:
     """Tells what an interrupted study kept and how to continue it; returns the exit code
     (128 + the signal: 130 for SIGINT / Ctrl-C, 143 for SIGTERM)."""
     import shlex
@@ -257,30 +230,31 @@ def report_interrupted(outcome: "StudyOutcome", study_name: str, num_trials: int
 
     from .interrupt import exit_code
 
-    done = sum(1 for row in outcome.rows if row["metrics"].get("done") or row["error"])
-    script = sys.argv[0] if sys.argv[0].endswith("sweep.py") else "studies/sweep.py"
-    command = shlex.join([sys.executable, script, *argv])
-    cause = signal.Signals(outcome.stop_signal).name if outcome.stop_signal else "an interrupt"
+    done = sum(status != "stopped" for status in result.trials.get("status", []))
+    num_trials, study_name = result.plan.num_trials, result.study_name
+    script = [sys.argv[0]] if sys.argv[0].endswith("sweep.py") else ["-m", "apao_ray", "sweep"]
+    command = shlex.join([sys.executable, *script, *argv])
+    cause = signal.Signals(result.stop_signal).name if result.stop_signal else "an interrupt"
     print(f"study {study_name} stopped by {cause} with {done} of {num_trials} trials ended; its state is saved: "
           f"re-run the same command (or add --resume) to continue:\n  {command}", file=sys.stderr)
-    return exit_code(outcome.stop_signal or signal.SIGINT)
+    return exit_code(result.stop_signal or signal.SIGINT)
 
 
-def build_best_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="studies/best.py", description="Best trial per (backbone, loss) of a "
+def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Best trial per (backbone, loss) of a "
                                      "dataset's studies, chosen by validation, read from MLflow alone (no Ray).")
     parser.add_argument("--dataset", required=True, help="dataset whose experiment (apao-<dataset>) to read")
     parser.add_argument("--study-name", help="only this study (default: every study of the dataset)")
-    parser.add_argument("--metric", default="best/val/ndcg_at_10", help="validation metric that picks the best trial")
-    parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown")
+    parser.add_argument("--metric", default="best/val/ndcg_at_10", help="validation metric that picks the best trial (default %(default)s)")
+    parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown", help="default %(default)s")
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                         help="default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db")
     parser.add_argument("--no-register", action="store_true", help="do not register/alias the best models")
     return parser
 
 
-def best_main(argv: list[str] | None = None) -> int:
-    parser = build_best_parser()
+def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> int:
+    parser = build_best_parser(prog)
     args = parser.parse_args(argv)
     from ..tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
     from ..data import dataset_label

@@ -36,20 +36,20 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Ray cluster to join, e.g. 'auto' or ray://host:10001 (default: $RAY_ADDRESS, "
                              "else a local Ray on this machine)")
     parser.add_argument("--output-dir", default="apao_runs", help="where runs and checkpoints are stored "
-                        "(default ./apao_runs; must be shared storage on a multi-node cluster)")
+                        "(default ./%(default)s; must be shared storage on a multi-node cluster)")
     parser.add_argument("--max-train-samples", type=positive_int, help="train on a fixed random subset (quick runs)")
     parser.add_argument("--eval-max-users", type=positive_int, help="validate on a fixed random subset of users")
-    parser.add_argument("--epochs", type=positive_int, default=200, help="maximum epochs (default 200, SPEC §5)")
-    parser.add_argument("--patience", type=positive_int, default=20, help="early-stopping patience (default 20)")
+    parser.add_argument("--epochs", type=positive_int, default=200, help="maximum epochs (default %(default)s; the paper: 200, SPEC §5)")
+    parser.add_argument("--patience", type=positive_int, default=20, help="early-stopping patience (default %(default)s; the paper: 20)")
     parser.add_argument("--batch-size", type=positive_int, default=128,
                         help="micro-batch size (default %(default)s: on 2 CPUs 128 ran 1.08x faster than 256; on a GPU try more)")
     parser.add_argument("--effective-batch-size", type=positive_int, default=1024,
-                        help="samples per optimizer step via gradient accumulation (default 1024)")
-    parser.add_argument("--lr", type=non_negative_float, default=5e-4, help="AdamW learning rate (default 5e-4)")
-    parser.add_argument("--beam-size", type=positive_int, default=20, help="beam size for evaluation (default 20)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for init, data order and negatives (default 0)")
+                        help="samples per optimizer step via gradient accumulation (default %(default)s)")
+    parser.add_argument("--lr", type=non_negative_float, default=5e-4, help="AdamW learning rate (default %(default)s)")
+    parser.add_argument("--beam-size", type=positive_int, default=20, help="beam size for evaluation (default %(default)s)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for init, data order and negatives (default %(default)s)")
     parser.add_argument("--model-size", choices=("paper", "tiny"), default="paper",
-                        help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs")
+                        help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs (default %(default)s)")
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
                         help="auto (default): bf16 autocast on GPUs and on CPUs with native bf16 (AVX512-BF16 or "
                              "AMX), fp32 elsewhere; weights, optimizer and log-softmax normalisers stay float32. "
@@ -77,22 +77,22 @@ def apply_smoke(args: argparse.Namespace) -> None:
         args.batch_size, args.effective_batch_size = 128, 128
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="studies/train.py", description="Train one trial (dataset x backbone x "
+def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Train one trial (dataset x backbone x "
                                      "loss) on Ray Train; prints the final metrics as JSON.")
     add_common_arguments(parser)
-    parser.add_argument("--backbone", choices=BACKBONE_NAMES, default="tiger", help="default tiger")
-    parser.add_argument("--loss", default="ce", help="a name from apao_ray.losses.LOSSES (default ce)")
-    parser.add_argument("--beta", type=non_negative_float, default=0.1, help="weight of the prefix loss (default 0.1)")
+    parser.add_argument("--backbone", choices=BACKBONE_NAMES, default="tiger", help="default %(default)s")
+    parser.add_argument("--loss", default="ce", help="a name from apao_ray.losses.LOSSES (default %(default)s)")
+    parser.add_argument("--beta", type=non_negative_float, default=0.1, help="weight of the prefix loss (default %(default)s)")
     parser.add_argument("--num-negatives", type=positive_int, default=None,
                         help="negatives for apao_pairwise/dmpo/sdpo/ce_sdpo (default 100; refused for other losses)")
-    parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=0, help="two-stage: CE epochs before the loss")
-    parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default 1)")
+    parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=0, help="two-stage: CE epochs before the loss (default %(default)s)")
+    parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default %(default)s)")
     parser.add_argument("--cpus-per-worker", type=positive_int, default=available_cpus(),
                         help="CPUs reserved per worker, used as its torch threads (default: all of this "
                              "machine's, %(default)s here)")
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
-    parser.add_argument("--max-failures", type=non_negative_int, default=0, help="worker restarts from the last checkpoint")
+    parser.add_argument("--max-failures", type=non_negative_int, default=0, help="worker restarts from the last checkpoint (default %(default)s)")
     parser.add_argument("--run-name", help="name of the run under --output-dir (default from the flags)")
     parser.add_argument("--resume", action="store_true", help="continue the run of the same name from its checkpoint")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
@@ -137,8 +137,8 @@ def _abs(path: str | None) -> str | None:
     return str(Path(path).resolve()) if path else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     apply_smoke(args)
     try:

@@ -57,7 +57,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                 **{k: os.environ[k] for k in ray_env}}}
     try:
-        if address:
+        if address and address != "local":
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         else:
             # the dashboard (bound to 127.0.0.1) serves the State API, which Ray Train's placement-group
@@ -67,9 +67,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             # trial's workers never start: name our dashboard to every process of this job.
             port = free_port()
             runtime_env["env_vars"][API_SERVER_ENV] = f"http://127.0.0.1:{port}"
-            # address="local": a Ray of our own even where `ray start` left /tmp/ray/ray_current_cluster
-            # behind (ray.init() would join that cluster, a study running beside this one, or fail on a stale
-            # address); joining a cluster is what --address / $RAY_ADDRESS ask for
+            # address "local": a new Ray of our own. ray.init() with no address joins the newest cluster
+            # that `ray start` recorded in /tmp/ray/ray_current_cluster (another user's study, or a dead
+            # one whose GCS it then waits on for minutes)
             context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
                                dashboard_port=port, runtime_env=runtime_env, log_to_driver=True)
             if context.dashboard_url and not context.dashboard_url.endswith(f":{port}"):

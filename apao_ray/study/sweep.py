@@ -168,6 +168,7 @@ class StudyOutcome:
     interrupted: bool = False      # stopped before every trial ended: resumable
     optuna_summary: str = ""       # parameter importances and the optuna-dashboard command
     stop_signal: int | None = None  # the signal that stopped it (SIGINT, SIGTERM), if one did
+    parent_run_id: str | None = None  # the study's MLflow parent run
 
 
 def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_history: list[str]) -> StudyOutcome:
@@ -189,6 +190,7 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
         except KeyboardInterrupt:  # a signal outside Tune's loop (start-up, figures): Tune's saved state holds
             outcome = StudyOutcome([], interrupted=True)
         outcome.stop_signal = interrupt.received()
+        outcome.parent_run_id = parent_id
         if outcome.interrupted:
             tracker.set_tags(parent_id, {OUTCOME_TAG: INTERRUPTED})
             tracker.end_run(parent_id, "KILLED")

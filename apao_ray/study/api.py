@@ -1,0 +1,110 @@
+"""``run_study(spec) -> StudyResult``: the Python API that ``python -m apao_ray sweep`` wraps."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .plan import Plan, make_plan
+from .spec import StudySpec
+
+
+@dataclass
+class StudyResult:
+    """What a study produced.
+
+    Attributes:
+        table: one row per requested (backbone, loss): the best trial by validation with its knobs,
+            validation metric, test metrics and ``status`` ("finished", "all N trials pruned",
+            "failed: <reason>", ...), read back from MLflow.
+        trials: one row per trial of this run (backbone, loss, knobs, final metrics, error).
+        parent_run_id: the study's MLflow parent run.
+        plan: the plan printed before the first trial (the fitted schedule included).
+        interrupted: stopped by a signal before every trial ended (re-run to resume).
+    """
+
+    table: Any
+    trials: Any
+    parent_run_id: str | None
+    plan: Plan
+    study_name: str
+    tracking_uri: str
+    interrupted: bool = False
+    stop_signal: int | None = None
+    optuna_summary: str = ""  # importances and the optuna-dashboard command
+
+
+def study_slots(spec: StudySpec, start_ray: bool) -> int:
+    """Trials at once: ``max_concurrent``, else the cluster's (or this machine's) CPUs // cpus_per_trial."""
+    if spec.max_concurrent:
+        return spec.max_concurrent
+    if spec.address or start_ray:
+        from .runner import cluster_cpus, init_ray
+
+        init_ray(spec.address)
+        cpus = cluster_cpus()
+    else:
+        from .cli_train import available_cpus
+
+        cpus = available_cpus()
+    return max(1, int(cpus // spec.cpus_per_trial))
+
+
+def plan_study(spec: StudySpec, start_ray: bool = False, use_cache: bool = True) -> Plan:
+    """The plan (with its probe) of a checked spec; Ray is not started unless asked (or a cluster given)."""
+    return make_plan(spec, study_slots(spec, start_ray), use_cache)
+
+
+def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str] | None = None,
+              log: Any = sys.stderr) -> StudyResult:
+    """Prints the plan, runs (or resumes) the study fitted to its budget, and reads back its table.
+
+    Args:
+        spec: the checked study.
+        plan: a plan already made (the CLI's), else one is made here.
+        command_line: recorded on the parent run (default ``sys.argv``).
+        log: where the plan and progress notes go.
+    """
+    import pandas as pd
+
+    from ..tracking import Tracker, experiment_name
+    from .report import table_rows
+    from .sweep import StudyOutcome, check_resumable, study_state_exists
+    from .sweep import run_study as run_options
+
+    if plan is None:
+        plan = plan_study(spec, start_ray=True)
+        print(plan.text(), file=log)
+    fit = plan.fit
+    options = spec.options(epochs=fit.epochs, trials_per_tuned=fit.trials_per_tuned,
+                           asha_grace_period=fit.asha_grace_period, max_concurrent=plan.slots,
+                           command_line=command_line)
+    dataset = spec.dataset_loaded
+    check_resumable(options.tracking_uri, options, dataset.checksums)  # with the fitted schedule
+    train_split = dataset.splits["train"]
+    example = [dataset.catalog.item_ids[i] for i in train_split.histories[0] if i >= 0]
+    if study_state_exists(options) and not spec.overwrite:
+        print(f"resuming study {options.study_name} from {options.output_dir / options.study_name}", file=log)
+    try:
+        outcome = run_options(options, dataset.checksums, example)
+    except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
+        outcome = StudyOutcome([], interrupted=True)
+    tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
+    table = pd.DataFrame(table_rows(tracker, study=options.study_name))
+    return StudyResult(table=table, trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
+                       parent_run_id=outcome.parent_run_id, plan=plan, study_name=options.study_name,
+                       tracking_uri=options.tracking_uri, interrupted=outcome.interrupted,
+                       stop_signal=outcome.stop_signal, optuna_summary=outcome.optuna_summary)
+
+
+def trial_row(row: dict[str, Any]) -> dict[str, Any]:
+    """One trial's choices and final metrics, flat, with how it ended."""
+    metrics = {k: v for k, v in row["metrics"].items() if "/" in k or k == "epoch"}
+    if row["error"]:
+        status = f"failed: {row['error'].strip().splitlines()[-1][:200]}"
+    else:
+        status = "finished" if "test/ndcg_at_10" in metrics else "stopped"
+    return {**row["choices"], **metrics, "status": status}
+
+
+__all__ = ["StudyResult", "StudySpec", "plan_study", "run_study"]

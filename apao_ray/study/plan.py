@@ -1,0 +1,308 @@
+"""A study's plan before any trial: trials per method, epochs, and its cost on this hardware.
+
+The cost comes from a short probe of the real model and loss (a few optimizer steps and one
+validation batch, in a subprocess so that its peak memory is its own), cached per hardware and
+config in ``~/.cache/apao_ray/probes.json``. With a wall-clock budget the study is fitted to it:
+fewer epochs first (down to half), then fewer trials per tuned method, then fewer epochs again;
+ASHA's grace period follows the epochs. The arithmetic is pure and unit-tested.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# fixed costs the probe does not see (measured on this 2-CPU machine while loaded: rough)
+RAY_START_S = 10.0        # ray.init of a local cluster
+TRIAL_START_S = 30.0      # a TorchTrainer's placement group + worker start + torch import + data load
+PROBE_STEPS = 3           # timed optimizer steps (after one warm-up step)
+PROBE_CACHE_FILE = "probes.json"
+PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
+
+
+def parse_duration(text: str | float | int) -> float:
+    """``'90m'``, ``'3h'``, ``'1h30m'``, ``'45s'`` or plain seconds (``'5400'``) -> seconds (> 0).
+
+    Raises:
+        ValueError: naming the text and the accepted forms.
+    """
+    if isinstance(text, (int, float)):
+        seconds = float(text)
+    else:
+        cleaned = str(text).strip().lower().replace(" ", "")
+        try:
+            seconds = float(cleaned)
+        except ValueError:
+            match = _DURATION.match(cleaned)
+            if not cleaned or match is None:
+                raise ValueError(f"budget {text!r} is not a duration; give seconds (5400) or hours/minutes/seconds "
+                                 "like 3h, 90m, 1h30m, 45s") from None
+            hours, minutes, secs = (float(g) if g else 0.0 for g in match.groups())
+            seconds = hours * 3600 + minutes * 60 + secs
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"budget {text!r} must be a duration > 0 (e.g. 3h, 90m, 1h30m or seconds)")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """``3725`` -> ``'1h02m'``; ``95`` -> ``'1.6 min'``; ``12`` -> ``'12 s'``."""
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    hours, minutes = divmod(round(seconds / 60), 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+@dataclass(frozen=True)
+class MethodCost:
+    """The cost of one (backbone, loss): seconds per epoch and per trial outside epochs, peak memory."""
+
+    backbone: str
+    loss: str
+    is_baseline: bool
+    epoch_s: float
+    fixed_s: float
+    peak_bytes: int = 0
+
+    def trial_s(self, epochs: int) -> float:
+        return self.fixed_s + epochs * self.epoch_s
+
+
+def makespan(durations: list[float], slots: int) -> float:
+    """Wall time of running ``durations`` on ``slots`` parallel slots, longest first, each to the
+    slot that frees first (what Tune does with a fixed trial order, to within the longest trial)."""
+    ends = [0.0] * max(1, slots)
+    for duration in sorted(durations, reverse=True):
+        ends[ends.index(min(ends))] += duration
+    return max(ends)
+
+
+def trial_durations(methods: list[MethodCost], epochs: int, trials_per_tuned: int) -> list[float]:
+    return [m.trial_s(epochs) for m in methods for _ in range(1 if m.is_baseline else trials_per_tuned)]
+
+
+def study_seconds(methods: list[MethodCost], epochs: int, trials_per_tuned: int, slots: int) -> float:
+    return RAY_START_S + makespan(trial_durations(methods, epochs, trials_per_tuned), slots)
+
+
+def asha_rungs(grace: int, epochs: int, reduction_factor: int = 4) -> list[int]:
+    """Epochs at which ASHA compares a method's trials (grace * rf^k below the last epoch)."""
+    rungs, rung = [], grace
+    while rung < epochs:
+        rungs.append(rung)
+        rung *= reduction_factor
+    return rungs
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a study runs: the asked-for schedule, or the one fitted to a budget."""
+
+    epochs: int
+    trials_per_tuned: int
+    asha_grace_period: int
+    estimate_s: float
+    changes: tuple[str, ...] = ()   # e.g. "epochs 20 -> 8": empty when nothing had to change
+
+
+def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, grace: int, slots: int,
+               budget_s: float | None) -> Fit:
+    """The largest schedule whose estimate fits ``budget_s``.
+
+    Order of sacrifice: epochs down to half the asked number, then trials per tuned method down to 1
+    (each at the most epochs in [half, all] that fit), then epochs down to 1. ASHA's grace period
+    becomes a quarter of the fitted epochs (at most the asked one), so its rungs stay inside the run.
+
+    Raises:
+        ValueError: when one epoch of one trial per method does not fit, naming that estimate.
+    """
+    asked = study_seconds(methods, epochs, trials_per_tuned, slots)
+    if budget_s is None or asked <= budget_s:
+        return Fit(epochs, trials_per_tuned, grace, asked)
+    half = max(1, math.ceil(epochs / 2))
+    candidates = [(n, e) for n in range(trials_per_tuned, 0, -1) for e in range(epochs, half - 1, -1)]
+    candidates += [(1, e) for e in range(half - 1, 0, -1)]
+    for n, e in candidates:
+        estimate = study_seconds(methods, e, n, slots)
+        if estimate <= budget_s:
+            # a grace past the last epoch (--quick) means no pruning: kept so
+            new_grace = e + 1 if grace > epochs else min(grace, max(1, e // 4))
+            changes = [f"{label} {before} -> {after}" for label, before, after in (
+                ("epochs", epochs, e), ("trials per tuned method", trials_per_tuned, n),
+                ("ASHA grace period", grace, new_grace)) if before != after]
+            return Fit(e, n, new_grace, estimate, tuple(changes))
+    smallest = study_seconds(methods, 1, 1, slots)
+    raise ValueError(f"budget {format_duration(budget_s)} is too small for one epoch: one trial per method for one "
+                     f"epoch is estimated at {format_duration(smallest)} on this machine; give --budget "
+                     f"{math.ceil(smallest / 60)}m or more, or a smaller study (--quick, --max-train-samples)")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Measured on this hardware: seconds per training sample and per validation user, peak memory."""
+
+    train_s_per_sample: float
+    eval_s_per_user: float
+    peak_bytes: int
+    precision: str
+    threads: int
+    device: str
+
+
+def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": threads, "gpu": use_gpu, "python": platform.python_version()}
+
+
+def probe_key(config_dict: dict[str, Any], threads: int) -> str:
+    """Cache key: the hardware and what sets the cost (model, loss, batch, precision, data, eval)."""
+    train = config_dict["train"]
+    relevant = {"hw": hardware_key(threads, bool(train.get("use_gpu"))), "model": config_dict["model"],
+                "loss": {k: config_dict["loss"].get(k) for k in ("name", "num_negatives")},
+                "data": config_dict["data"], "protocol": config_dict.get("protocol"),
+                "train": {k: train.get(k) for k in ("batch_size", "precision", "eval_batch_size", "beam_size",
+                                                    "group_by_length")}}
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def probe_cache_path() -> Path:
+    """``$APAO_PROBE_CACHE`` (the test suite's own), else ``probes.json`` in the user cache."""
+    from ..paths import user_cache_dir
+
+    return Path(os.environ.get(PROBE_CACHE_ENV) or user_cache_dir() / PROBE_CACHE_FILE)
+
+
+def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> tuple[Probe, bool]:
+    """The probe of one trial config, from the cache or a fresh subprocess; returns (probe, was_cached)."""
+    path, key = probe_cache_path(), probe_key(config_dict, threads)
+    try:
+        cache = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        cache = {}  # a damaged cache is re-measured, not an error
+    if use_cache and key in cache:
+        return Probe(**cache[key]), True
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
+           + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-m", "apao_ray.study.probe", json.dumps(config_dict), str(threads)],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise RuntimeError(f"timing probe of {config_dict['model'].get('backbone')}/{config_dict['loss']['name']} "
+                           f"failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
+    result = Probe(**json.loads(done.stdout.strip().splitlines()[-1]))
+    cache[key] = result.__dict__
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    tmp.replace(path)  # atomic: two studies probing at once never leave half a file
+    return result, False
+
+
+@dataclass
+class Plan:
+    """The printed plan and the schedule the study will run."""
+
+    dataset: str
+    protocol: str
+    precision: str
+    slots: int
+    methods: list[MethodCost]
+    asked_epochs: int
+    asked_trials_per_tuned: int
+    fit: Fit
+    budget_s: float | None = None
+    probes_cached: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def num_trials(self) -> int:
+        return sum(1 if m.is_baseline else self.fit.trials_per_tuned for m in self.methods)
+
+    @property
+    def peak_bytes(self) -> int:
+        peaks = sorted((m.peak_bytes for m in self.methods
+                        for _ in range(1 if m.is_baseline else self.fit.trials_per_tuned)), reverse=True)
+        return sum(peaks[:self.slots])
+
+    def text(self) -> str:
+        fit, gib = self.fit, 2 ** 30
+        lines = [f"plan: {self.num_trials} trials on {self.dataset}, protocol {self.protocol}, precision "
+                 f"{self.precision}, {self.slots} at a time"]
+        for m in self.methods:
+            count = 1 if m.is_baseline else fit.trials_per_tuned
+            kind = "baseline, runs to the end" if m.is_baseline else "Optuna TPE + ASHA"
+            lines.append(f"  {m.backbone}/{m.loss:<16} {count} trial{'s' if count > 1 else ' '}  {fit.epochs} epochs  "
+                         f"epoch ~{format_duration(m.epoch_s)}  trial ~{format_duration(m.trial_s(fit.epochs))}  "
+                         f"peak ~{m.peak_bytes / gib:.1f} GiB  ({kind})")
+        rungs = asha_rungs(fit.asha_grace_period, fit.epochs)
+        lines.append(f"  ASHA compares each tuned method's trials at epochs {rungs}" if rungs else
+                     f"  ASHA prunes nothing (grace {fit.asha_grace_period} epochs >= {fit.epochs} epochs)")
+        lines.append(f"  study ~{format_duration(fit.estimate_s)} wall, peak memory ~{self.peak_bytes / gib:.1f} GiB "
+                     f"({self.slots} trials at once); an upper bound: ASHA pruning and early stopping shorten it")
+        source = "cached" if self.probes_cached == len(self.methods) else "measured now"
+        lines.append(f"  (from a probe of up to {PROBE_STEPS} optimizer steps + 1 validation batch per method on this "
+                     f"machine, {source}; cache {probe_cache_path()})")
+        if self.budget_s is not None:
+            if fit.changes:
+                asked = study_seconds(self.methods, self.asked_epochs, self.asked_trials_per_tuned, self.slots)
+                lines.append(f"budget {format_duration(self.budget_s)}: the study as asked (~{format_duration(asked)}) "
+                             f"exceeds it; fitted: {', '.join(fit.changes)} (~{format_duration(fit.estimate_s)})")
+            else:
+                lines.append(f"budget {format_duration(self.budget_s)}: the study fits")
+        return "\n".join(lines + self.notes)
+
+
+def trial_threads(cpus_per_trial: float) -> int:
+    """The torch threads of a trial's worker: its CPUs, at least one."""
+    return max(1, int(round(cpus_per_trial)))
+
+
+def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
+    """Probes each (backbone, loss) of a checked ``StudySpec`` and fits the study to its budget.
+
+    Raises:
+        ValueError: the budget is too small for one epoch (naming the estimate).
+    """
+    from .space import is_baseline
+
+    base, dataset, search = spec.resolved["base"], spec.resolved["dataset"], spec.resolved["search"]
+    splits = dataset.splits
+    train_samples = min(len(splits["train"]), base.train.max_train_samples or len(splits["train"]))
+    valid_users = min(len(splits["valid"]), base.train.eval_max_users or len(splits["valid"]))
+    threads = trial_threads(spec.cpus_per_trial)
+    methods, cached, precisions, devices = [], 0, set(), set()
+    for backbone, loss, _ in search.allocation():
+        if any((m.backbone, m.loss) == (backbone, loss) for m in methods):
+            continue
+        config = base.replace(model=base.model.replace(backbone=backbone).to_dict(),
+                              loss=base.loss.replace(name=loss).to_dict())
+        measured, was_cached = probe(json.loads(json.dumps(config.to_dict())), threads, use_cache)
+        cached += was_cached
+        precisions.add(measured.precision)
+        devices.add(measured.device)
+        methods.append(MethodCost(
+            backbone, loss, is_baseline(loss),
+            epoch_s=train_samples * measured.train_s_per_sample + valid_users * measured.eval_s_per_user,
+            fixed_s=TRIAL_START_S + len(splits["test"]) * measured.eval_s_per_user, peak_bytes=measured.peak_bytes))
+    fit = fit_budget(methods, base.train.epochs, search.trials_per_tuned, spec.asha_grace_period, slots,
+                     spec.budget_s)
+    notes = []
+    if spec.gpus_per_trial > 0 and "cuda" not in devices:
+        notes.append("  note: probed on this machine's CPU (no GPU here): trials on GPUs will be faster")
+    return Plan(dataset=base.data.dataset, protocol=spec.protocol, precision="/".join(sorted(precisions)), slots=slots,
+                methods=methods, asked_epochs=base.train.epochs, asked_trials_per_tuned=search.trials_per_tuned,
+                fit=fit, budget_s=spec.budget_s, probes_cached=cached, notes=notes)

@@ -1,0 +1,89 @@
+"""The timing probe behind a study's plan: ``python -m apao_ray.study.probe CONFIG_JSON THREADS``.
+
+Runs the real model and loss of one trial config for a few optimizer steps and one validation
+batch, and prints one JSON line (seconds per training sample, per validation user, peak memory).
+A subprocess of its own, so the peak memory is the trial's alone and the driver stays light.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+
+from .plan import PROBE_STEPS
+
+
+class _Enough(Exception):
+    """Ends the probe's training early."""
+
+
+def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, max_seconds: float = 30.0) -> dict:
+    import numpy as np
+    import torch
+
+    from ..config import TrialConfig
+    from ..data import load_dataset
+    from ..losses import build_loss
+    from ..models import build_model
+    from ..training.evaluation import evaluate_split
+    from ..training.precision import resolve_precision
+    from ..training.steps import EpochRunner
+
+    torch.set_num_threads(max(1, threads))
+    config = TrialConfig.from_dict(config_dict)
+    device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
+    train = config.train.replace(precision=resolve_precision(config.train.precision, device),
+                                 effective_batch_size=config.train.batch_size,  # one optimizer step per micro-batch
+                                 max_train_samples=(steps + 1) * config.train.batch_size, retention_users=0)
+    config = config.replace(train=train, loss=config.loss.replace(pretrain_ce_epochs=0).to_dict())
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
+                           config.data.synthetic_seed)
+    tensors = dataset.catalog.tensors(device)
+    torch.manual_seed(0)
+    model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels).to(device)
+    loss_fn = build_loss(config.loss, tensors)
+    reference = None
+    if loss_fn.needs_reference:  # preference losses score a frozen reference too
+        import copy
+
+        reference = copy.deepcopy(model).eval().requires_grad_(False)
+    runner = EpochRunner(config, dataset, tensors, device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    stamps: list[float] = []
+
+    def synced_now() -> float:
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # the clock must see the GPU's work
+        return time.perf_counter()
+
+    def step_done(done: int, total: int) -> None:
+        stamps.append(synced_now())
+        if len(stamps) >= 2 and stamps[-1] - stamps[0] > max_seconds:
+            raise _Enough  # a slow config (pairwise, many negatives): one timed step is enough
+
+    try:
+        runner.train_epoch(1, model, loss_fn, optimizer, scheduler, reference, step_done)
+    except _Enough:
+        pass
+    if len(stamps) < 2:
+        raise ValueError(f"dataset {config.data.dataset!r} has too few training samples for a probe of "
+                         f"{steps + 1} batches of {train.batch_size}")
+    samples = (len(stamps) - 1) * train.batch_size  # the first step is a warm-up
+    train_s_per_sample = (stamps[-1] - stamps[0]) / samples
+    split = dataset.splits["valid"]
+    users = np.arange(min(len(split), train.eval_batch_size))
+    evaluate_split(model, dataset, "valid", tensors, train, device, users[:8])  # warm-up
+    start = synced_now()
+    evaluate_split(model, dataset, "valid", tensors, train, device, users)
+    eval_s_per_user = (synced_now() - start) / len(users)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    return {"train_s_per_sample": train_s_per_sample, "eval_s_per_user": eval_s_per_user, "peak_bytes": int(peak),
+            "precision": train.precision, "threads": threads, "device": device.type}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_probe(json.loads(sys.argv[1]), int(sys.argv[2]))))

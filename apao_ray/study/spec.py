@@ -1,0 +1,271 @@
+"""``StudySpec``: everything a study needs, every input checked at construction (before Ray starts).
+
+The sweep CLI only turns flags into a StudySpec; a notebook builds one directly::
+
+    spec = apao_ray.StudySpec(dataset="office", losses=("ce", "apao_pointwise"), budget="2h")
+    result = apao_ray.run_study(spec)
+    result.table
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES
+
+DEFAULT_LOSSES = ("ce", "apao_pointwise", "apao_pairwise")
+DEFAULT_NEGATIVES = (10, 200)
+PREFERENCE_LOSSES = ("dpo", "dmpo", "sdpo")  # two-stage: a CE stage first
+# --quick / --smoke / StudySpec.quick(): a plumbing check in a few minutes on 2 CPUs, not a result
+QUICK_SETTINGS = {"model_size": "tiny", "epochs": 2, "max_train_samples": 2048, "eval_max_users": 256,
+                  "batch_size": 128, "effective_batch_size": 256, "losses": ("ce", "apao_pointwise"),
+                  "retention_users": 32}
+QUICK_NEGATIVES = (10, 20)
+
+
+def quick_negatives(losses: tuple[str, ...]) -> tuple[int, int] | None:
+    """The quick range of negatives where a loss uses them (None otherwise: nothing to give)."""
+    from .space import TUNED_KNOBS
+
+    return QUICK_NEGATIVES if any("num_negatives" in TUNED_KNOBS.get(name, ()) for name in losses) else None
+
+
+@dataclass(frozen=True)
+class StudySpec:
+    """A hyperparameter study: which methods, how searched, how long, on what, recorded where.
+
+    Args:
+        dataset: a known dataset name (any case) or "synthetic".
+        data_dir: directory holding the dataset; given, it must hold it (no download, no fall-back).
+        backbones, losses: the methods: every (backbone, loss) pair is studied.
+        num_samples: Optuna trials per tuned (backbone, loss); baselines run once.
+        beta, eta, negatives: search ranges (low, high); negatives only for losses that use them
+            (None: 10..200).
+        epochs, patience: per-trial schedule (the sweep's 20 / 5, not the paper's 200 / 20).
+        budget: wall-clock budget ("3h", "90m", "1h30m" or seconds): the study is fitted to it and
+            stopped at it. None: no budget.
+        protocol, protocol_knobs: the training protocol preset and knob overrides (docs/PROTOCOLS.md).
+        max_concurrent: trials at once (None: the cluster's CPUs // cpus_per_trial).
+        tracking_uri: MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db).
+        output_dir: Ray Tune state and checkpoints.
+        resume, overwrite: continue the study of this name (refused if none) / start it again.
+        retry_failed: on a resume, run the trials that failed (e.g. killed for memory) again, each
+            from its last epoch checkpoint.
+        enqueue_paper_setting: each tuned method's first trial is the paper's setting.
+        optuna_storage: the searcher's Optuna storage (SQLAlchemy URL; None: optuna.db beside a
+            SQLite MLflow database, else under output_dir).
+    """
+
+    dataset: str = "synthetic"
+    data_dir: str | None = None
+    backbones: tuple[str, ...] = ("tiger",)
+    losses: tuple[str, ...] = DEFAULT_LOSSES
+    num_samples: int = 3
+    beta: tuple[float, float] = (0.05, 0.4)
+    eta: tuple[float, float] = (5e-6, 5e-4)
+    negatives: tuple[int, int] | None = None
+    pretrain_ce_epochs: int | None = None
+    epochs: int = 20
+    patience: int = 5
+    batch_size: int = 128
+    effective_batch_size: int = 1024
+    lr: float = 5e-4
+    beam_size: int = 20
+    seed: int = 0
+    model_size: str = "paper"
+    precision: str = "auto"
+    group_by_length: bool = False
+    max_train_samples: int | None = None
+    eval_max_users: int | None = None
+    retention_users: int = 128
+    protocol: str = "paper"
+    protocol_knobs: dict[str, Any] = field(default_factory=dict)
+    budget: str | float | None = None
+    max_concurrent: int | None = None
+    cpus_per_trial: float = 1.0
+    gpus_per_trial: float = 0.0
+    memory_per_trial_gib: float | None = None
+    max_failures: int = 1
+    asha_grace_period: int = 5
+    study_name: str | None = None
+    output_dir: str = "apao_runs"
+    tracking_uri: str | None = None
+    address: str | None = None
+    resume: bool = False
+    overwrite: bool = False
+    retry_failed: bool = False
+    enqueue_paper_setting: bool = True
+    optuna_storage: str | None = None
+    # resolved by the checks: the dataset, the base trial config, the search space, the URI
+    resolved: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @classmethod
+    def quick(cls, **changes: Any) -> "StudySpec":
+        """A plumbing check (tiny model, data subset, 2 epochs, no ASHA stopping); ``changes`` win."""
+        values: dict[str, Any] = {**QUICK_SETTINGS, "num_samples": 2, **changes}
+        values.setdefault("negatives", quick_negatives(tuple(values["losses"])))
+        values.setdefault("patience", values["epochs"])
+        values.setdefault("asha_grace_period", values["epochs"] + 1)  # 2 epochs leave ASHA nothing to compare
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "StudySpec":
+        return replace(self, **changes)  # re-checked
+
+    def __post_init__(self) -> None:
+        for name in ("backbones", "losses"):
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        self._check_numbers()
+        self._resolve()
+
+    def _check_numbers(self) -> None:
+        def check(name: str, low: float, *, integer: bool = False, optional: bool = False, above: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            kind = "an integer" if integer else "a number"
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            ok = ok and (value > low if above else value >= low) and (not integer or float(value).is_integer())
+            if not ok:
+                raise ValueError(f"{name}={value!r} must be {kind} {'>' if above else '>='} {low:g}")
+
+        for name in ("num_samples", "epochs", "patience", "batch_size", "effective_batch_size", "beam_size",
+                     "asha_grace_period"):
+            check(name, 1, integer=True)
+        for name in ("seed", "max_failures", "retention_users"):
+            check(name, 0, integer=True)
+        for name in ("max_train_samples", "eval_max_users", "max_concurrent"):
+            check(name, 1, integer=True, optional=True)
+        check("pretrain_ce_epochs", 0, integer=True, optional=True)
+        check("lr", 0)
+        check("gpus_per_trial", 0)
+        check("memory_per_trial_gib", 0, optional=True, above=True)
+        check("cpus_per_trial", 0, above=True)
+        if self.cpus_per_trial <= 0.05:
+            raise ValueError(f"--cpus-per-trial {self.cpus_per_trial} leaves the trial's worker nothing; give more "
+                             "than 0.05")
+        for name, allowed in (("model_size", ("paper", "tiny")), ("precision", PRECISIONS),
+                              ("protocol", PROTOCOL_NAMES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose from {list(allowed)}")
+        if self.budget is not None:
+            from .plan import parse_duration
+
+            parse_duration(self.budget)
+
+    @property
+    def budget_s(self) -> float | None:
+        from .plan import parse_duration
+
+        return None if self.budget is None else parse_duration(self.budget)
+
+    def _resolve(self) -> None:
+        """The checks that need the loss registry, the dataset, MLflow and the Ray address."""
+        from ..config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+        from ..data import load_dataset
+        from ..losses import LOSSES
+        from ..paths import check_plain_name
+        from ..protocol import apply_protocol, check_select_by
+        from ..tracking import check_tracking_uri, resolve_tracking_uri
+        from .cli_train import TINY_MODEL, check_against_catalog
+        from .runner import check_ray_address
+        from .space import TUNED_KNOBS, SearchSpec
+
+        unknown = [b for b in self.backbones if b not in BACKBONE_NAMES]
+        if unknown:
+            raise ValueError(f"unknown backbone(s) {unknown}; choose from {list(BACKBONE_NAMES)}")
+        unknown = [name for name in self.losses if name not in LOSSES]
+        if unknown:
+            raise ValueError(f"unknown loss(es) {unknown}; choose from {sorted(LOSSES)}")
+        if self.negatives is not None and not any("num_negatives" in TUNED_KNOBS.get(n, ()) for n in self.losses):
+            raise ValueError(f"--negatives was given, but none of the losses {list(self.losses)} uses negatives; "
+                             "add apao_pairwise, dmpo, sdpo or ce_sdpo")
+        negatives = tuple(self.negatives or DEFAULT_NEGATIVES)
+        search = SearchSpec(self.backbones, self.losses, tuple(self.beta), tuple(self.eta), negatives,
+                            self.num_samples)
+        from ..data import canonical_dataset, dataset_label, is_dataset_path
+
+        if not is_dataset_path(self.dataset):
+            check_plain_name("dataset", self.dataset)  # before the default study name is made from it
+        study_name = check_plain_name("study", self.study_name or f"{dataset_label(self.dataset)}-study")
+        dataset = load_dataset(self.dataset, self.data_dir, allow_download=not self.data_dir)  # given: it is there
+        base = TrialConfig(
+            DataConfig(dataset=canonical_dataset(self.dataset), data_dir=str(Path(self.data_dir).resolve()) if self.data_dir else None),
+            ModelConfig(**(TINY_MODEL if self.model_size == "tiny" else {})),
+            LossConfig(num_negatives=negatives[1]),
+            TrainConfig(epochs=self.epochs, patience=self.patience, batch_size=self.batch_size,
+                        effective_batch_size=max(self.effective_batch_size, self.batch_size), lr=self.lr,
+                        beam_size=self.beam_size, seed=self.seed, max_train_samples=self.max_train_samples,
+                        eval_max_users=self.eval_max_users, precision=self.precision,
+                        group_by_length=self.group_by_length, use_gpu=self.gpus_per_trial > 0,
+                        retention_users=self.retention_users))
+        # eta stays searched under every protocol; the preset's weighting and other knobs hold for all trials
+        base = apply_protocol(base, self.protocol, {k: v for k, v in self.protocol_knobs.items() if k != "eta"})
+        base = with_pretrain(base, self.losses, self.pretrain_ce_epochs)
+        for name in self.losses:  # every loss against the catalog, with the most negatives asked for
+            check_against_catalog(base.replace(loss=base.loss.replace(name=name).to_dict()), dataset.catalog)
+        tracking_uri = resolve_tracking_uri(self.tracking_uri)
+        check_tracking_uri(tracking_uri)
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other; give one")
+        check_ray_address(self.address)  # an unreachable cluster is refused here, before any trial
+        from .mlflow_callback import dataset_record_of
+        from .optuna_storage import resolve_storage_url
+
+        output_dir = Path(self.output_dir).resolve()
+        self.resolved.update(dataset=dataset, base=base, search=search, study_name=study_name,
+                             tracking_uri=tracking_uri, output_dir=output_dir,
+                             optuna_storage=resolve_storage_url(self.optuna_storage, tracking_uri, output_dir),
+                             dataset_record=dataset_record_of(dataset, self.data_dir))
+        from .sweep import check_resumable, study_state_exists
+
+        options = self.options()
+        if self.resume and not study_state_exists(options):
+            raise ValueError(f"--resume: no study {study_name!r} to resume under {options.output_dir}; "
+                             "check --study-name and --output-dir, or drop --resume to start it")
+        if self.retry_failed and not study_state_exists(options):
+            raise ValueError(f"--retry-failed: no study {study_name!r} under {options.output_dir} whose failed "
+                             "trials could run again; check --study-name and --output-dir")
+        if self.budget is None:  # a budget fits the schedule first: run_study checks the fitted one
+            check_resumable(tracking_uri, options, dataset.checksums)
+        # after the checks on the data: a changed dataset is the first thing to say on a resume
+        check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are
+
+    @property
+    def dataset_loaded(self) -> Any:
+        return self.resolved["dataset"]
+
+    def options(self, epochs: int | None = None, trials_per_tuned: int | None = None,
+                asha_grace_period: int | None = None, max_concurrent: int | None = None,
+                command_line: list[str] | None = None) -> Any:
+        """The driver's ``StudyOptions``, with a fitted schedule where given."""
+        from .sweep import StudyOptions
+
+        base, search = self.resolved["base"], self.resolved["search"]
+        if epochs is not None and epochs != base.train.epochs:
+            base = with_pretrain(base.replace(train=base.train.replace(epochs=epochs)), self.losses,
+                                 self.pretrain_ce_epochs)
+        if trials_per_tuned is not None:
+            search = replace(search, trials_per_tuned=trials_per_tuned)
+        budget = self.budget_s
+        extra = {} if command_line is None else {"command_line": command_line}
+        return StudyOptions(
+            base=base, spec=search, study_name=self.resolved["study_name"], output_dir=self.resolved["output_dir"],
+            tracking_uri=self.resolved["tracking_uri"], address=self.address,
+            max_concurrent=max_concurrent or self.max_concurrent or 1, cpus_per_trial=self.cpus_per_trial,
+            gpus_per_trial=self.gpus_per_trial, time_budget_s=budget, max_failures=self.max_failures,
+            memory_per_trial_bytes=int(self.memory_per_trial_gib * 2**30) if self.memory_per_trial_gib else None,
+            asha_grace_period=asha_grace_period or self.asha_grace_period, seed=self.seed, overwrite=self.overwrite,
+            retry_failed=self.retry_failed, enqueue_paper_setting=self.enqueue_paper_setting,
+            optuna_storage=self.resolved["optuna_storage"], dataset_record=self.resolved["dataset_record"], **extra)
+
+
+def with_pretrain(base: Any, losses: tuple[str, ...], pretrain_ce_epochs: int | None) -> Any:
+    """The CE stage of two-stage (preference) losses: as given, else half the epochs (at least 1)."""
+    if not any(name in PREFERENCE_LOSSES for name in losses):
+        return base
+    epochs = base.train.epochs
+    pretrain = pretrain_ce_epochs if pretrain_ce_epochs is not None else max(1, epochs // 2)
+    return base.replace(loss=base.loss.replace(pretrain_ce_epochs=pretrain).to_dict())

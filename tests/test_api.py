@@ -1,0 +1,173 @@
+"""The Python API (StudySpec, run_study, StudyResult) and the one CLI (python -m apao_ray ...)."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_script
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return tmp_path
+
+
+def test_package_import_stays_light_and_exports_the_api():
+    code = ("import sys, apao_ray; spec = apao_ray.StudySpec; heavy = [m for m in ('torch', 'ray', 'mlflow', 'pandas') "
+            "if m in sys.modules]; print(heavy, sorted(n for n in apao_ray.__all__ if not n.startswith('_')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert done.stdout.strip() == "[] ['StudyResult', 'StudySpec', 'load_recommender', 'plan_study', 'run_study']", \
+        done.stderr
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"num_samples": 0}, "num_samples=0 must be an integer >= 1"),
+    ({"epochs": 2.5}, "epochs=2.5 must be an integer >= 1"),
+    ({"gpus_per_trial": -1}, "gpus_per_trial=-1 must be a number >= 0"),
+    ({"max_concurrent": 0}, "max_concurrent=0 must be an integer >= 1"),
+    ({"lr": float("nan")}, "lr=nan must be a number >= 0"),
+    ({"memory_per_trial_gib": 0}, "memory_per_trial_gib=0 must be a number > 0"),
+    ({"cpus_per_trial": 0.01}, "--cpus-per-trial 0.01 leaves the trial's worker nothing"),
+    ({"precision": "fp16"}, "precision='fp16'; choose from ['auto', 'fp32', 'bf16']"),
+    ({"budget": "3x"}, "budget '3x' is not a duration"),
+    ({"budget": 0}, "budget 0 must be a duration > 0"),
+    ({"losses": ("ce", "nope")}, "unknown loss(es) ['nope']"),
+    ({"backbones": "gpt"}, "unknown backbone(s) ['gpt']"),
+    ({"beta": (0.4, 0.1)}, "range 0.4:0.1 is empty or inverted"),
+    ({"losses": ("ce",), "negatives": (10, 20)}, "none of the losses ['ce'] uses negatives"),
+    ({"losses": ("apao_pairwise",), "negatives": (10, 5000)}, "num_negatives=5000 must be < the 399 semantic IDs"),
+    ({"study_name": "../x"}, "study name '../x' must be a plain name"),
+    ({"tracking_uri": "file:./mlruns"}, "is not supported"),
+    ({"address": "headnode"}, "Ray address 'headnode' must be HOST:PORT"),
+    ({"resume": True}, "--resume: no study 'synthetic-study' to resume"),
+    ({"protocol_knobs": {"weighting": "bogus"}}, "bogus"),
+])
+def test_a_spec_refuses_bad_input_at_construction_naming_it(isolated, changes, problem):
+    from apao_ray import StudySpec
+
+    with pytest.raises(ValueError) as error:
+        StudySpec(output_dir=str(isolated / "runs"), **changes)
+    assert problem in str(error.value)
+    assert not (isolated / "runs").exists() and not (isolated / "mlflow.db").exists()
+
+
+def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
+    from apao_ray import StudySpec
+
+    spec = StudySpec.quick(losses=("ce", "apao_pairwise"), output_dir="runs", budget="1h30m", protocol="reference")
+    assert spec.budget_s == 5400 and spec.negatives == (10, 20) and spec.epochs == 2 and spec.asha_grace_period == 3
+    options = spec.options(epochs=1, trials_per_tuned=1, asha_grace_period=1, max_concurrent=2)
+    assert options.base.train.epochs == 1 and options.spec.num_trials == 2 and options.time_budget_s == 5400
+    assert options.base.protocol.name == "reference" and options.base.model.d_model == 64
+    assert options.output_dir == isolated / "runs" and options.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
+
+
+def test_help_texts_show_the_real_defaults():
+    from apao_ray.study import cli_sweep, cli_train
+
+    def option_help(parser, flag):
+        text = re.sub(r"\s+", " ", parser.format_help())
+        return text[text.index(f"{flag} ", text.index("options:")) + len(flag):][:200]
+
+    sweep, train = cli_sweep.build_parser(), cli_train.build_parser()
+    assert "(default 20;" in option_help(sweep, "--epochs") and "(default 5;" in option_help(sweep, "--patience")
+    assert "(default 200;" in option_help(train, "--epochs") and "(default 20;" in option_help(train, "--patience")
+    assert "(default 3)" in option_help(sweep, "--num-samples")
+    assert "deprecated: --budget SECONDS" in option_help(sweep, "--time-budget")
+    assert "instead of reading ~/.cache/apao_ray/probes.json" in option_help(sweep, "--reprobe")
+
+
+def test_one_cli_lists_and_delegates_its_subcommands(capsys):
+    from apao_ray import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("sweep", "train", "best", "data"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["sweep", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0 and out.startswith("usage: python -m apao_ray sweep") and "--dry-run" in out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["sweep", "--budget", "soon"])
+    assert exit_info.value.code == 2 and "argument --budget: budget 'soon' is not a duration" in capsys.readouterr().err
+
+
+def test_best_prints_a_row_for_a_method_whose_trials_were_all_pruned_or_failed(tmp_path, capsys):
+    from test_report import _study
+
+    from apao_ray.study.cli_sweep import best_main
+
+    _study(tmp_path)
+    assert best_main(["--dataset", "tiny", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--no-register",
+                      "--format", "csv"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(",")[1]: line for line in out.splitlines()[1:] if line}
+    assert set(rows) == {"ce", "apao_pointwise", "apao_pairwise"}
+    assert rows["ce"].endswith(",finished") and rows["apao_pointwise"].endswith(",all 2 trials pruned")
+    assert "failed: TrialOutOfMemoryError: out of memory while training in epoch 1" in rows["apao_pairwise"]
+
+
+@pytest.fixture(scope="module")
+def probe_cache(tmp_path_factory):
+    """One probe cache for this module's end-to-end tests (the first measures, later ones read it)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.e2e
+def test_dry_run_prints_the_plan_fits_a_budget_and_refuses_one_too_small(tmp_path, probe_cache):
+    env = {"APAO_PROBE_CACHE": str(probe_cache / "probes.json")}
+    command = ["-m", "apao_ray", "sweep", "--smoke", "--epochs", "8", "--output-dir", str(tmp_path / "runs"),
+               "--dry-run"]
+    result = run_script(command, cwd=tmp_path, env=env, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    plan = result.stderr
+    assert "plan: 4 trials on synthetic, protocol paper" in plan and "measured now" in plan
+    assert re.search(r"tiger/ce +1 trial +8 epochs +epoch ~[\d.]+ (s|min) +trial ~.* peak ~[\d.]+ GiB", plan), plan
+    assert re.search(r"tiger/apao_pointwise +3 trials +8 epochs", plan), plan
+    assert (probe_cache / "probes.json").is_file()
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()  # nothing ran
+    estimate = re.search(r"study ~([\d.]+) (s|min) wall", plan)
+    seconds = float(estimate.group(1)) * (60 if estimate.group(2) == "min" else 1)
+
+    fitted = run_script([*command, "--budget", f"{seconds * 0.7:.0f}"], cwd=tmp_path, env=env, timeout=400)
+    assert fitted.returncode == 0 and "cached" in fitted.stderr, fitted.stderr[-3000:]
+    assert re.search(r"exceeds it; fitted: epochs 8 -> \d", fitted.stderr), fitted.stderr
+
+    refused = run_script([*command, "--budget", "1s"], cwd=tmp_path, env=env, timeout=400)
+    assert refused.returncode == 2
+    assert re.search(r"budget 1 s is too small for one epoch: one trial per method for one epoch is estimated at "
+                     r"[\d.]+ (s|min)", refused.stderr), refused.stderr
+
+
+@pytest.mark.e2e
+def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkeypatch, capsys):
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(probe_cache / "probes.json"))
+    import apao_ray
+
+    spec = apao_ray.StudySpec.quick(losses=("ce", "apao_pointwise"), num_samples=1, epochs=1, lr=2e-3,
+                                    max_concurrent=2, output_dir=str(tmp_path / "runs"),
+                                    tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    try:
+        result = apao_ray.run_study(spec)
+    finally:
+        import ray
+
+        ray.shutdown()
+    assert "plan: 2 trials on synthetic" in capsys.readouterr().err  # printed before the first trial
+    table = result.table
+    assert [tuple(pair) for pair in table[["backbone", "loss"]].values] == [("tiger", "apao_pointwise"), ("tiger", "ce")]
+    assert list(table["status"]) == ["finished", "finished"]
+    assert table["test/ndcg_at_10"].between(0, 1).all() and table["best/val/ndcg_at_10"].notna().all()
+    assert table.loc[table["loss"] == "apao_pointwise", "beta"].item() == 0.3  # the paper's point goes first
+    assert len(result.trials) == 2 and set(result.trials["status"]) == {"finished"}
+    from apao_ray.tracking import Tracker
+
+    children = Tracker(result.tracking_uri, "apao-synthetic").child_runs()
+    assert {run.data.tags["mlflow.parentRunId"] for run in children} == {result.parent_run_id}
+    assert set(table["run_id"]) == {run.info.run_id for run in children}

@@ -1,0 +1,113 @@
+"""study/plan.py: budget parsing and fitting arithmetic, the plan's text, the probe cache (no training)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apao_ray.study.plan import (RAY_START_S, Fit, MethodCost, Plan, asha_rungs, fit_budget, makespan,
+                                 parse_duration, probe, probe_key, study_seconds)
+
+CE = MethodCost("tiger", "ce", True, epoch_s=60.0, fixed_s=30.0, peak_bytes=2**30)
+POINTWISE = MethodCost("tiger", "apao_pointwise", False, epoch_s=60.0, fixed_s=30.0, peak_bytes=2 * 2**30)
+
+
+@pytest.mark.parametrize("text, seconds", [("90m", 5400), ("3h", 10800), ("1h30m", 5400), ("45s", 45), ("5400", 5400),
+                                           ("1.5h", 5400), ("2h0m30s", 7230), (" 10M ", 600), (120, 120)])
+def test_durations_parse(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "3x", "h", "1m30h", "-5", "0", "0m", "inf", "nan", "3 hours"])
+def test_bad_durations_are_named(text):
+    with pytest.raises(ValueError, match=f"budget {text!r} (is not a duration|must be a duration > 0)"):
+        parse_duration(text)
+
+
+def test_makespan_puts_the_longest_trials_first_on_the_freest_slot():
+    assert makespan([2, 3, 2, 3, 2], 2) == 7      # 3+2+2 | 3+2
+    assert makespan([2, 3, 2, 3, 2], 1) == 12
+    assert makespan([5, 1, 1], 3) == 5             # never shorter than the longest trial
+    assert makespan([], 2) == 0
+
+
+def test_study_estimate_counts_baselines_once_and_tuned_methods_per_trial():
+    # CE once + 3 pointwise trials, one slot: each trial 30 s + 20 epochs x 60 s
+    assert study_seconds([CE, POINTWISE], 20, 3, 1) == RAY_START_S + 4 * (30 + 20 * 60)
+    assert study_seconds([CE, POINTWISE], 20, 3, 2) == RAY_START_S + 2 * (30 + 20 * 60)
+
+
+def test_a_study_that_fits_is_left_as_asked():
+    asked = study_seconds([CE, POINTWISE], 20, 3, 1)
+    assert fit_budget([CE, POINTWISE], 20, 3, 5, 1, asked) == Fit(20, 3, 5, asked)
+    assert fit_budget([CE, POINTWISE], 20, 3, 5, 1, None) == Fit(20, 3, 5, asked)
+
+
+def test_epochs_shrink_first_down_to_half():
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 1, 3000)  # 10 + 4 * (30 + 60 e) <= 3000  ->  e = 11
+    assert (fit.epochs, fit.trials_per_tuned, fit.asha_grace_period) == (11, 3, 2)
+    assert fit.estimate_s == 10 + 4 * (30 + 660) <= 3000
+    assert fit.changes == ("epochs 20 -> 11", "ASHA grace period 5 -> 2")
+
+
+def test_then_trials_then_epochs_below_half():
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 1, 1500)  # 3 trials at 10 epochs: 2530 s; 2 trials: 1900 s
+    assert (fit.epochs, fit.trials_per_tuned) == (11, 1)    # 10 + 2 * (30 + 60 e) <= 1500
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 1, 500)
+    assert (fit.epochs, fit.trials_per_tuned, fit.asha_grace_period) == (3, 1, 1)
+    assert fit.changes == ("epochs 20 -> 3", "trials per tuned method 3 -> 1", "ASHA grace period 5 -> 1")
+
+
+def test_two_slots_fit_more():
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 2, 1500)  # 4 equal trials, 2 per slot: 10 + 2 * (30 + 60 e)
+    assert (fit.epochs, fit.trials_per_tuned) == (11, 3)
+
+
+def test_a_budget_too_small_for_one_epoch_is_refused_with_the_estimate():
+    # one trial per method, one epoch: 10 + 2 * (30 + 60) = 190 s
+    with pytest.raises(ValueError, match=r"budget 1\.5 min is too small for one epoch: .* estimated at 3\.2 min .* "
+                                         r"--budget 4m or more"):
+        fit_budget([CE, POINTWISE], 20, 3, 5, 1, 90)
+
+
+def test_no_pruning_asked_stays_no_pruning_when_fitted():
+    fit = fit_budget([CE, POINTWISE], 4, 2, 5, 1, study_seconds([CE, POINTWISE], 3, 2, 1))
+    assert (fit.epochs, fit.asha_grace_period) == (3, 4)  # grace past the last epoch, as --quick asks
+    assert asha_rungs(fit.asha_grace_period, fit.epochs) == []
+
+
+def test_asha_rungs():
+    assert asha_rungs(5, 20) == [5]
+    assert asha_rungs(1, 20) == [1, 4, 16]
+    assert asha_rungs(3, 2) == []
+
+
+def test_plan_text_names_methods_costs_and_the_fit():
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 1, 3000)
+    plan = Plan("office", "paper", "fp32", 1, [CE, POINTWISE], 20, 3, fit, budget_s=3000)
+    text = plan.text()
+    assert plan.num_trials == 4 and plan.peak_bytes == 2 * 2**30
+    assert "plan: 4 trials on office, protocol paper, precision fp32, 1 at a time" in text
+    assert "tiger/ce" in text and "1 trial " in text and "3 trials  11 epochs  epoch ~1.0 min  trial ~11.5 min" in text
+    assert "budget 50.0 min: the study as asked (~1h22m) exceeds it; fitted: epochs 20 -> 11, ASHA grace period " \
+           "5 -> 2 (~46.2 min)" in text
+    assert "ASHA compares each tuned method's trials at epochs [2, 8]" in text
+
+
+def test_probe_cache_is_read_per_hardware_and_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "apao_ray" / "probes.json"))
+    from apao_ray.config import TrialConfig
+
+    config = json.loads(json.dumps(TrialConfig().to_dict()))
+    key = probe_key(config, 2)
+    assert key == probe_key(json.loads(json.dumps(config)), 2) != probe_key(config, 1)
+    other = json.loads(json.dumps(TrialConfig().replace(loss={"name": "apao_pairwise"}).to_dict()))
+    assert probe_key(other, 2) != key
+    epochs_only = json.loads(json.dumps(TrialConfig().replace(train={"epochs": 3}).to_dict()))
+    assert probe_key(epochs_only, 2) == key  # the schedule does not change a step's cost
+    saved = {"train_s_per_sample": 0.02, "eval_s_per_user": 0.01, "peak_bytes": 123, "precision": "fp32",
+             "threads": 2, "device": "cpu"}
+    (tmp_path / "apao_ray").mkdir()
+    (tmp_path / "apao_ray" / "probes.json").write_text(json.dumps({key: saved}))
+    measured, was_cached = probe(config, 2)
+    assert was_cached and measured.train_s_per_sample == 0.02 and measured.peak_bytes == 123
