@@ -19,6 +19,7 @@ from apao_ray.training.loop import run_trial
 from conftest import ROOT, TINY_MODEL
 
 pytest.importorskip("transformers", reason="export --format hf needs the hf extra (pip install 'apao_ray[hf]')")
+pytestmark = pytest.mark.e2e  # trains and exports real models: minutes on 2 CPUs
 
 
 @pytest.fixture(scope="module", params=["tiger", "llama"])

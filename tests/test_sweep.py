@@ -232,7 +232,7 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
      "--optuna-storage 'postgresql://u:***@host:port/db' is not a SQLAlchemy URL"),  # the password never printed
     (["--optuna-storage", "postgress://host/db"], "--optuna-storage 'postgress://host/db' is not a SQLAlchemy URL"),
     (["--study-name", "../escape"], "study name '../escape' must be a plain name"),
-    (["--dataset", "../synthetic"], "dataset name '../synthetic' must be a plain name"),
+    (["--dataset", "../synthetic"], "synthetic does not exist (a --dataset with a path separator is a directory"),
     (["--address", "127.0.0.1:9"], "Ray address '127.0.0.1:9' is unreachable"),
     (["--address", "headnode"], "Ray address 'headnode' must be HOST:PORT"),
     (["--resume"], "--resume: no study 'synthetic-study' to resume"),
@@ -264,6 +264,7 @@ def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, caps
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.e2e
 def test_optuna_storage_holds_each_trial_once_with_the_validation_metric_mlflow_has(study):
     """The study was interrupted twice (Ctrl-C, SIGKILL) and resumed: its Optuna storage (beside
     mlflow.db) has each trial once, with the value that MLflow's child run reports."""
@@ -287,6 +288,7 @@ def test_optuna_storage_holds_each_trial_once_with_the_validation_metric_mlflow_
     assert "Optuna parameter importances" in study["stdout"]  # 3 apao_pointwise trials, beta and eta varied
 
 
+@pytest.mark.e2e
 def test_mlflow_opens_on_runs_with_datasets_and_the_parent_has_the_summary_metrics(study):
     tracker = study["tracker"]
     assert tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
