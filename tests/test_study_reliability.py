@@ -50,9 +50,12 @@ def _wait_http(url: str, process: subprocess.Popen, timeout: float = 300) -> Non
 
 
 def _alive_nodes(address: str, env: dict) -> list[str]:
-    listing = subprocess.run([sys.executable, "-c", "import json, ray; ray.init(address='auto', logging_level='ERROR');"
-                              "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"],
-                             capture_output=True, text=True, env={**env, "RAY_ADDRESS": address}, timeout=120)
+    try:
+        listing = subprocess.run([sys.executable, "-c", "import json, ray; ray.init(address='auto', logging_level='ERROR');"
+                                  "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"],
+                                 capture_output=True, text=True, env={**env, "RAY_ADDRESS": address}, timeout=120)
+    except subprocess.TimeoutExpired:  # a node still starting on a loaded machine: the caller asks again
+        return []
     lines = listing.stdout.strip().splitlines()
     return json.loads(lines[-1]) if listing.returncode == 0 and lines else []
 
@@ -162,7 +165,7 @@ def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(t
                          # fp32: under this 2.5 GiB RLIMIT_DATA cap a bf16 worker (AMX) runs out at test time
                          # even for CE, and the point here is which trials fail and how they are recorded
                          "--precision", "fp32"],
-                        cwd=tmp_path)
+                        cwd=tmp_path, timeout=900)  # three plan probes first, one of them pairwise with 300 negatives
     assert result.returncode == 0, result.stderr[-4000:]
     assert "study synthetic-study: 3 trials (2 failed)" in result.stderr
     from apao_ray.tracking import Tracker
@@ -189,7 +192,7 @@ def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(t
     retried = run_script([SWEEP, "--smoke", "--losses", "ce,apao_pointwise,apao_pairwise", "--num-samples", "1",
                           "--beta", "1e39", "--negatives", "300", "--memory-per-trial", "8", "--max-concurrent", "3",
                           "--cpus-per-trial", "0.5", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri,
-                          "--precision", "fp32", "--retry-failed"], cwd=tmp_path)
+                          "--precision", "fp32", "--retry-failed"], cwd=tmp_path, timeout=900)
     assert retried.returncode == 0, retried.stderr[-4000:]
     after = {c.data.tags["loss"]: c for c in _children(tracker).values()}
     assert len(after) == 3 and {k: r.info.run_id for k, r in after.items()} == {k: r.info.run_id for k, r in runs.items()}

@@ -69,7 +69,7 @@ def test_limit_threads_caps_both_torch_pools_and_the_thread_env_of_a_fresh_worke
 BUSY_RAY = """
 import sys, time
 import ray
-ray.init(num_cpus=1, include_dashboard=False)  # another Ray on the machine, as a studies/train.py run is
+ray.init(address="local", num_cpus=1, include_dashboard=False)  # another Ray on the machine, as a studies/train.py run is
 print("ready", flush=True)
 end = time.time() + float(sys.argv[1])
 while time.time() < end:  # and one core kept busy
