@@ -198,8 +198,9 @@ def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(t
     assert retried.returncode == 0, retried.stderr[-4000:]
     after = {c.data.tags["loss"]: c for c in _children(tracker).values()}
     assert len(after) == 3 and {k: r.info.run_id for k, r in after.items()} == {k: r.info.run_id for k, r in runs.items()}
-    assert after["apao_pairwise"].info.status == "FINISHED", after["apao_pairwise"].data.tags.get("apao.error")
-    assert after["apao_pairwise"].data.metrics["test/ndcg_at_10"] >= 0
+    # with the memory it needed, the pairwise trial really ran again: it now trains, and overflows like the
+    # pointwise one does (beta 1e39 is both their beta), in the same child run
+    assert after["apao_pairwise"].data.tags["apao.outcome"] == "non-finite loss", after["apao_pairwise"].data.tags
     assert after["apao_pointwise"].info.status == "FAILED" and after["ce"].info.status == "FINISHED"
 
 
