@@ -259,7 +259,8 @@ class StudySpec:
             memory_per_trial_bytes=int(self.memory_per_trial_gib * 2**30) if self.memory_per_trial_gib else None,
             asha_grace_period=asha_grace_period or self.asha_grace_period, seed=self.seed, overwrite=self.overwrite,
             retry_failed=self.retry_failed, enqueue_paper_setting=self.enqueue_paper_setting,
-            optuna_storage=self.resolved["optuna_storage"], dataset_record=self.resolved["dataset_record"], **extra)
+            optuna_storage=self.resolved["optuna_storage"], optuna_storage_given=self.optuna_storage is not None,
+            dataset_record=self.resolved["dataset_record"], **extra)
 
 
 def with_pretrain(base: Any, losses: tuple[str, ...], pretrain_ce_epochs: int | None) -> Any:

@@ -44,6 +44,7 @@ class StudyOptions:
     overwrite: bool = False
     retry_failed: bool = False  # on a resume, run the trials that failed again (from their last checkpoint)
     optuna_storage: str | None = None  # SQLAlchemy URL; None: optuna.db beside a SQLite MLflow DB (optuna_storage.py)
+    optuna_storage_given: bool = False  # the user named the storage (--optuna-storage): a resume must not swap it
     enqueue_paper_setting: bool = True  # each tuned method's first trial is the paper's setting
     dataset_record: dict[str, Any] | None = None  # logged as each run's MLflow dataset input
     command_line: list[str] = field(default_factory=lambda: list(sys.argv))
@@ -101,10 +102,10 @@ def parent_tags(study_name: str) -> dict[str, str]:
 
 
 def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums: dict[str, str]) -> None:
-    """Refuses to resume a study whose dataset files or search space changed.
+    """Refuses to resume a study whose dataset files, search space or named Optuna storage changed.
 
-    Tune restores the search space and trial count from its own state, so a changed space would be
-    silently ignored, and a changed dataset would mix two datasets in one comparison.
+    Tune restores the search space, trial count and searcher from its own state, so a changed space or
+    storage would be silently ignored, and a changed dataset would mix two datasets in one comparison.
     """
     from ..tracking import Tracker, experiment_name
 
@@ -123,6 +124,15 @@ def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums:
                             for name in changed)
         raise ValueError(f"dataset files changed since study {options.study_name!r} started ({details}); restore "
                          "the original files, or start a new study with --study-name NAME or --overwrite")
+    if options.optuna_storage_given and options.optuna_storage and study_state_exists(options):
+        from .optuna_storage import STORAGE_TAG
+
+        storage = run.data.tags.get(STORAGE_TAG)
+        if storage != redact(options.optuna_storage):  # the restored searcher writes where it was started
+            started = f"with Optuna storage {storage!r}" if storage else "without an Optuna storage"
+            raise ValueError(f"study {options.study_name!r} was started {started}; --optuna-storage now gives "
+                             f"{redact(options.optuna_storage)!r}: a resumed study keeps its storage, so drop "
+                             "--optuna-storage (or give the recorded one), or start a new --study-name")
     before = {"space": run.data.params.get("space"), "num_trials": run.data.params.get("num_trials")}
     now = {"space": space_param(options.spec), "num_trials": str(options.spec.num_trials)}
     if study_state_exists(options) and before != now:
