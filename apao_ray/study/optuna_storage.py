@@ -282,6 +282,6 @@ def log_study_artifacts(tracker: Any, parent_run_id: str, storage_url: str, stud
     # one or two "top" trials, and the shares say little
     lines = [f"Optuna parameter importances (optuna.importance, share per knob; fewer than 10 trials of a method "
              f"make them rough):\n{table}"] if table else []
-    lines.append(f"Optuna study {study_name!r}: {dashboard_command(storage_url)}  (pip install optuna-dashboard)")
+    lines.append(f"Optuna study {study_name!r}: {dashboard_command(storage_url)}  (pip install -e '.[dashboard]' installs it)")
     return "\n".join(lines)
 
