@@ -65,6 +65,8 @@ def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
     assert options.base.train.epochs == 1 and options.spec.num_trials == 2 and options.time_budget_s == 5400
     assert options.base.protocol.name == "reference" and options.base.model.d_model == 64
     assert options.output_dir == isolated / "runs" and options.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
+    assert options.base.train.max_train_samples == 2048  # --quick's
+    assert spec.options(max_train_samples=1024).base.train.max_train_samples == 1024  # a budget's training subset
 
 
 def test_help_texts_show_the_real_defaults():

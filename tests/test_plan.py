@@ -70,6 +70,26 @@ def test_a_budget_too_small_for_one_epoch_is_refused_with_the_estimate():
         fit_budget([CE, POINTWISE], 20, 3, 5, 1, 90)
 
 
+def test_a_budget_below_one_full_epoch_trains_every_method_on_the_largest_subset_that_fits():
+    # 10,240 training samples per epoch; CE trains them in 50 s (+ 10 s validation), pairwise in 3,590 s (+ 10 s)
+    ce = MethodCost("tiger", "ce", True, epoch_s=60.0, fixed_s=30.0, train_samples=10240, train_epoch_s=50.0)
+    pairwise = MethodCost("tiger", "apao_pairwise", False, epoch_s=3600.0, fixed_s=30.0, train_samples=10240,
+                          train_epoch_s=3590.0)
+    assert study_seconds([ce, pairwise], 1, 1, 1) == RAY_START_S + 90 + 3630  # one full epoch each: over 1000 s
+    fit = fit_budget([ce, pairwise], 20, 3, 5, 1, 1000)
+    # 10 + (30 + 10 + 50 s/10240) + (30 + 10 + 3590 s/10240) <= 1000  ->  s <= 2560, a multiple of 256
+    assert (fit.epochs, fit.trials_per_tuned, fit.train_samples) == (1, 1, 2560)
+    assert fit.estimate_s <= 1000 < study_seconds([m.with_train_samples(2816) for m in (ce, pairwise)], 1, 1, 1)
+    assert "training samples per epoch 10,240 -> 2,560 (a fixed random subset, the same for every method: not " \
+           "the paper's protocol)" in fit.changes
+    plan = Plan("grocery", "paper", "bf16", 1, [ce, pairwise], 20, 3, fit, budget_s=1000)
+    assert "tiger/apao_pairwise    1 trial   1 epoch   epoch ~15.1 min" in plan.text()  # the subset's epoch
+    # not even 1,024 samples fit: refused, naming the slowest method
+    with pytest.raises(ValueError, match=r"one epoch on 1,024 training samples is estimated at 7\.6 min .* leave out "
+                                         r"the slowest method, tiger/apao_pairwise at ~1h00m per full epoch"):
+        fit_budget([ce, pairwise], 20, 3, 5, 1, 300)
+
+
 def test_no_pruning_asked_stays_no_pruning_when_fitted():
     fit = fit_budget([CE, POINTWISE], 4, 2, 5, 1, study_seconds([CE, POINTWISE], 3, 2, 1))
     assert (fit.epochs, fit.asha_grace_period) == (3, 4)  # grace past the last epoch, as --quick asks

@@ -3,8 +3,10 @@
 The cost comes from a short probe of the real model and loss (a few optimizer steps and one
 validation batch, in a subprocess so that its peak memory is its own), cached per hardware and
 config in ``~/.cache/apao_ray/probes.json``. With a wall-clock budget the study is fitted to it:
-fewer epochs first (down to half), then fewer trials per tuned method, then fewer epochs again;
-ASHA's grace period follows the epochs. The arithmetic is pure and unit-tested.
+fewer epochs first (down to half), then fewer trials per tuned method, then fewer epochs again,
+and last a fixed random subset of the training samples (the same for every method, said in the
+plan: a departure from the protocol); ASHA's grace period follows the epochs. The arithmetic is
+pure and unit-tested.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import platform
 import re
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ TRIAL_START_S = 30.0      # a TorchTrainer's placement group + worker start + to
 PROBE_STEPS = 3           # timed optimizer steps (after one warm-up step)
 PROBE_CACHE_FILE = "probes.json"
 PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
+MIN_TRAIN_SAMPLES = 1024  # the smallest training subset a budget may cut an epoch to
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
 
@@ -65,7 +68,9 @@ def format_duration(seconds: float) -> str:
 
 @dataclass(frozen=True)
 class MethodCost:
-    """The cost of one (backbone, loss): seconds per epoch and per trial outside epochs, peak memory."""
+    """The cost of one (backbone, loss): seconds per epoch and per trial outside epochs, peak memory;
+    ``train_samples`` and ``train_epoch_s``: the epoch's training samples and their share of ``epoch_s``
+    (0: unknown, the epoch cannot be cut to a subset)."""
 
     backbone: str
     loss: str
@@ -73,9 +78,19 @@ class MethodCost:
     epoch_s: float
     fixed_s: float
     peak_bytes: int = 0
+    train_samples: int = 0
+    train_epoch_s: float = 0.0
 
     def trial_s(self, epochs: int) -> float:
         return self.fixed_s + epochs * self.epoch_s
+
+    def with_train_samples(self, samples: int | None) -> "MethodCost":
+        """The cost with an epoch cut to ``samples`` training samples (None or all: unchanged)."""
+        if samples is None or not self.train_samples or samples >= self.train_samples:
+            return self
+        saved = self.train_epoch_s * (1 - samples / self.train_samples)
+        return replace(self, epoch_s=self.epoch_s - saved, train_samples=samples,
+                       train_epoch_s=self.train_epoch_s - saved)
 
 
 def makespan(durations: list[float], slots: int) -> float:
@@ -113,6 +128,7 @@ class Fit:
     asha_grace_period: int
     estimate_s: float
     changes: tuple[str, ...] = ()   # e.g. "epochs 20 -> 8": empty when nothing had to change
+    train_samples: int | None = None  # a training subset per epoch (the last resort of a budget); None: all
 
 
 def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, grace: int, slots: int,
@@ -120,11 +136,14 @@ def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, gr
     """The largest schedule whose estimate fits ``budget_s``.
 
     Order of sacrifice: epochs down to half the asked number, then trials per tuned method down to 1
-    (each at the most epochs in [half, all] that fit), then epochs down to 1. ASHA's grace period
-    becomes a quarter of the fitted epochs (at most the asked one), so its rungs stay inside the run.
+    (each at the most epochs in [half, all] that fit), then epochs down to 1, then the training samples
+    of that epoch down to ``MIN_TRAIN_SAMPLES`` (the largest fixed subset that fits, the same for every
+    method, so they stay comparable). ASHA's grace period becomes a quarter of the fitted epochs (at
+    most the asked one), so its rungs stay inside the run.
 
     Raises:
-        ValueError: when one epoch of one trial per method does not fit, naming that estimate.
+        ValueError: when one epoch of the smallest subset does not fit, naming the estimate and the
+            slowest method.
     """
     asked = study_seconds(methods, epochs, trials_per_tuned, slots)
     if budget_s is None or asked <= budget_s:
@@ -132,19 +151,51 @@ def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, gr
     half = max(1, math.ceil(epochs / 2))
     candidates = [(n, e) for n in range(trials_per_tuned, 0, -1) for e in range(epochs, half - 1, -1)]
     candidates += [(1, e) for e in range(half - 1, 0, -1)]
+
+    def fitted(e: int, n: int, estimate: float, samples: int | None = None) -> Fit:
+        # a grace past the last epoch (--quick) means no pruning: kept so
+        new_grace = e + 1 if grace > epochs else min(grace, max(1, e // 4))
+        changes = [f"{label} {before} -> {after}" for label, before, after in (
+            ("epochs", epochs, e), ("trials per tuned method", trials_per_tuned, n),
+            ("ASHA grace period", grace, new_grace)) if before != after]
+        if samples is not None:
+            changes.append(f"training samples per epoch {methods[0].train_samples:,} -> {samples:,} (a fixed random "
+                           "subset, the same for every method: not the paper's protocol)")
+        return Fit(e, n, new_grace, estimate, tuple(changes), samples)
+
     for n, e in candidates:
         estimate = study_seconds(methods, e, n, slots)
         if estimate <= budget_s:
-            # a grace past the last epoch (--quick) means no pruning: kept so
-            new_grace = e + 1 if grace > epochs else min(grace, max(1, e // 4))
-            changes = [f"{label} {before} -> {after}" for label, before, after in (
-                ("epochs", epochs, e), ("trials per tuned method", trials_per_tuned, n),
-                ("ASHA grace period", grace, new_grace)) if before != after]
-            return Fit(e, n, new_grace, estimate, tuple(changes))
-    smallest = study_seconds(methods, 1, 1, slots)
+            return fitted(e, n, estimate)
+    samples = largest_subset(methods, slots, budget_s)
+    if samples is not None:
+        return fitted(1, 1, study_seconds([m.with_train_samples(samples) for m in methods], 1, 1, slots), samples)
+    smallest = study_seconds([m.with_train_samples(MIN_TRAIN_SAMPLES) for m in methods], 1, 1, slots)
+    slowest = max(methods, key=lambda m: m.epoch_s)
+    subset = f" on {MIN_TRAIN_SAMPLES:,} training samples" if any(m.train_samples > MIN_TRAIN_SAMPLES for m in methods) else ""
     raise ValueError(f"budget {format_duration(budget_s)} is too small for one epoch: one trial per method for one "
-                     f"epoch is estimated at {format_duration(smallest)} on this machine; give --budget "
-                     f"{math.ceil(smallest / 60)}m or more, or a smaller study (--quick, --max-train-samples)")
+                     f"epoch{subset} is estimated at {format_duration(smallest)} on this machine; give --budget "
+                     f"{math.ceil(smallest / 60)}m or more, or a smaller study (--quick, or leave out the slowest "
+                     f"method, {slowest.backbone}/{slowest.loss} at ~{format_duration(slowest.epoch_s)} per full epoch)")
+
+
+def largest_subset(methods: list[MethodCost], slots: int, budget_s: float) -> int | None:
+    """The most training samples per epoch (a multiple of 256, >= ``MIN_TRAIN_SAMPLES``) with which one
+    epoch of one trial per method fits ``budget_s``; None when even the smallest does not fit."""
+    total = min(m.train_samples for m in methods)
+    if total <= MIN_TRAIN_SAMPLES:
+        return None
+
+    def fits(samples: int) -> bool:
+        return study_seconds([m.with_train_samples(samples) for m in methods], 1, 1, slots) <= budget_s
+
+    low, high = MIN_TRAIN_SAMPLES // 256, total // 256   # in units of 256 samples; fits(low) decides
+    if not fits(low * 256):
+        return None
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if fits(middle * 256) else (low, middle - 1)
+    return low * 256
 
 
 @dataclass(frozen=True)
@@ -242,10 +293,10 @@ class Plan:
         fit, gib = self.fit, 2 ** 30
         lines = [f"plan: {self.num_trials} trials on {self.dataset}, protocol {self.protocol}, precision "
                  f"{self.precision}, {self.slots} at a time"]
-        for m in self.methods:
+        for m in (m.with_train_samples(fit.train_samples) for m in self.methods):
             count = 1 if m.is_baseline else fit.trials_per_tuned
             kind = "baseline, runs to the end" if m.is_baseline else "Optuna TPE + ASHA"
-            lines.append(f"  {m.backbone}/{m.loss:<16} {count} trial{'s' if count > 1 else ' '}  {fit.epochs} epochs  "
+            lines.append(f"  {m.backbone}/{m.loss:<16} {count} trial{'s' if count > 1 else ' '}  {fit.epochs} epoch{'s' if fit.epochs > 1 else ' '}  "
                          f"epoch ~{format_duration(m.epoch_s)}  trial ~{format_duration(m.trial_s(fit.epochs))}  "
                          f"peak ~{m.peak_bytes / gib:.1f} GiB  ({kind})")
         rungs = asha_rungs(fit.asha_grace_period, fit.epochs)
@@ -294,10 +345,11 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
         cached += was_cached
         precisions.add(measured.precision)
         devices.add(measured.device)
+        train_s = train_samples * measured.train_s_per_sample
         methods.append(MethodCost(
-            backbone, loss, is_baseline(loss),
-            epoch_s=train_samples * measured.train_s_per_sample + valid_users * measured.eval_s_per_user,
-            fixed_s=TRIAL_START_S + len(splits["test"]) * measured.eval_s_per_user, peak_bytes=measured.peak_bytes))
+            backbone, loss, is_baseline(loss), epoch_s=train_s + valid_users * measured.eval_s_per_user,
+            fixed_s=TRIAL_START_S + len(splits["test"]) * measured.eval_s_per_user, peak_bytes=measured.peak_bytes,
+            train_samples=train_samples, train_epoch_s=train_s))
     fit = fit_budget(methods, base.train.epochs, search.trials_per_tuned, spec.asha_grace_period, slots,
                      spec.budget_s)
     notes = []

@@ -239,14 +239,16 @@ class StudySpec:
 
     def options(self, epochs: int | None = None, trials_per_tuned: int | None = None,
                 asha_grace_period: int | None = None, max_concurrent: int | None = None,
-                command_line: list[str] | None = None) -> Any:
-        """The driver's ``StudyOptions``, with a fitted schedule where given."""
+                command_line: list[str] | None = None, max_train_samples: int | None = None) -> Any:
+        """The driver's ``StudyOptions``, with a fitted schedule (and training subset) where given."""
         from .sweep import StudyOptions
 
         base, search = self.resolved["base"], self.resolved["search"]
         if epochs is not None and epochs != base.train.epochs:
             base = with_pretrain(base.replace(train=base.train.replace(epochs=epochs)), self.losses,
                                  self.pretrain_ce_epochs)
+        if max_train_samples is not None:
+            base = base.replace(train=base.train.replace(max_train_samples=max_train_samples))
         if trials_per_tuned is not None:
             search = replace(search, trials_per_tuned=trials_per_tuned)
         budget = self.budget_s
