@@ -1,4 +1,4 @@
-"""``python -m apao_ray {sweep,train,best,data,...}``: the one command line.
+"""``python -m apao_ray {sweep,train,best,data,serve,...}``: the one command line.
 
 Each subcommand is one line of ``COMMANDS``: ``sweep``, ``train`` and ``best`` hand their
 arguments to their own parser (``python -m apao_ray sweep --help``); a module with
@@ -24,6 +24,7 @@ REGISTERED = [
     "apao_ray.export",            # export --format hf
     "apao_ray.analysis.export",   # export-study
     "apao_ray.analysis.report",   # report
+    "apao_ray.serve",             # serve MODEL_URI
 ]
 
 _ORDER = ["users", "items", "interactions", "density", "distinct_semantic_ids", "colliding_semantic_ids",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -137,6 +137,33 @@ class Recommender:
             for item_row, score_row, is_real in zip(items.tolist(), scores.tolist(), (sem_ids >= 0).tolist()):
                 results.append([(i, s) for i, s, r in zip(item_row, score_row, is_real) if r])
         return results
+
+
+def served_request(model_input: Any, k: Any, num_semantic_ids: int) -> tuple[list[list[str]], int]:
+    """The histories (item ids as str) and k of a served request; ValueError naming what is wrong and what is allowed.
+
+    Stricter than ``recommend``: a client's empty history or k beyond the distinct items is a mistake to report.
+
+    Args:
+        model_input: a DataFrame (pyfunc's input) with a ``history`` column of item-id lists, oldest first.
+        k: the requested number of items.
+        num_semantic_ids: the model's distinct items, the largest k allowed.
+    """
+    columns = list(getattr(model_input, "columns", []))
+    if "history" not in columns:
+        raise ValueError(f"input columns {columns} lack 'history': send one row per user with a 'history' list "
+                         'of item ids, oldest first ({"dataframe_records": [{"history": ["12", "7"]}]})')
+    histories: Iterable[Any] = model_input["history"]
+    if isinstance(k, bool) or not isinstance(k, (int, float)) or k != int(k) or not 1 <= k <= num_semantic_ids:
+        raise ValueError(f"k={k!r} must be an integer between 1 and {num_semantic_ids}, the model's distinct items")
+    rows = []
+    for row, history in enumerate(histories):
+        if isinstance(history, (str, bytes)) or not hasattr(history, "__len__"):
+            raise ValueError(f"history {row} is {history!r}: send a list of item ids, oldest first")
+        if len(history) == 0:
+            raise ValueError(f"history {row} is empty: send at least one item id of the model's catalog")
+        rows.append([str(item) for item in history])
+    return rows, int(k)
 
 
 def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None) -> Recommender:

@@ -15,12 +15,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import mlflow
 import mlflow.pyfunc
 import pandas as pd
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
@@ -143,7 +144,7 @@ class Tracker:
             location = artifact_location or default_artifact_location(tracking_uri, experiment)
             try:  # created once, in the driver, before any trial starts
                 self.experiment_id = self.client.create_experiment(experiment, artifact_location=location)
-            except mlflow.exceptions.MlflowException:  # created concurrently by another driver
+            except MlflowException:  # created concurrently by another driver
                 self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
         else:
             self.experiment_id = existing.experiment_id
@@ -231,7 +232,7 @@ class Tracker:
                     artifacts={"checkpoint": str(checkpoint_dir)}, code_paths=[package_dir],
                     pip_requirements=requirements,
                     # (data, params): the signature then accepts predict(..., params={"k": ...})
-                    input_example=(pd.DataFrame({"history": [example_history]}), {"k": 10}))
+                    input_example=(pd.DataFrame({"history": [example_history]}), {"k": 10, "skip_unknown": False}))
         finally:
             mlflow.set_tracking_uri(previous)
             self.reopen(run_id)  # start_run's context closed the run; its owner ends it
@@ -284,7 +285,11 @@ def dataset_entity(record: dict[str, Any]) -> Dataset:
 
 
 class RecommenderModel(mlflow.pyfunc.PythonModel):
-    """pyfunc wrapper: predict on a DataFrame with a ``history`` column of item-id lists."""
+    """pyfunc wrapper: predict on a DataFrame with a ``history`` column of item-id lists.
+
+    Bad input raises ``MlflowException`` with ``INVALID_PARAMETER_VALUE``: MLflow's scoring server
+    answers HTTP 400 with that message (any other exception becomes a 400 whose message hides the cause).
+    """
 
     def load_context(self, context: Any) -> None:
         from .inference import Recommender
@@ -293,11 +298,36 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
         self.recommender = Recommender.from_checkpoint(self.checkpoint_dir)
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        k = int((params or {}).get("k", 10))
-        histories: Iterable[Any] = model_input["history"]
-        recommended = self.recommender.recommend([[str(i) for i in h] for h in histories], k=k)
+        from .inference import served_request
+
+        params = params or {}
+        try:
+            histories, k = served_request(model_input, params.get("k", 10), self.recommender.catalog.num_semantic_ids)
+            recommended = self.recommender.recommend(histories, k=k, skip_unknown=bool(params.get("skip_unknown")))
+        except ValueError as error:
+            raise MlflowException.invalid_parameter_value(str(error)) from error
         return pd.DataFrame({"items": [[item for item, _ in row] for row in recommended],
                              "scores": [[score for _, score in row] for row in recommended]})
+
+
+def require_model(model_uri: str, tracking_uri: str) -> None:
+    """Fails, naming the URI and the registered models, when ``model_uri`` is no logged model there."""
+    is_tracked = model_uri.startswith(("models:/", "runs:/"))
+    database = tracking_uri[len("sqlite:///"):] if tracking_uri.startswith("sqlite:///") else None
+    if is_tracked and database and not Path(database).is_file():  # MLflow would create an empty one
+        raise ValueError(f"model {model_uri!r}: no MLflow database at {database}; pass --tracking-uri or set "
+                         f"${TRACKING_URI_ENV}")
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(tracking_uri)
+    try:
+        mlflow.models.get_model_info(model_uri)  # reads the MLmodel file only
+    except (MlflowException, OSError) as error:
+        names = [m.name for m in MlflowClient(tracking_uri).search_registered_models()] if is_tracked else []
+        reason = str(getattr(error, "message", error)).splitlines()[0]
+        raise ValueError(f"model {model_uri!r} not found in {redact(tracking_uri)}: {reason}. Registered models: "
+                         f"{sorted(names)} (models:/<name>@best, runs:/<run id>/model or a model directory)") from None
+    finally:
+        mlflow.set_tracking_uri(previous)
 
 
 def load_checkpoint_dir_from_model(model_uri: str) -> str:

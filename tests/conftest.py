@@ -26,6 +26,21 @@ from apao_ray.training.hooks import TrainingHooks  # noqa: E402 - after the envi
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 
 
+def train_tiny(backbone: str, output_dir: Path, dataset) -> Path:
+    """A tiny ``backbone`` trained with CE for 2 short epochs (seconds on a CPU): its final checkpoint directory."""
+    import torch
+
+    from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+    from apao_ray.training.loop import run_trial
+
+    torch.set_num_threads(1)
+    config = TrialConfig(DataConfig(), ModelConfig(backbone=backbone, **TINY_MODEL), LossConfig(name="ce"),
+                         TrainConfig(epochs=2, batch_size=128, effective_batch_size=128, lr=3e-3, max_train_samples=768,
+                                     eval_max_users=32, retention_users=8, precision="fp32"))
+    run_trial(config, TrainingHooks(output_dir, verbose=False), dataset)
+    return next((output_dir / "checkpoints").glob("epoch_*_final"))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """Tiny models gain nothing from threads; on a shared CPU a 2-thread pool waits on its second thread."""

@@ -11,12 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from apao_ray.data.batches import encode_histories
 from apao_ray.inference import load_recommender
-from apao_ray.training.hooks import TrainingHooks
-from apao_ray.training.loop import run_trial
-from conftest import ROOT, TINY_MODEL
+from conftest import ROOT, train_tiny
 
 pytest.importorskip("transformers", reason="export --format hf needs the hf extra (pip install 'apao_ray[hf]')")
 pytestmark = pytest.mark.e2e  # trains and exports real models: minutes on 2 CPUs
@@ -25,13 +22,7 @@ pytestmark = pytest.mark.e2e  # trains and exports real models: minutes on 2 CPU
 @pytest.fixture(scope="module", params=["tiger", "llama"])
 def trained(request, synthetic, tmp_path_factory):
     """A tiny model trained for 2 short epochs on the synthetic data: its final checkpoint directory."""
-    torch.set_num_threads(1)
-    output = tmp_path_factory.mktemp(request.param)
-    config = TrialConfig(DataConfig(), ModelConfig(backbone=request.param, **TINY_MODEL), LossConfig(name="ce"),
-                         TrainConfig(epochs=2, batch_size=128, effective_batch_size=128, lr=3e-3, max_train_samples=768,
-                                     eval_max_users=32, retention_users=8, precision="fp32"))
-    run_trial(config, TrainingHooks(output, verbose=False), synthetic)
-    return next((output / "checkpoints").glob("epoch_*_final"))
+    return train_tiny(request.param, tmp_path_factory.mktemp(request.param), synthetic)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
-from apao_ray.inference import Recommender
+from apao_ray.inference import Recommender, served_request
 from apao_ray.models import build_model
 from conftest import TINY_MODEL
 
@@ -59,3 +59,27 @@ def test_batches_give_what_one_by_one_gives(recommender, synthetic):
     for mine, single in zip(together, alone):
         assert [i for i, _ in mine] == [i for i, _ in single]
         np.testing.assert_allclose([s for _, s in mine], [s for _, s in single], atol=1e-5)
+
+
+@pytest.mark.parametrize("frame, k, named", [
+    ({"items": [["1"]]}, 10, "input columns ['items'] lack 'history'"),
+    ({"history": [["1"], []]}, 10, "history 1 is empty"),
+    ({"history": ["12"]}, 10, "history 0 is '12': send a list"),
+    ({"history": [["1"]]}, 0, "k=0 must be an integer between 1 and 399"),
+    ({"history": [["1"]]}, 400, "k=400 must be an integer between 1 and 399"),
+    ({"history": [["1"]]}, 2.5, "k=2.5 must be an integer"),
+    ({"history": [["1"]]}, True, "k=True must be an integer"),
+])
+def test_a_served_request_names_what_is_wrong(frame, k, named):
+    import pandas as pd
+
+    with pytest.raises(ValueError) as info:
+        served_request(pd.DataFrame(frame), k, num_semantic_ids=399)
+    assert named in str(info.value)
+
+
+def test_a_served_request_gives_string_ids_and_an_integer_k():
+    import pandas as pd
+
+    histories, k = served_request(pd.DataFrame({"history": [["1", 2], ["3"]]}), 5.0, num_semantic_ids=399)
+    assert histories == [["1", "2"], ["3"]] and k == 5 and isinstance(k, int)
