@@ -1,6 +1,7 @@
 """The Python API (StudySpec, run_study, StudyResult) and the one CLI (python -m apao_ray ...)."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -241,3 +242,16 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
                         table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]), table.loc["apao_pointwise"]
     assert re.search(r"tiger/apao_pointwise +[\d.]+ / [\d.]+ +[\d.]+ / [\d.]+ +\d+ / \d+", result.cost_summary), \
         result.cost_summary
+    # the parent run's sums per method include the repeats, as the table's do
+    parent = Tracker(result.tracking_uri, "apao-synthetic").client.get_run(result.parent_run_id).data.metrics
+    for loss, row in table.iterrows():
+        runs = [run for run in children.values() if run.data.tags["loss"] == loss]
+        assert len(runs) == 2 and parent[f"cost/tiger/{loss}/wall_seconds"] == pytest.approx(
+            row["cost/wall_seconds"]) == pytest.approx(sum(run.data.metrics["cost/wall_seconds"] for run in runs))
+    from apao_ray.study.cli_sweep import best_main
+
+    assert best_main(["--dataset", "synthetic", "--tracking-uri", result.tracking_uri, "--no-register",
+                      "--format", "json"]) == 0
+    printed = {row["loss"]: row for row in json.loads(capsys.readouterr().out)}
+    assert printed["apao_pointwise"]["vs ce test/ndcg_at_10"] == table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]
+    assert printed["ce"]["n_seeds"] == 2 and printed["ce"]["test/ndcg_at_10 std"] is not None
