@@ -1,6 +1,7 @@
 """The Python API (StudySpec, run_study, StudyResult) and the one CLI (python -m apao_ray ...)."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -46,6 +47,10 @@ def test_package_import_stays_light_and_exports_the_api():
     ({"address": "headnode"}, "Ray address 'headnode' must be HOST:PORT"),
     ({"resume": True}, "--resume: no study 'synthetic-study' to resume"),
     ({"protocol_knobs": {"weighting": "bogus"}}, "bogus"),
+    ({"seeds": (0, 1), "seed": 3}, "seed=3 and seeds=(0, 1) were both given"),
+    ({"seeds": (0, 0)}, "seeds=(0, 0) repeats a seed"),
+    ({"seeds": (0, -1)}, "seeds=(0, -1) must be one or more integers >= 0"),
+    ({"seeds": ()}, "seeds=() must be one or more integers >= 0"),
 ])
 def test_a_spec_refuses_bad_input_at_construction_naming_it(isolated, changes, problem):
     from apao_ray import StudySpec
@@ -67,6 +72,27 @@ def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
     assert options.output_dir == isolated / "runs" and options.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
     assert options.base.train.max_train_samples == 2048  # --quick's
     assert spec.options(max_train_samples=1024).base.train.max_train_samples == 1024  # a budget's training subset
+
+
+def test_seeds_put_the_search_on_the_first_and_the_repeats_on_the_others(isolated, capsys):
+    from apao_ray import StudySpec
+    from apao_ray.study import cli_sweep
+
+    spec = StudySpec.quick(seeds=[3, 1, 2], output_dir="runs")
+    assert spec.seeds == (3, 1, 2) and spec.search_seed == 3 and spec.repeat_seeds == (1, 2)
+    options = spec.options()
+    assert options.base.train.seed == 3 and options.seed == 3 and options.repeat_seeds == (1, 2)
+    single = StudySpec.quick(seed=5, output_dir="runs").options()
+    assert single.base.train.seed == 5 and single.repeat_seeds == ()
+    with pytest.raises(SystemExit) as exit_info:  # --seed 0 is the default value, but written: refused all the same
+        cli_sweep.main(["--smoke", "--seed", "0", "--seeds", "0,1", "--dry-run"])
+    assert exit_info.value.code == 2
+    assert "--seed 0 and --seeds 0,1 were both given" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_sweep.main(["--smoke", "--seeds", "0,x"])
+    assert "'0,x' is not a comma list of integer seeds" in capsys.readouterr().err
+    args = cli_sweep.build_parser().parse_args(["--seeds", "0,1"])
+    assert cli_sweep.spec_from_args(args).__class__ is StudySpec and args.seeds == (0, 1)
 
 
 def test_help_texts_show_the_real_defaults():
@@ -152,20 +178,25 @@ def test_dry_run_prints_the_plan_fits_a_budget_and_refuses_one_too_small(tmp_pat
                      r"[\d.]+ (s|min)", refused.stderr), refused.stderr
 
 
-@pytest.mark.e2e
-def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkeypatch, capsys):
+def _smoke_study(tmp_path, probe_cache, monkeypatch, **changes):
+    """The smallest real study: tiger x {ce, apao_pointwise}, one trial each, 1 epoch, 2 at a time."""
     monkeypatch.setenv("APAO_PROBE_CACHE", str(probe_cache / "probes.json"))
     import apao_ray
 
     spec = apao_ray.StudySpec.quick(losses=("ce", "apao_pointwise"), num_samples=1, epochs=1, lr=2e-3,
                                     max_concurrent=2, output_dir=str(tmp_path / "runs"),
-                                    tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+                                    tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", **changes)
     try:
-        result = apao_ray.run_study(spec)
+        return apao_ray.run_study(spec)
     finally:
         import ray
 
         ray.shutdown()
+
+
+@pytest.mark.e2e
+def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkeypatch, capsys):
+    result = _smoke_study(tmp_path, probe_cache, monkeypatch)
     assert "plan: 2 trials on synthetic" in capsys.readouterr().err  # printed before the first trial
     table = result.table
     assert [tuple(pair) for pair in table[["backbone", "loss"]].values] == [("tiger", "apao_pointwise"), ("tiger", "ce")]
@@ -178,3 +209,51 @@ def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkey
     children = Tracker(result.tracking_uri, "apao-synthetic").child_runs()
     assert {run.data.tags["mlflow.parentRunId"] for run in children} == {result.parent_run_id}
     assert set(table["run_id"]) == {run.info.run_id for run in children}
+
+
+@pytest.mark.e2e
+def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread_significance_and_cost(
+        tmp_path, probe_cache, monkeypatch, capsys):
+    result = _smoke_study(tmp_path, probe_cache, monkeypatch, seeds=(0, 1))
+    plan = capsys.readouterr().err
+    assert "plan: 4 trials on synthetic" in plan and "again on seeds [1]: 2 trials of 1 epochs" in plan, plan
+    assert not result.interrupted and sorted(result.trials["seed"]) == [0, 0, 1, 1]
+    from apao_ray.tracking import Tracker
+
+    children = {run.info.run_id: run for run in Tracker(result.tracking_uri, "apao-synthetic").child_runs()}
+    table = result.table.set_index("loss")
+    repeats = [run for run in children.values() if "apao.repeats" in run.data.tags]
+    # one repeat per method, on seed 1, of the run the table shows, with that run's knobs, in the same parent
+    assert sorted(run.data.tags["apao.repeats"] for run in repeats) == sorted(table["run_id"])
+    for run in repeats:
+        origin = children[run.data.tags["apao.repeats"]]
+        assert run.data.tags["apao.seed"] == "1" and run.data.params["base.train.seed"] == "1"
+        assert origin.data.tags["apao.seed"] == "0" and origin.data.params["base.train.seed"] == "0"
+        assert run.info.status == "FINISHED" and run.data.tags["mlflow.parentRunId"] == result.parent_run_id
+        assert {k: run.data.params.get(k) for k in ("loss", "beta", "eta")} == \
+            {k: origin.data.params.get(k) for k in ("loss", "beta", "eta")}
+    for loss, row in table.iterrows():
+        values = [children[row["run_id"]].data.metrics["test/ndcg_at_10"]] + \
+            [run.data.metrics["test/ndcg_at_10"] for run in repeats if run.data.tags["loss"] == loss]
+        assert row["n_seeds"] == 2 and row["seeds"] == "0,1"
+        assert row["test/ndcg_at_10"] == pytest.approx(sum(values) / 2)
+        assert row["test/ndcg_at_10 std"] == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5)
+        assert row["cost/wall_seconds"] > 0 and row["cost/cpu_seconds"] > 0 and row["cost/peak_rss_mb"] > 0
+    assert table.loc["ce", "vs ce test/ndcg_at_10"] == "baseline"
+    assert re.fullmatch(r"[+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\], p_holm = [\d.e+-]+",
+                        table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]), table.loc["apao_pointwise"]
+    assert re.search(r"tiger/apao_pointwise +[\d.]+ / [\d.]+ +[\d.]+ / [\d.]+ +\d+ / \d+", result.cost_summary), \
+        result.cost_summary
+    # the parent run's sums per method include the repeats, as the table's do
+    parent = Tracker(result.tracking_uri, "apao-synthetic").client.get_run(result.parent_run_id).data.metrics
+    for loss, row in table.iterrows():
+        runs = [run for run in children.values() if run.data.tags["loss"] == loss]
+        assert len(runs) == 2 and parent[f"cost/tiger/{loss}/wall_seconds"] == pytest.approx(
+            row["cost/wall_seconds"]) == pytest.approx(sum(run.data.metrics["cost/wall_seconds"] for run in runs))
+    from apao_ray.study.cli_sweep import best_main
+
+    assert best_main(["--dataset", "synthetic", "--tracking-uri", result.tracking_uri, "--no-register",
+                      "--format", "json"]) == 0
+    printed = {row["loss"]: row for row in json.loads(capsys.readouterr().out)}
+    assert printed["apao_pointwise"]["vs ce test/ndcg_at_10"] == table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]
+    assert printed["ce"]["n_seeds"] == 2 and printed["ce"]["test/ndcg_at_10 std"] is not None

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from apao_ray.study.plan import (RAY_START_S, Fit, MethodCost, Plan, asha_rungs, fit_budget, makespan,
+from apao_ray.study.plan import (RAY_START_S, Fit, MethodCost, Plan, asha_rungs, cost_summary, fit_budget, makespan,
                                  parse_duration, probe, probe_key, study_seconds)
 
 CE = MethodCost("tiger", "ce", True, epoch_s=60.0, fixed_s=30.0, peak_bytes=2**30)
@@ -35,6 +35,35 @@ def test_study_estimate_counts_baselines_once_and_tuned_methods_per_trial():
     # CE once + 3 pointwise trials, one slot: each trial 30 s + 20 epochs x 60 s
     assert study_seconds([CE, POINTWISE], 20, 3, 1) == RAY_START_S + 4 * (30 + 20 * 60)
     assert study_seconds([CE, POINTWISE], 20, 3, 2) == RAY_START_S + 2 * (30 + 20 * 60)
+
+
+def test_repeats_on_other_seeds_run_after_the_search_one_per_method_and_seed():
+    # search: CE + 3 pointwise on 2 slots = 2 trials' time; then 2 methods x 2 seeds on 2 slots = 2 trials' time
+    trial = 30 + 20 * 60
+    assert study_seconds([CE, POINTWISE], 20, 3, 2, num_repeats=2) == RAY_START_S + 2 * trial + 2 * trial
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 2, RAY_START_S + 4 * trial, num_repeats=2)
+    assert fit == Fit(20, 3, 5, RAY_START_S + 4 * trial)
+    assert fit_budget([CE, POINTWISE], 20, 3, 5, 2, RAY_START_S + 4 * trial - 1, num_repeats=2).epochs == 19
+
+
+def test_the_plan_estimates_each_methods_cost_and_the_summary_sets_it_beside_the_actual():
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 1, None, num_repeats=1)
+    plan = Plan("office", "paper", "fp32", 1, [CE, POINTWISE], 20, 3, fit, repeat_seeds=(1,), threads=2)
+    assert plan.num_trials == 6
+    trial = 30 + 20 * 60
+    assert plan.cost_estimates() == {
+        ("tiger", "ce"): {"cost/wall_seconds": 2 * trial, "cost/cpu_seconds": 4 * trial, "cost/peak_rss_mb": 1024},
+        ("tiger", "apao_pointwise"): {"cost/wall_seconds": 4 * trial, "cost/cpu_seconds": 8 * trial,
+                                      "cost/peak_rss_mb": 2048}}
+    text = plan.text()
+    assert "then the best configuration of each method again on seeds [1]: 2 trials of 20 epochs" in text
+    assert "tiger/ce" in text and f"all its trials ~41.0 min wall, ~1h22m CPU  (baseline" in text
+    summary = cost_summary(plan, {("tiger", "ce"): {"cost/wall_seconds": 1200.0, "cost/cpu_seconds": 600.0,
+                                                    "cost/peak_rss_mb": 900.0, "cost/energy_kwh": 0.0123}})
+    lines = {line.split()[0]: line for line in summary.splitlines()[2:]}
+    assert lines["tiger/ce"].split() == ["tiger/ce", "41.0", "/", "20.0", "82.0", "/", "10.0", "1024", "/", "900",
+                                         "-", "/", "0.0123"]
+    assert lines["tiger/apao_pointwise"].split()[1:4] == ["82.0", "/", "-"]  # estimated, nothing ran
 
 
 def test_a_study_that_fits_is_left_as_asked():

@@ -62,7 +62,7 @@ def _tags(tags: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in sorted(tags.items()) if not k.startswith(_SKIPPED_TAGS)}
 
 
-def _trial_record(run: Any) -> dict[str, Any]:
+def trial_record(run: Any) -> dict[str, Any]:
     return {"run_id": run.info.run_id, "name": run.info.run_name, "status": run.info.status,
             "start_time": run.info.start_time, "end_time": run.info.end_time,
             "tags": _tags(run.data.tags), "params": dict(sorted(run.data.params.items())),
@@ -153,7 +153,7 @@ def export_study(tracking_uri: str, study: str, to_dir: str | Path, recompute_pe
         (to_dir / PER_USER_DIR).mkdir(parents=True, exist_ok=True)
         trials, rows = [], []
         for run in children:
-            record = _trial_record(run)
+            record = trial_record(run)
             destination = to_dir / PER_USER_DIR / f"{run.info.run_id}.csv.gz"
             destination.unlink(missing_ok=True)
             if _download_per_user(client, run.info.run_id, destination):
@@ -169,7 +169,7 @@ def export_study(tracking_uri: str, study: str, to_dir: str | Path, recompute_pe
             rows.extend(_epoch_rows(client, run))
     record = {"format_version": FORMAT_VERSION, "study": study, "experiment": experiment,
               "tracking_uri": redact(tracking_uri), "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "parents": [_trial_record(parent) for parent in parents], "trials": trials}
+              "parents": [trial_record(parent) for parent in parents], "trials": trials}
     (to_dir / STUDY_FILE).write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")
     epochs = pd.DataFrame(rows, columns=["run_id", "key", "step", "value"])
     with gzip.open(to_dir / EPOCHS_FILE, "wt", compresslevel=9, newline="") as handle:

@@ -1,8 +1,9 @@
 """Finished trials of several studies, grouped into methods with their seeds (what the report shows).
 
 A method is (dataset, backbone, loss, knobs); its seeds are the trials of that method across the
-given studies (a seed is a study flag today: one study per seed). Paired comparisons match a
-method's seed with the baseline's same seed and the same test users.
+given studies (one study per seed) and, in a study run with ``--seeds``, the repeats of its best
+configuration on the other seeds. Paired comparisons match a method's seed with the baseline's
+same seed and the same test users.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..study.repeats import REPEATS_TAG
 from .export import StudyExport
 from .paper import table1
 from .per_user import PER_USER_METRICS
@@ -125,11 +127,23 @@ def finished_trials(exports: list[StudyExport], which: str = "best") -> list[Tri
         return trials
     best: dict[tuple[str, str, str], Trial] = {}
     for trial in trials:
+        if REPEATS_TAG in trial.tags:  # a repeat on another seed is not a candidate: its configuration's trial is
+            continue
         key = (trial.export.name, trial.backbone, trial.loss)
         value = trial.metrics.get(SELECTION_METRIC, -math.inf)
         if key not in best or value > best[key].metrics.get(SELECTION_METRIC, -math.inf):
             best[key] = trial
-    return list(best.values())
+    return with_repeats(list(best.values()), trials)
+
+
+def with_repeats(chosen: list[Trial], trials: list[Trial]) -> list[Trial]:
+    """The chosen trials, each followed by the finished repeats of its configuration on other seeds
+    (``--seeds``: tag ``apao.repeats`` = the chosen trial's run id)."""
+    repeats: dict[str, list[Trial]] = {}
+    for trial in trials:
+        if trial.tags.get(REPEATS_TAG):
+            repeats.setdefault(trial.tags[REPEATS_TAG], []).append(trial)
+    return [each for trial in chosen for each in [trial, *sorted(repeats.get(trial.run_id, []), key=lambda t: t.seed)]]
 
 
 def unfinished_trials(exports: list[StudyExport]) -> list[Trial]:
@@ -170,12 +184,15 @@ class Paired:
     note: str = ""
 
 
-def _aligned(trial: Trial, baseline: Trial, metric: str) -> tuple[np.ndarray, np.ndarray] | None:
+def _aligned(trial: Trial, baseline: Trial, metric: str) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]] | None:
+    """(method values, baseline values, users), sorted by user: pooling over seeds averages the same user's
+    differences, whatever order each seed's table was written in."""
     ours, theirs = trial.per_user(), baseline.per_user()
     if ours is None or theirs is None:
         return None
     joined = ours[["user", metric]].merge(theirs[["user", metric]], on="user", suffixes=("", "_baseline"))
-    return joined[metric].to_numpy(float), joined[f"{metric}_baseline"].to_numpy(float)
+    joined = joined.sort_values("user", kind="stable")
+    return joined[metric].to_numpy(float), joined[f"{metric}_baseline"].to_numpy(float), tuple(joined["user"])
 
 
 def compare_methods(methods: list[Method], baseline_loss: str = "ce", metrics: tuple[str, ...] = PER_USER_METRICS,
@@ -198,10 +215,10 @@ def compare_methods(methods: list[Method], baseline_loss: str = "ce", metrics: t
                 if aligned is None or len(aligned[0]) < 2:
                     missing.append(trial.seed)
                     continue
-                per_seed[trial.seed] = paired_comparison(*aligned, num_resamples=num_resamples, seed=trial.seed)
+                per_seed[trial.seed] = paired_comparison(*aligned[:2], num_resamples=num_resamples, seed=trial.seed)
                 pairs.append(aligned)
             pooled = None
-            if pairs and len({len(p[0]) for p in pairs}) == 1:
+            if pairs and len({p[2] for p in pairs}) == 1:  # the same users under every seed
                 pooled = pooled_comparison([p[0] for p in pairs], [p[1] for p in pairs], num_resamples=num_resamples)
             note = f"seeds {missing}: no paired per-user tables" if missing else ""
             results.append(Paired(method, baseline, metric, pooled, per_seed, note))

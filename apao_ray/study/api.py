@@ -5,7 +5,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import Plan, make_plan
+from .plan import Plan, cost_summary, make_plan
 from .spec import StudySpec
 
 
@@ -15,9 +15,12 @@ class StudyResult:
 
     Attributes:
         table: one row per requested (backbone, loss): the best trial by validation with its knobs,
-            validation metric, test metrics and ``status`` ("finished", "all N trials pruned",
-            "failed: <reason>", ...), read back from MLflow.
-        trials: one row per trial of this run (backbone, loss, knobs, final metrics, error).
+            validation metric, test metrics (mean over seeds, ``<metric> std``, ``seeds``, ``n_seeds``),
+            the paired difference against CE (``vs ce test/ndcg_at_10``), the summed ``cost/*`` of the
+            method's trials and ``status`` ("finished", "all N trials pruned", "failed: <reason>", ...),
+            read back from MLflow.
+        trials: one row per trial of this run (backbone, loss, knobs, seed, the run a repeat repeats,
+            final metrics, error).
         parent_run_id: the study's MLflow parent run.
         plan: the plan printed before the first trial (the fitted schedule included).
         interrupted: stopped by a signal before every trial ended (re-run to resume).
@@ -32,6 +35,7 @@ class StudyResult:
     interrupted: bool = False
     stop_signal: int | None = None
     optuna_summary: str = ""  # importances and the optuna-dashboard command
+    cost_summary: str = ""  # per method, the plan's cost estimate next to the trials' recorded cost
 
 
 def study_slots(spec: StudySpec, start_ray: bool) -> int:
@@ -90,11 +94,14 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
-    table = pd.DataFrame(table_rows(tracker, study=options.study_name))
-    return StudyResult(table=table, trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
+    rows = table_rows(tracker, study=options.study_name)
+    actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
+              for row in rows}
+    return StudyResult(table=pd.DataFrame(rows), trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
                        parent_run_id=outcome.parent_run_id, plan=plan, study_name=options.study_name,
                        tracking_uri=options.tracking_uri, interrupted=outcome.interrupted,
-                       stop_signal=outcome.stop_signal, optuna_summary=outcome.optuna_summary)
+                       stop_signal=outcome.stop_signal, optuna_summary=outcome.optuna_summary,
+                       cost_summary=cost_summary(plan, actual))
 
 
 def trial_row(row: dict[str, Any]) -> dict[str, Any]:
@@ -104,7 +111,7 @@ def trial_row(row: dict[str, Any]) -> dict[str, Any]:
         status = f"failed: {row['error'].strip().splitlines()[-1][:200]}"
     else:
         status = "finished" if "test/ndcg_at_10" in metrics else "stopped"
-    return {**row["choices"], **metrics, "status": status}
+    return {**row["choices"], "seed": row.get("seed"), "repeats": row.get("repeats"), **metrics, "status": status}
 
 
 __all__ = ["StudyResult", "StudySpec", "plan_study", "run_study"]

@@ -63,6 +63,14 @@ def comma_list(text: str) -> tuple[str, ...]:
     return items
 
 
+def seed_list(text: str) -> tuple[int, ...]:
+    """'0,1,2' -> (0, 1, 2)."""
+    try:
+        return tuple(int(t) for t in comma_list(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integer seeds, e.g. 0,1,2") from None
+
+
 def duration(text: str) -> float:
     try:
         return parse_duration(text)
@@ -117,6 +125,11 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
                              "when --budget shortens them); a trial is only compared with trials "
                              "of its own (backbone, loss), baselines are never stopped, and a pruned trial is tested "
                              "on its best checkpoint")
+    parser.add_argument("--seeds", type=seed_list, default=DEFAULTS["seeds"], metavar="S,S,...",
+                        help="seeds as a study dimension, e.g. 0,1,2: the search runs on the first; then the best "
+                             "configuration of every (backbone, loss) trains again on each other seed (trials of the "
+                             "same study, resumable) and the table shows mean, std and significance over the seeds; "
+                             "not with --seed (default: --seed alone)")
     parser.add_argument("--study-name", help="default <dataset>-study; re-running the same name resumes it")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted study (refused when there is "
                         "none); re-running the same command does the same")
@@ -189,7 +202,11 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     parser = build_parser(prog)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    apply_quick(args, given_flags(parser, argv))
+    given = given_flags(parser, argv)
+    if {"seed", "seeds"} <= given:
+        parser.error(f"--seed {args.seed} and --seeds {','.join(map(str, args.seeds))} were both given; give --seeds "
+                     "alone (the search runs on its first seed) or --seed alone")
+    apply_quick(args, given)
     from .api import plan_study, run_study
     from .report import format_rows
 
@@ -208,6 +225,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     print(f"study {result.study_name}: {len(result.trials)} trials ({failed} failed); best per (backbone, loss) "
           "by validation:", file=sys.stderr)
     print(format_rows(table_records(result.table), "markdown"))
+    print(result.cost_summary, file=sys.stderr)
     if result.optuna_summary:
         print(result.optuna_summary)
     from ..tracking import Tracker, experiment_name, ui_hint
@@ -242,10 +260,19 @@ def report_interrupted(result: Any, argv: list[str]) -> int:
 
 def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Best trial per (backbone, loss) of a "
-                                     "dataset's studies, chosen by validation, read from MLflow alone (no Ray).")
+                                     "dataset's studies, chosen by validation, read from MLflow alone (no Ray); with "
+                                     "--seeds studies, mean and std over its seeds and the paired significance against "
+                                     "the baseline.")
     parser.add_argument("--dataset", required=True, help="dataset whose experiment (apao-<dataset>) to read")
+    parser.add_argument("--seeds", type=seed_list, default=DEFAULTS["seeds"], metavar="S,S,...",
+                        help="seeds as a study dimension, e.g. 0,1,2: the search runs on the first; then the best "
+                             "configuration of every (backbone, loss) trains again on each other seed (trials of the "
+                             "same study, resumable) and the table shows mean, std and significance over the seeds; "
+                             "not with --seed (default: --seed alone)")
     parser.add_argument("--study-name", help="only this study (default: every study of the dataset)")
     parser.add_argument("--metric", default="best/val/ndcg_at_10", help="validation metric that picks the best trial (default %(default)s)")
+    parser.add_argument("--baseline", default="ce", help="loss every method is compared with, per user on the test "
+                        "metric of --metric, seeds pooled, Holm-corrected (default %(default)s)")
     parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown", help="default %(default)s")
     parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
                         help="default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db")
@@ -268,7 +295,7 @@ def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> i
     except (ValueError, ConnectionError) as error:
         parser.error(str(error))
     tracker = Tracker(uri, experiment_name(args.dataset.lower()))
-    rows = table_rows(tracker, args.metric, args.study_name)
+    rows = table_rows(tracker, args.metric, args.study_name, args.baseline)
     if not rows:
         print(f"no finished trials for dataset {args.dataset!r} in {uri}", file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ from ..training.evaluation import PER_USER_FILE
 from ..training.loop import PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..training.worker import WORKER_NODE_KEY, remove_scratch, train_run_name
 from . import interrupt, plots
+from .repeats import REPEATS_TAG, SEED_TAG, seed_record
 from .scheduler import pruned_epoch
 from .space import trial_choices
 
@@ -104,10 +105,12 @@ class MlflowStudyCallback(tune.Callback):
                 self.tracker.reopen(run_id)
         if run_id is None:
             choices = trial_choices(trial.config)
-            params = {**self.trial_params, **choices}
-            run_id = self.tracker.start_run(describe(choices), {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name,
-                                                                "backbone": choices["backbone"], "loss": choices["loss"],
-                                                                **getattr(self, "run_tags", {})},
+            seed_tags, base = seed_record(trial.config, self.trial_params["base"])
+            params = {**self.trial_params, "base": base, **choices}
+            name = describe(choices) + (f" seed={seed_tags[SEED_TAG]}" if REPEATS_TAG in seed_tags else "")
+            run_id = self.tracker.start_run(name, {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name,
+                                                   "backbone": choices["backbone"], "loss": choices["loss"],
+                                                   **seed_tags, **getattr(self, "run_tags", {})},
                                             params, parent_run_id=self.parent_run_id)
             if self.dataset_record:
                 self.tracker.log_dataset(run_id, self.dataset_record)
@@ -216,15 +219,11 @@ class MlflowStudyCallback(tune.Callback):
 def log_cost_per_method(tracker: Tracker, parent_run_id: str) -> dict[str, dict[str, float]]:
     """Sums every child run's ``cost/*`` (wall and CPU seconds, energy; the largest peak memory) per
     (backbone, loss) and logs them on the parent run as ``cost/<backbone>/<loss>/<name>``."""
-    from ..training.cost import SUMMED
+    from ..analysis.export import trial_record
+    from .seeds import cost_totals
 
-    totals: dict[str, dict[str, float]] = {}
-    for run in tracker.child_runs(parent_run_id):
-        method = f"{run.data.tags.get('backbone', '?')}/{run.data.tags.get('loss', '?')}"
-        for key, value in run.data.metrics.items():
-            if key.startswith("cost/"):
-                sums = totals.setdefault(method, {})
-                sums[key] = sums.get(key, 0.0) + value if key in SUMMED else max(sums.get(key, 0.0), value)
+    totals = {f"{backbone}/{loss}": sums for (backbone, loss), sums in
+              cost_totals([trial_record(run) for run in tracker.child_runs(parent_run_id)]).items()}
     tracker.log_metrics(parent_run_id, {f"cost/{method}/{key.removeprefix('cost/')}": value
                                         for method, sums in totals.items() for key, value in sums.items()}, 0)
     return totals
@@ -257,7 +256,7 @@ def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str, met
     from .report import TEST_COLUMNS, table_rows
 
     summary: dict[str, float] = {}
-    for row in table_rows(tracker, metric, study_name):
+    for row in table_rows(tracker, metric, study_name, baseline=None):  # means over seeds; no significance needed
         for key in (metric, *TEST_COLUMNS):
             if row.get(key) is not None:
                 summary[summary_metric_name(row["backbone"], row["loss"], key)] = row[key]

@@ -106,8 +106,12 @@ def trial_durations(methods: list[MethodCost], epochs: int, trials_per_tuned: in
     return [m.trial_s(epochs) for m in methods for _ in range(1 if m.is_baseline else trials_per_tuned)]
 
 
-def study_seconds(methods: list[MethodCost], epochs: int, trials_per_tuned: int, slots: int) -> float:
-    return RAY_START_S + makespan(trial_durations(methods, epochs, trials_per_tuned), slots)
+def study_seconds(methods: list[MethodCost], epochs: int, trials_per_tuned: int, slots: int,
+                  num_repeats: int = 0) -> float:
+    """Ray's start, the search, then (``--seeds``) ``num_repeats`` trials per method at full length: the
+    repeat phase starts when the search has ended."""
+    repeats = [m.trial_s(epochs) for m in methods for _ in range(num_repeats)]
+    return RAY_START_S + makespan(trial_durations(methods, epochs, trials_per_tuned), slots) + makespan(repeats, slots)
 
 
 def asha_rungs(grace: int, epochs: int, reduction_factor: int = 4) -> list[int]:
@@ -132,7 +136,7 @@ class Fit:
 
 
 def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, grace: int, slots: int,
-               budget_s: float | None) -> Fit:
+               budget_s: float | None, num_repeats: int = 0) -> Fit:
     """The largest schedule whose estimate fits ``budget_s``.
 
     Order of sacrifice: epochs down to half the asked number, then trials per tuned method down to 1
@@ -145,7 +149,7 @@ def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, gr
         ValueError: when one epoch of the smallest subset does not fit, naming the estimate and the
             slowest method.
     """
-    asked = study_seconds(methods, epochs, trials_per_tuned, slots)
+    asked = study_seconds(methods, epochs, trials_per_tuned, slots, num_repeats)
     if budget_s is None or asked <= budget_s:
         return Fit(epochs, trials_per_tuned, grace, asked)
     half = max(1, math.ceil(epochs / 2))
@@ -164,13 +168,14 @@ def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, gr
         return Fit(e, n, new_grace, estimate, tuple(changes), samples)
 
     for n, e in candidates:
-        estimate = study_seconds(methods, e, n, slots)
+        estimate = study_seconds(methods, e, n, slots, num_repeats)
         if estimate <= budget_s:
             return fitted(e, n, estimate)
-    samples = largest_subset(methods, slots, budget_s)
+    samples = largest_subset(methods, slots, budget_s, num_repeats)
     if samples is not None:
-        return fitted(1, 1, study_seconds([m.with_train_samples(samples) for m in methods], 1, 1, slots), samples)
-    smallest = study_seconds([m.with_train_samples(MIN_TRAIN_SAMPLES) for m in methods], 1, 1, slots)
+        capped = [m.with_train_samples(samples) for m in methods]
+        return fitted(1, 1, study_seconds(capped, 1, 1, slots, num_repeats), samples)
+    smallest = study_seconds([m.with_train_samples(MIN_TRAIN_SAMPLES) for m in methods], 1, 1, slots, num_repeats)
     slowest = max(methods, key=lambda m: m.epoch_s)
     subset = f" on {MIN_TRAIN_SAMPLES:,} training samples" if any(m.train_samples > MIN_TRAIN_SAMPLES for m in methods) else ""
     raise ValueError(f"budget {format_duration(budget_s)} is too small for one epoch: one trial per method for one "
@@ -179,7 +184,7 @@ def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, gr
                      f"method, {slowest.backbone}/{slowest.loss} at ~{format_duration(slowest.epoch_s)} per full epoch)")
 
 
-def largest_subset(methods: list[MethodCost], slots: int, budget_s: float) -> int | None:
+def largest_subset(methods: list[MethodCost], slots: int, budget_s: float, num_repeats: int = 0) -> int | None:
     """The most training samples per epoch (a multiple of 256, >= ``MIN_TRAIN_SAMPLES``) with which one
     epoch of one trial per method fits ``budget_s``; None when even the smallest does not fit."""
     total = min(m.train_samples for m in methods)
@@ -187,7 +192,7 @@ def largest_subset(methods: list[MethodCost], slots: int, budget_s: float) -> in
         return None
 
     def fits(samples: int) -> bool:
-        return study_seconds([m.with_train_samples(samples) for m in methods], 1, 1, slots) <= budget_s
+        return study_seconds([m.with_train_samples(samples) for m in methods], 1, 1, slots, num_repeats) <= budget_s
 
     low, high = MIN_TRAIN_SAMPLES // 256, total // 256   # in units of 256 samples; fits(low) decides
     if not fits(low * 256):
@@ -278,10 +283,30 @@ class Plan:
     budget_s: float | None = None
     probes_cached: int = 0
     notes: list[str] = field(default_factory=list)
+    repeat_seeds: tuple[int, ...] = ()  # --seeds after the first: each method's best configuration again
+    threads: int = 1  # torch threads per trial (the CPU-seconds estimate)
 
     @property
     def num_trials(self) -> int:
-        return sum(1 if m.is_baseline else self.fit.trials_per_tuned for m in self.methods)
+        return sum(1 if m.is_baseline else self.fit.trials_per_tuned for m in self.methods) + \
+            len(self.methods) * len(self.repeat_seeds)
+
+    @property
+    def fitted_methods(self) -> list[MethodCost]:
+        """The methods' costs with the fitted training subset (a budget's last resort), if any."""
+        return [m.with_train_samples(self.fit.train_samples) for m in self.methods]
+
+    def cost_estimates(self) -> dict[tuple[str, str], dict[str, float]]:
+        """Per (backbone, loss), the figures each trial records (``training/cost.py``), summed over the
+        method's trials as the study table sums them: wall and CPU seconds (wall x threads: an upper
+        bound, threads are not always busy), peak RSS in MB (the probe's). Energy is not estimated."""
+        estimates = {}
+        for m in self.fitted_methods:
+            count = (1 if m.is_baseline else self.fit.trials_per_tuned) + len(self.repeat_seeds)
+            wall = count * m.trial_s(self.fit.epochs)
+            estimates[(m.backbone, m.loss)] = {"cost/wall_seconds": wall, "cost/cpu_seconds": wall * self.threads,
+                                               "cost/peak_rss_mb": m.peak_bytes / 2**20}
+        return estimates
 
     @property
     def peak_bytes(self) -> int:
@@ -293,12 +318,18 @@ class Plan:
         fit, gib = self.fit, 2 ** 30
         lines = [f"plan: {self.num_trials} trials on {self.dataset}, protocol {self.protocol}, precision "
                  f"{self.precision}, {self.slots} at a time"]
-        for m in (m.with_train_samples(fit.train_samples) for m in self.methods):
+        estimates = self.cost_estimates()
+        for m in self.fitted_methods:
             count = 1 if m.is_baseline else fit.trials_per_tuned
             kind = "baseline, runs to the end" if m.is_baseline else "Optuna TPE + ASHA"
+            cost = estimates[(m.backbone, m.loss)]
             lines.append(f"  {m.backbone}/{m.loss:<16} {count} trial{'s' if count > 1 else ' '}  {fit.epochs} epoch{'s' if fit.epochs > 1 else ' '}  "
                          f"epoch ~{format_duration(m.epoch_s)}  trial ~{format_duration(m.trial_s(fit.epochs))}  "
-                         f"peak ~{m.peak_bytes / gib:.1f} GiB  ({kind})")
+                         f"peak ~{m.peak_bytes / gib:.1f} GiB  all its trials ~{format_duration(cost['cost/wall_seconds'])} "
+                         f"wall, ~{format_duration(cost['cost/cpu_seconds'])} CPU  ({kind})")
+        if self.repeat_seeds:
+            lines.append(f"  then the best configuration of each method again on seeds {list(self.repeat_seeds)}: "
+                         f"{len(self.methods) * len(self.repeat_seeds)} trials of {fit.epochs} epochs")
         rungs = asha_rungs(fit.asha_grace_period, fit.epochs)
         lines.append(f"  ASHA compares each tuned method's trials at epochs {rungs}" if rungs else
                      f"  ASHA prunes nothing (grace {fit.asha_grace_period} epochs >= {fit.epochs} epochs)")
@@ -309,7 +340,8 @@ class Plan:
                      f"machine, {source}; cache {probe_cache_path()})")
         if self.budget_s is not None:
             if fit.changes:
-                asked = study_seconds(self.methods, self.asked_epochs, self.asked_trials_per_tuned, self.slots)
+                asked = study_seconds(self.methods, self.asked_epochs, self.asked_trials_per_tuned, self.slots,
+                                      len(self.repeat_seeds))
                 lines.append(f"budget {format_duration(self.budget_s)}: the study as asked (~{format_duration(asked)}) "
                              f"exceeds it; fitted: {', '.join(fit.changes)} (~{format_duration(fit.estimate_s)})")
             else:
@@ -351,10 +383,35 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
             fixed_s=TRIAL_START_S + len(splits["test"]) * measured.eval_s_per_user, peak_bytes=measured.peak_bytes,
             train_samples=train_samples, train_epoch_s=train_s))
     fit = fit_budget(methods, base.train.epochs, search.trials_per_tuned, spec.asha_grace_period, slots,
-                     spec.budget_s)
+                     spec.budget_s, len(spec.repeat_seeds))
     notes = []
     if spec.gpus_per_trial > 0 and "cuda" not in devices:
         notes.append("  note: probed on this machine's CPU (no GPU here): trials on GPUs will be faster")
     return Plan(dataset=base.data.dataset, protocol=spec.protocol, precision="/".join(sorted(precisions)), slots=slots,
                 methods=methods, asked_epochs=base.train.epochs, asked_trials_per_tuned=search.trials_per_tuned,
-                fit=fit, budget_s=spec.budget_s, probes_cached=cached, notes=notes)
+                fit=fit, budget_s=spec.budget_s, probes_cached=cached, notes=notes, repeat_seeds=spec.repeat_seeds,
+                threads=threads)
+
+
+def cost_summary(plan: Plan, actual: dict[tuple[str, str], dict[str, float]]) -> str:
+    """The end-of-study lines: per method, the plan's estimate next to what its trials recorded.
+
+    Args:
+        plan: the plan printed before the study.
+        actual: per (backbone, loss), the summed ``cost/*`` of its trials (``seeds.cost_totals``).
+    """
+    def pair(estimate: float | None, value: float | None, scale: float, digits: int) -> str:
+        shown = lambda v: "-" if v is None else f"{v / scale:.{digits}f}"  # noqa: E731
+        return f"{shown(estimate)} / {shown(value)}"
+
+    lines = ["cost per method, estimate / actual (estimates are upper bounds: pruning and early stopping shorten "
+             "trials):", "  method                  wall min       CPU min        peak RSS MB    energy kWh"]
+    estimates = plan.cost_estimates()
+    for method in sorted(set(estimates) | set(actual)):
+        est, got = estimates.get(method, {}), actual.get(method, {})
+        energy = got.get("cost/energy_kwh")
+        lines.append(f"  {'/'.join(method):<23} {pair(est.get('cost/wall_seconds'), got.get('cost/wall_seconds'), 60, 1):<14} "
+                     f"{pair(est.get('cost/cpu_seconds'), got.get('cost/cpu_seconds'), 60, 1):<14} "
+                     f"{pair(est.get('cost/peak_rss_mb'), got.get('cost/peak_rss_mb'), 1, 0):<14} "
+                     f"- / {'-' if energy is None else f'{energy:.3g}'}")
+    return "\n".join(lines)

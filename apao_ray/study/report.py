@@ -9,16 +9,22 @@ from typing import Any
 from ..protocol import PROTOCOL_TAG, schedule_label
 from ..tracking import Tracker
 from . import plots
+from .repeats import REPEATS_TAG
+from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
+    significance_column
 
 KNOBS = ("beta", "eta", "num_negatives")
-TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
+COST_COLUMNS = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb", "cost/energy_kwh")
 
 
 def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None) -> list[dict[str, Any]]:
-    """For each (backbone, loss): the finished child run with the highest *validation* metric."""
+    """For each (backbone, loss): the finished search trial (not a repeat on another seed) with the
+    highest *validation* metric."""
     query = "attributes.status = 'FINISHED'" + (f" and tags.`apao.study` = '{study}'" if study else "")
     best: dict[tuple[str, str], Any] = {}
     for run in tracker.child_runs(filter_string=query):
+        if REPEATS_TAG in run.data.tags:
+            continue
         key = (run.data.tags.get("backbone", "?"), run.data.tags.get("loss", "?"))
         value = run.data.metrics.get(metric)
         if value is None or "test/ndcg_at_10" not in run.data.metrics:
@@ -58,22 +64,49 @@ def paper_comparability(rows: list[dict[str, Any]]) -> str:
             "the paper trained up to 200 epochs with patience 20, and a shorter run also ends its cosine schedule sooner")
 
 
-def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None) -> list[dict[str, Any]]:
+def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None,
+               baseline: str | None = "ce", num_resamples: int = 10_000) -> list[dict[str, Any]]:
     """A row for every (backbone, loss) that the studies asked for: the best finished trial's, else one
     whose ``status`` says why none finished ("all 3 trials pruned", "failed: <reason>", ...).
 
+    A finished row's test columns are the mean over its seeds (the best trial and its repeats with
+    ``--seeds``; one seed: the trial's own values), with ``<metric> std``, ``seeds`` and ``n_seeds``, the
+    paired difference against ``baseline`` on the test metric that matches ``metric`` (seeds pooled,
+    Holm-corrected; None: not computed), and the ``cost/*`` of every trial of the method summed (peak memory: the largest).
     A method whose trials were all pruned keeps the validation (and, once tested on its best checkpoint,
     test) metrics of its best pruned trial, so the table shows how far behind it was.
     """
+    from ..analysis.export import trial_record
+    from ..analysis.per_user import PER_USER_METRICS
+
     rows = [{**row, "status": "finished"} for row in best_rows(tracker, metric, study)]
     study_filter = f" and tags.`apao.study` = '{study}'" if study else ""
+    children = tracker.child_runs(filter_string=study_filter[len(" and "):])
+    records = [trial_record(run) for run in children]
+    methods = seed_methods(RunSource(study or "all", records, tracker), [row["run_id"] for row in rows])
+    # the test metric that matches the selection metric (per-user tables hold Recall/NDCG@10/20)
+    compared = metric.rsplit("/", 1)[-1] if metric.rsplit("/", 1)[-1] in PER_USER_METRICS else "ndcg_at_10"
+    cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}
+    for row, method in zip(rows, methods):  # both in best_rows' order
+        row.update(seed_columns(method))
+        if baseline:
+            row[significance_column(baseline, compared)] = cells[(method.backbone, method.loss)]
+    rows = _requested_rows(tracker, rows, children, metric, study_filter)
+    costs = cost_totals(records)
+    for row in rows:
+        row.update({key: costs.get((row["backbone"], row["loss"]), {}).get(key) for key in COST_COLUMNS})
+    return rows
+
+
+def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list[Any], metric: str,
+                    study_filter: str) -> list[dict[str, Any]]:
+    """``rows`` and a row for every requested (backbone, loss) without a finished trial, sorted."""
     parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'" + study_filter,
                                          max_results=1000)
     requested: dict[tuple[str, str], None] = {}
     for parent in parents:
         space = json.loads(parent.data.params.get("space", "{}"))
         requested.update({(b, l): None for b in space.get("backbones", ()) for l in space.get("losses", ())})
-    children = tracker.child_runs(filter_string=study_filter[len(" and "):])
     for backbone, loss in sorted(set(requested) - {(row["backbone"], row["loss"]) for row in rows}):
         runs = [run for run in children if (run.data.tags.get("backbone"), run.data.tags.get("loss")) == (backbone, loss)]
         row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": why_none_finished(runs)}
@@ -119,7 +152,11 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     if fmt == "json":
         return json.dumps(rows, indent=2)
     selection = [k for k in rows[0] if k.startswith("best/")] if rows else []
-    columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, "protocol", "schedule", "run_id"]
+    spread = [k + STD_SUFFIX for k in TEST_COLUMNS] if any((row.get("n_seeds") or 0) > 1 for row in rows) else []
+    significance = sorted({k for row in rows for k in row if k.startswith("vs ")})
+    costs = [k for k in COST_COLUMNS if any(row.get(k) is not None for row in rows)]
+    columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
+               "protocol", "schedule", "run_id"]
     if any("status" in row for row in rows):
         columns.append("status")
     if fmt == "csv":

@@ -29,6 +29,8 @@ PAPER_SETTINGS: dict[tuple[str, str], dict[str, float]] = {
 }
 DEFAULT_SETTING = {"beta": 0.1, "eta": 1e-4, "num_negatives": 100}
 SEPARATOR = "__"
+# keys of a repeat trial's config (repeats.py): the seed it trains on, the MLflow run it repeats
+SEED_KEY, REPEATS_KEY = "seed", "repeats"
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,9 @@ class StudySpec:
         enqueue_paper_setting: each tuned method's first trial is the paper's setting.
         optuna_storage: the searcher's Optuna storage (SQLAlchemy URL; None: optuna.db beside a
             SQLite MLflow database, else under output_dir).
+        seeds: seeds as a study dimension (None: ``seed`` alone). The search runs on the first; then the
+            best configuration of every (backbone, loss) is trained again on each other seed, as trials of
+            the same study, and the table shows mean and spread over the seeds. Not together with ``seed``.
     """
 
     dataset: str = "synthetic"
@@ -98,6 +101,7 @@ class StudySpec:
     retry_failed: bool = False
     enqueue_paper_setting: bool = True
     optuna_storage: str | None = None
+    seeds: tuple[int, ...] | None = None
     # resolved by the checks: the dataset, the base trial config, the search space, the URI
     resolved: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -117,6 +121,8 @@ class StudySpec:
         for name in ("backbones", "losses"):
             value = getattr(self, name)
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        if self.seeds is not None:
+            object.__setattr__(self, "seeds", check_seeds(self.seeds, self.seed))
         self._check_numbers()
         self._resolve()
 
@@ -154,6 +160,16 @@ class StudySpec:
             from .plan import parse_duration
 
             parse_duration(self.budget)
+
+    @property
+    def search_seed(self) -> int:
+        """The seed the search runs on: the first of ``seeds``, else ``seed``."""
+        return self.seeds[0] if self.seeds else self.seed
+
+    @property
+    def repeat_seeds(self) -> tuple[int, ...]:
+        """The seeds the best configurations are trained again on, after the search."""
+        return tuple(self.seeds[1:]) if self.seeds else ()
 
     @property
     def budget_s(self) -> float | None:
@@ -197,7 +213,7 @@ class StudySpec:
             LossConfig(num_negatives=negatives[1]),
             TrainConfig(epochs=self.epochs, patience=self.patience, batch_size=self.batch_size,
                         effective_batch_size=max(self.effective_batch_size, self.batch_size), lr=self.lr,
-                        beam_size=self.beam_size, seed=self.seed, max_train_samples=self.max_train_samples,
+                        beam_size=self.beam_size, seed=self.search_seed, max_train_samples=self.max_train_samples,
                         eval_max_users=self.eval_max_users, precision=self.precision,
                         group_by_length=self.group_by_length, use_gpu=self.gpus_per_trial > 0,
                         retention_users=self.retention_users))
@@ -259,10 +275,24 @@ class StudySpec:
             max_concurrent=max_concurrent or self.max_concurrent or 1, cpus_per_trial=self.cpus_per_trial,
             gpus_per_trial=self.gpus_per_trial, time_budget_s=budget, max_failures=self.max_failures,
             memory_per_trial_bytes=int(self.memory_per_trial_gib * 2**30) if self.memory_per_trial_gib else None,
-            asha_grace_period=asha_grace_period or self.asha_grace_period, seed=self.seed, overwrite=self.overwrite,
+            asha_grace_period=asha_grace_period or self.asha_grace_period, seed=self.search_seed,
+            repeat_seeds=self.repeat_seeds, overwrite=self.overwrite,
             retry_failed=self.retry_failed, enqueue_paper_setting=self.enqueue_paper_setting,
             optuna_storage=self.resolved["optuna_storage"], optuna_storage_given=self.optuna_storage is not None,
             dataset_record=self.resolved["dataset_record"], **extra)
+
+
+def check_seeds(seeds: Any, seed: int) -> tuple[int, ...]:
+    """``seeds`` as a tuple of distinct integers >= 0; refused next to a ``seed`` other than the default."""
+    values = (seeds,) if isinstance(seeds, int) else tuple(seeds)
+    if not values or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in values):
+        raise ValueError(f"seeds={seeds!r} must be one or more integers >= 0, e.g. (0, 1, 2)")
+    if len(set(values)) != len(values):
+        raise ValueError(f"seeds={seeds!r} repeats a seed; give each once")
+    if seed != 0:
+        raise ValueError(f"seed={seed} and seeds={values} were both given; give seeds alone (the search runs on its "
+                         "first seed) or seed alone")
+    return values
 
 
 def with_pretrain(base: Any, losses: tuple[str, ...], pretrain_ce_epochs: int | None) -> Any:

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from ..protocol import run_tags
 from ..tracking import redact
 from . import interrupt
 from .scheduler import PerMethodASHA
-from .space import SearchSpec, trial_choices
+from .space import REPEATS_KEY, SEED_KEY, SearchSpec, trial_choices
 from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
@@ -41,6 +42,7 @@ class StudyOptions:
     memory_per_trial_bytes: int | None = None
     asha_grace_period: int = 5
     seed: int = 0
+    repeat_seeds: tuple[int, ...] = ()  # after the search, each method's best configuration on these seeds (repeats.py)
     overwrite: bool = False
     retry_failed: bool = False  # on a resume, run the trials that failed again (from their last checkpoint)
     optuna_storage: str | None = None  # SQLAlchemy URL; None: optuna.db beside a SQLite MLflow DB (optuna_storage.py)
@@ -63,7 +65,9 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         choices = trial_choices(config)
         loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items()
                                                           if k in ("beta", "eta", "num_negatives")})
-        trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, base.train,
+        # a repeat of a configuration on another seed (repeats.py) names its seed; a search trial takes the base's
+        train = base.train.replace(seed=int(config[SEED_KEY])) if SEED_KEY in config else base.train
+        trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, train,
                                    base.protocol)
         from ..training.worker import train_run_name
 
@@ -139,10 +143,19 @@ def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums:
         raise ValueError(f"study {options.study_name!r} was started with search space {before['space']} and "
                          f"{before['num_trials']} trials; now {now['space']} and {now['num_trials']}: a resumed study "
                          "keeps its space, so use a new --study-name or --overwrite")
+    seeds_before, seeds_now = run.data.params.get("seeds"), seeds_param(options)
+    if study_state_exists(options) and seeds_before is not None and seeds_before != seeds_now:
+        raise ValueError(f"study {options.study_name!r} was started with seeds {seeds_before}; now {seeds_now}: a "
+                         "resumed study keeps its seeds, so use a new --study-name or --overwrite")
 
 
 def space_param(spec: SearchSpec) -> str:
     return json.dumps(spec.__dict__, default=list)
+
+
+def seeds_param(options: StudyOptions) -> str:
+    """The study's seeds as recorded on its parent run: the search's first, then the repeats'."""
+    return json.dumps([options.base.train.seed, *options.repeat_seeds])
 
 
 def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict[str, str]) -> str:
@@ -162,7 +175,8 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
             tracker.log_dataset(parent_id, options.dataset_record)
         tracker.log_params(parent_id, {"space": space_param(options.spec),
                                        "dataset": options.base.data.dataset, "num_trials": options.spec.num_trials,
-                                       "base": options.base.to_dict(), "max_concurrent": options.max_concurrent})
+                                       "base": options.base.to_dict(), "max_concurrent": options.max_concurrent,
+                                       "seeds": seeds_param(options)})
     else:
         tracker.reopen(parent_id)
     tracker.set_tags(parent_id, {**run_tags(options.base),
@@ -217,13 +231,19 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     from .progress import ProgressCallback
 
     study_dir = options.output_dir / options.study_name
+    started = time.monotonic()
     logged_before = int(tracker.client.get_run(parent_id).data.tags.get(METRICS_LOGGED_TAG, 0))
     metric = f"best/val/{options.base.train.metric}"
     train_root = str(study_dir / "train_runs")
-    recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
-                                   options.study_name, train_root, {"base": options.base.to_dict()}, example_history,
-                                   run_tags(options.base), options.dataset_record)
-    callbacks = [recorder, ProgressCallback(metric, options.spec.num_trials)]
+
+    def make_callbacks(num_trials: int) -> list[Any]:  # the recorder first (repeats.py reads it)
+        recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
+                                       options.study_name, train_root, {"base": options.base.to_dict()},
+                                       example_history, run_tags(options.base), options.dataset_record)
+        return [recorder, ProgressCallback(metric, num_trials)]
+
+    callbacks = make_callbacks(options.spec.num_trials)
+    recorder = callbacks[0]
     # a trial holds exactly --cpus-per-trial: a sliver for its Tune driver, the rest for its Train worker
     # (a driver taking 0.01 on top would leave a 1-CPU node 0.99 CPU, too little for a 1-CPU worker)
     resources = Resources(1, options.cpus_per_trial - TRIAL_DRIVER_CPUS, options.gpus_per_trial,
@@ -263,7 +283,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
                                       failure_config=tune.FailureConfig(max_failures=0)))
     with interrupt.tune_running():
         results = tuner.fit()
-    rows = summarize(results)
+    rows = summarize(results, options.base.train.seed)
     interrupted = (bool(recorder.interrupted) or interrupt.received() is not None
                    or (options.time_budget_s is None and len(rows) < options.spec.num_trials))
     # how many metric values the driver sent to MLflow (exact unless a session was SIGKILLed)
@@ -274,6 +294,22 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     from .report import log_study_figures
 
     evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker)
+    if options.repeat_seeds:
+        from .repeats import run_repeats
+
+        remaining = None if options.time_budget_s is None else options.time_budget_s - (time.monotonic() - started)
+        if remaining is not None and remaining <= 0:
+            print("the budget ran out in the search: no repeats on seeds "
+                  f"{list(options.repeat_seeds)}", file=sys.stderr)
+        else:
+            methods = len(options.spec.backbones) * len(options.spec.losses)
+            repeat_callbacks = make_callbacks(methods * len(options.repeat_seeds))
+            repeated, interrupted = run_repeats(options, tracker, trainable, repeat_callbacks, metric, remaining)
+            rows += repeated
+            logged_before += recorder.logged_metrics
+            tracker.set_tags(parent_id, {METRICS_LOGGED_TAG: logged_before + repeat_callbacks[0].logged_metrics})
+            if interrupted:
+                return StudyOutcome(rows, interrupted=True)
 
     log_study_figures(tracker, parent_id, rows, options.base.train.beam_size)
     log_study_summary(tracker, parent_id, options.study_name, metric)
@@ -284,13 +320,15 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     return StudyOutcome(rows, optuna_summary=optuna_summary)
 
 
-def summarize(results: Any) -> list[dict[str, Any]]:
+def summarize(results: Any, search_seed: int) -> list[dict[str, Any]]:
+    """One row per trial: its choices, seed (a repeat's own, else the search's), final metrics and error."""
     rows = []
     for result in results:
         config = result.config or {}
         if "loss" not in config:
             continue
-        rows.append({"choices": trial_choices(config), "metrics": dict(result.metrics or {}),
+        rows.append({"choices": trial_choices(config), "seed": int(config.get(SEED_KEY, search_seed)),
+                     "repeats": config.get(REPEATS_KEY), "metrics": dict(result.metrics or {}),
                      "error": str(result.error) if result.error else None})
     return rows
 

@@ -1,0 +1,77 @@
+"""Seeds as a study dimension (issue #18): after the search, the best configuration of every
+(backbone, loss) is trained again on each other seed, as ordinary trials of the same study.
+
+The repeats are a Tune experiment of their own (``<output_dir>/<study>/repeats``) over a fixed list
+of configurations, so an interrupted repeat phase resumes the way the search does. Each repeat is one
+MLflow child run of the study's parent run, tagged ``apao.seed`` and ``apao.repeats`` (the run id of
+the search trial whose configuration it repeats); the table then groups a method's best search trial
+with its repeats (report.py).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .space import REPEATS_KEY, SEED_KEY, TUNED_KNOBS, param_name
+
+REPEATS_DIR = "repeats"
+SEED_TAG = "apao.seed"  # on every child run: the seed it trained on
+REPEATS_TAG = "apao.repeats"  # on a repeat: the run id of the search trial whose configuration it repeats
+
+
+def repeat_configs(best: list[dict[str, Any]], seeds: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Tune configs of the repeats: every best row (``backbone``, ``loss``, its knobs, ``run_id``) on
+    every seed, in the search's own parameter names so that ``trial_choices`` reads them unchanged."""
+    configs = []
+    for row in best:
+        knobs = {param_name(row["backbone"], row["loss"], knob): row[knob] for knob in TUNED_KNOBS.get(row["loss"], ())}
+        configs += [{"backbone": row["backbone"], "loss": row["loss"], **knobs, SEED_KEY: int(seed),
+                     REPEATS_KEY: row["run_id"]} for seed in seeds]
+    return configs
+
+
+def seed_record(config: dict[str, Any], base: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """A child run's seed tags and the ``base`` param it logs: a repeat's seed and the run it repeats,
+    a search trial's seed from the base config."""
+    if SEED_KEY not in config:
+        return {SEED_TAG: str(base["train"]["seed"])}, base
+    seeded = {**base, "train": {**base["train"], "seed": int(config[SEED_KEY])}}
+    return {SEED_TAG: str(config[SEED_KEY]), REPEATS_TAG: str(config[REPEATS_KEY])}, seeded
+
+
+def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any], metric: str,
+                time_budget_s: float | None) -> tuple[list[dict[str, Any]], bool]:
+    """Runs (or resumes) the repeat phase; returns (one summary per repeat trial, whether it was stopped
+    before every repeat ended). Nothing to repeat (no seeds, no finished method): ``([], False)``."""
+    from ray import tune
+    from ray.tune.search import BasicVariantGenerator
+
+    from . import interrupt
+    from .report import best_rows
+    from .sweep import summarize
+
+    directory = options.output_dir / options.study_name / REPEATS_DIR
+    if tune.Tuner.can_restore(str(directory)):  # the configurations were chosen when the phase started
+        tuner = tune.Tuner.restore(str(directory), trainable, resume_unfinished=True,
+                                   resume_errored=options.retry_failed)
+        tuner._local_tuner.get_run_config().callbacks = callbacks  # this session's recorder (see sweep.py)
+    else:
+        configs = repeat_configs(best_rows(tracker, metric, options.study_name), options.repeat_seeds)
+        if not configs:
+            return [], False
+        print(f"repeating the best configuration of {len(configs) // len(options.repeat_seeds)} method(s) on seeds "
+              f"{list(options.repeat_seeds)}: {len(configs)} trials", file=sys.stderr)
+        # exactly these configurations, once each: points to evaluate over a space of constants that only
+        # names their keys (Tune fills a point in by those names); a key of another method's knob stays None
+        space = {key: None for config in configs for key in config}
+        searcher = BasicVariantGenerator(points_to_evaluate=configs, max_concurrent=options.max_concurrent)
+        tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
+            search_alg=searcher, num_samples=len(configs), time_budget_s=time_budget_s),
+            run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=str(directory.parent), callbacks=callbacks,
+                                      verbose=0, failure_config=tune.FailureConfig(max_failures=0)))
+    with interrupt.tune_running():
+        results = tuner.fit()
+    rows = summarize(results, options.base.train.seed)
+    recorder = callbacks[0]
+    interrupted = bool(recorder.interrupted) or interrupt.received() is not None
+    return rows, interrupted

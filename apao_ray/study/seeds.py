@@ -1,0 +1,95 @@
+"""The study table over seeds (issue #18): per (backbone, loss), the best configuration's seed runs
+(its search trial and its repeats, repeats.py) as mean, spread and count, the paired significance
+against the baseline, and the cost of every trial of the method summed.
+
+No Ray and no statistics of its own: the seeds are grouped into ``analysis.results.Method`` objects
+and compared by ``analysis.results.compare_methods`` (paired bootstrap CI, Wilcoxon, Holm, seeds
+pooled per user), exactly as ``python -m apao_ray report`` does. Runs are plain records
+(``analysis.export.trial_record``), so every function here is testable on synthetic rows.
+"""
+from __future__ import annotations
+
+import math
+import tempfile
+from typing import Any
+
+from ..analysis.per_user import PER_USER_FILE, read_per_user
+from ..analysis.results import Method, Trial, compare_methods, with_repeats
+from ..training.cost import SUMMED
+
+TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
+STD_SUFFIX = " std"
+
+
+class RunSource:
+    """The ``StudyExport`` interface that ``Trial`` needs (a name, trial records, their per-user tables),
+    over records given here; ``per_user`` reads the table from ``tables`` or downloads it from MLflow."""
+
+    def __init__(self, name: str, records: list[dict[str, Any]], tracker: Any = None,
+                 tables: dict[str, Any] | None = None) -> None:
+        self.name, self.trials, self.tracker = name, records, tracker
+        self.tables: dict[str, Any] = dict(tables or {})  # run_id -> per-user DataFrame (downloaded once)
+
+    def per_user(self, record: dict[str, Any]) -> Any:
+        run_id = record["run_id"]
+        if run_id not in self.tables and self.tracker is not None:
+            try:
+                with tempfile.TemporaryDirectory() as tmp:
+                    self.tables[run_id] = read_per_user(self.tracker.client.download_artifacts(run_id, PER_USER_FILE, tmp))
+            except Exception:  # noqa: BLE001 - a run without the table (older, failed upload): no comparison for it
+                self.tables[run_id] = None
+        return self.tables.get(run_id)
+
+
+def seed_methods(source: RunSource, best_run_ids: list[str]) -> list[Method]:
+    """One ``Method`` per best run (in their order): that run and the finished, tested repeats of its
+    configuration on other seeds."""
+    trials = [Trial(source, record) for record in source.trials]
+    finished = [t for t in trials if t.record["status"] == "FINISHED" and "test/ndcg_at_10" in t.metrics]
+    by_id = {trial.run_id: trial for trial in trials}
+    return [Method(trial.dataset, trial.backbone, trial.loss, trial.method, with_repeats([trial], finished))
+            for trial in (by_id[run_id] for run_id in best_run_ids)]
+
+
+def seed_columns(method: Method) -> dict[str, Any]:
+    """``seeds`` ("0,1"), ``n_seeds``, and per test metric the mean over the seeds and its sample std
+    (``<metric> std``; None with one seed)."""
+    columns: dict[str, Any] = {"seeds": ",".join(map(str, method.seeds)), "n_seeds": len(method.trials)}
+    for key in TEST_COLUMNS:
+        stats = method.mean_std(key)
+        mean, std = stats if stats is not None else (None, None)
+        columns[key] = mean
+        columns[key + STD_SUFFIX] = None if std is None or math.isnan(std) else std
+    return columns
+
+
+def significance_column(baseline: str, metric: str) -> str:
+    """``vs ce test/ndcg_at_10``: the table column of paired differences against the baseline."""
+    return f"vs {baseline} test/{metric}"
+
+
+def significance_cells(methods: list[Method], baseline: str = "ce", metric: str = "ndcg_at_10",
+                       num_resamples: int = 10_000) -> dict[tuple[str, str], str]:
+    """Per (backbone, loss): ``+0.0041 [0.0012, 0.0070], p_holm = 0.003`` (method - baseline on the same
+    test users, seeds pooled, Holm over the methods compared), ``baseline`` for the baseline itself, or
+    why there is no comparison."""
+    cells: dict[tuple[str, str], str] = {(m.backbone, m.loss): "baseline" for m in methods if m.loss == baseline}
+    for paired in compare_methods(methods, baseline, (metric,), num_resamples):
+        key = (paired.method.backbone, paired.method.loss)
+        cells[key] = paired.pooled.text() if paired.pooled else f"- ({paired.note or 'no paired users'})"
+    for method in methods:
+        cells.setdefault((method.backbone, method.loss), f"- (no {baseline} trial to compare with)")
+    return cells
+
+
+def cost_totals(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (backbone, loss), every run's ``cost/*`` (finished, pruned or failed: all cost): wall and CPU
+    seconds and energy summed, the largest peak memory."""
+    totals: dict[tuple[str, str], dict[str, float]] = {}
+    for record in records:
+        method = (record["tags"].get("backbone", "?"), record["tags"].get("loss", "?"))
+        for key, value in record["metrics"].items():
+            if key.startswith("cost/"):
+                sums = totals.setdefault(method, {})
+                sums[key] = sums.get(key, 0.0) + value if key in SUMMED else max(sums.get(key, 0.0), value)
+    return totals
