@@ -119,6 +119,15 @@ def test_a_budget_below_one_full_epoch_trains_every_method_on_the_largest_subset
         fit_budget([ce, pairwise], 20, 3, 5, 1, 300)
 
 
+def test_the_plan_warns_when_its_peak_memory_nears_the_machines():
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 2, None)  # 2 at a time: 2 GiB + 2 GiB at peak
+    assert "warning" not in Plan("office", "paper", "fp32", 2, [CE, POINTWISE], 20, 3, fit, machine_bytes=8 * 2**30).text()
+    assert "warning" not in Plan("office", "paper", "fp32", 2, [CE, POINTWISE], 20, 3, fit).text()  # a cluster
+    text = Plan("office", "paper", "fp32", 2, [CE, POINTWISE], 20, 3, fit, machine_bytes=4 * 2**30).text()
+    assert "warning: ~4.0 GiB at peak is over 80% of this machine's 4.0 GiB; Ray's memory monitor kills workers at " \
+           "95%: lower --max-concurrent" in text
+
+
 def test_no_pruning_asked_stays_no_pruning_when_fitted():
     fit = fit_budget([CE, POINTWISE], 4, 2, 5, 1, study_seconds([CE, POINTWISE], 3, 2, 1))
     assert (fit.epochs, fit.asha_grace_period) == (3, 4)  # grace past the last epoch, as --quick asks

@@ -28,6 +28,7 @@ TRIAL_START_S = 30.0      # a TorchTrainer's placement group + worker start + to
 PROBE_STEPS = 3           # timed optimizer steps (after one warm-up step)
 PROBE_CACHE_FILE = "probes.json"
 PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
+MEMORY_WARNING_FRACTION = 0.8  # of the machine's memory, for the plan's peak (Ray's monitor kills at 0.95)
 MIN_TRAIN_SAMPLES = 1024  # the smallest training subset a budget may cut an epoch to
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
 
@@ -285,6 +286,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     repeat_seeds: tuple[int, ...] = ()  # --seeds after the first: each method's best configuration again
     threads: int = 1  # torch threads per trial (the CPU-seconds estimate)
+    machine_bytes: int = 0  # this machine's memory when the study runs on it (0: a cluster, not checked)
 
     @property
     def num_trials(self) -> int:
@@ -346,7 +348,19 @@ class Plan:
                              f"exceeds it; fitted: {', '.join(fit.changes)} (~{format_duration(fit.estimate_s)})")
             else:
                 lines.append(f"budget {format_duration(self.budget_s)}: the study fits")
+        if self.machine_bytes and self.peak_bytes > MEMORY_WARNING_FRACTION * self.machine_bytes:
+            lines.append(f"  warning: ~{self.peak_bytes / gib:.1f} GiB at peak is over {MEMORY_WARNING_FRACTION:.0%} of this "
+                         f"machine's {self.machine_bytes / gib:.1f} GiB; Ray's memory monitor kills workers at 95%: "
+                         "lower --max-concurrent or leave out the largest method")
         return "\n".join(lines + self.notes)
+
+
+def machine_memory_bytes() -> int:
+    """This machine's physical memory (0 where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def trial_threads(cpus_per_trial: float) -> int:
@@ -390,7 +404,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     return Plan(dataset=base.data.dataset, protocol=spec.protocol, precision="/".join(sorted(precisions)), slots=slots,
                 methods=methods, asked_epochs=base.train.epochs, asked_trials_per_tuned=search.trials_per_tuned,
                 fit=fit, budget_s=spec.budget_s, probes_cached=cached, notes=notes, repeat_seeds=spec.repeat_seeds,
-                threads=threads)
+                threads=threads, machine_bytes=0 if spec.address else machine_memory_bytes())
 
 
 def cost_summary(plan: Plan, actual: dict[tuple[str, str], dict[str, float]]) -> str:
