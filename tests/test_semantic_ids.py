@@ -99,9 +99,6 @@ def popularity_recall_at_10(dataset, users: np.ndarray | None = None) -> float:
 
 @needs_office
 @pytest.mark.e2e
-@pytest.mark.xfail(reason="not yet met (#14 open): the CI run of 2026-11-23 reached validation Recall@10 0.0073 after "
-                          "2 epochs of the tiny model vs 0.0113 for popularity; the tokenizer checks above it pass",
-                   strict=False)
 def test_office_tokenized_from_texts_trains_beyond_popularity(tmp_path):
     from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
     from apao_ray.training.evaluation import select_users
@@ -122,9 +119,12 @@ def test_office_tokenized_from_texts_trains_beyond_popularity(tmp_path):
     dataset = load_dataset(str(directory))
     assert dataset.stats()["semantic_ids"] == meta["embedding"]
 
+    # 3 epochs at batch 64: with 2 (cosine over 2) neither these IDs nor the paper's own index got past
+    # popularity (validation Recall@10 on all users: ours 0.0098 vs 0.0143, the paper's 0.0075 vs 0.0077);
+    # with 3 ours reached 0.0096 / 0.0312 / 0.0340 (benchmarks/RESULTS.md, session 5)
     config = TrialConfig(DataConfig(dataset=str(directory)), ModelConfig(backbone="tiger", **TINY_MODEL),
-                         LossConfig(name="ce"), TrainConfig(epochs=2, batch_size=256, effective_batch_size=256,
-                                                            lr=3e-3, patience=2, precision="fp32",
+                         LossConfig(name="ce"), TrainConfig(epochs=3, batch_size=64, effective_batch_size=64,
+                                                            lr=3e-3, patience=3, precision="fp32",
                                                             eval_max_users=1500, retention_users=16))
     hooks = TrainingHooks(tmp_path / "run", verbose=False)
     run_trial(config, hooks, dataset)
