@@ -60,16 +60,19 @@ def plan_study(spec: StudySpec, start_ray: bool = False, use_cache: bool = True)
 
 
 def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str] | None = None,
-              log: Any = sys.stderr) -> StudyResult:
+              log: Any = None) -> StudyResult:
     """Prints the plan, runs (or resumes) the study fitted to its budget, and reads back its table.
 
     Args:
         spec: the checked study.
         plan: a plan already made (the CLI's), else one is made here.
         command_line: recorded on the parent run (default ``sys.argv``).
-        log: where the plan and progress notes go.
+        log: where the plan and progress notes go (default: ``sys.stderr`` at the time of the call, not
+            the stream that was ``sys.stderr`` when this module was imported).
     """
     import pandas as pd
+
+    log = log if log is not None else sys.stderr
 
     from ..tracking import Tracker, experiment_name
     from .report import table_rows
