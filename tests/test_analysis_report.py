@@ -110,6 +110,9 @@ def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
                  str(tmp_path / "out"), "--resamples", "200"]) == 0
     report = (tmp_path / "out" / "report.md").read_text()
     assert "office-s1" in report and "office-s0" not in report and "| 1 |" in _section(report, "Test metrics")[2]
+    assert main(["report", "--exports", str(tmp_path / "results" / "office-s0"), str(tmp_path / "results" / "office-s1"),
+                 "--out", str(tmp_path / "both"), "--resamples", "200"]) == 0  # one flag, several directories
+    assert "| 0,1 |" in _section((tmp_path / "both" / "report.md").read_text(), "Test metrics")[2]
     assert main(["report", "--exports", str(tmp_path / "results"), "--study", "nope", "--out", str(tmp_path / "o")]) == 2
     assert "studies ['nope'] are not in the exports given; found ['office-s0', 'office-s1']" in capsys.readouterr().err
     assert main(["report", "--exports", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2

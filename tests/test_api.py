@@ -95,6 +95,14 @@ def test_seeds_put_the_search_on_the_first_and_the_repeats_on_the_others(isolate
     assert cli_sweep.spec_from_args(args).__class__ is StudySpec and args.seeds == (0, 1)
 
 
+def test_the_recorded_command_is_the_one_a_user_types_again():
+    from apao_ray.study.sweep import invocation
+
+    assert invocation(["/x/apao_ray/__main__.py", "sweep", "--dataset", "office"]) == [
+        "python", "-m", "apao_ray", "sweep", "--dataset", "office"]
+    assert invocation(["studies/sweep.py", "--smoke"]) == ["studies/sweep.py", "--smoke"]
+
+
 def test_help_texts_show_the_real_defaults():
     from apao_ray.study import cli_sweep, cli_train
 

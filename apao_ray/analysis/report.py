@@ -205,12 +205,14 @@ def register(subparsers: Any) -> None:
     """Adds ``report`` to ``python -m apao_ray``."""
     parser = subparsers.add_parser("report", help="markdown report with figures and significance from studies",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--study", action="append", help="a study name; repeat for several (one per seed)")
+    parser.add_argument("--study", action="extend", nargs="+", metavar="NAME",
+                        help="study names, one per seed (--study A B or --study A --study B)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--tracking-uri", default=None,
                         help="read MLflow (default when --exports is absent: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
-    source.add_argument("--exports", action="append",
-                        help="an export directory, or a folder of them (e.g. benchmarks/results); repeatable")
+    source.add_argument("--exports", action="extend", nargs="+", metavar="DIR",
+                        help="export directories, or folders of them (e.g. benchmarks/results); --exports A B "
+                             "or --exports A --exports B")
     parser.add_argument("--out", required=True, help="directory for report.md and its PNGs")
     parser.add_argument("--baseline", default="ce", help="loss every other method is compared with (default ce)")
     parser.add_argument("--trials", choices=TRIAL_CHOICES, default="best",

@@ -49,7 +49,15 @@ class StudyOptions:
     optuna_storage_given: bool = False  # the user named the storage (--optuna-storage): a resume must not swap it
     enqueue_paper_setting: bool = True  # each tuned method's first trial is the paper's setting
     dataset_record: dict[str, Any] | None = None  # logged as each run's MLflow dataset input
-    command_line: list[str] = field(default_factory=lambda: list(sys.argv))
+    command_line: list[str] = field(default_factory=lambda: invocation(sys.argv))
+
+
+def invocation(argv: list[str]) -> list[str]:
+    """The command as a user would type it again: ``python -m apao_ray sweep ...`` rather than the absolute
+    path of ``apao_ray/__main__.py`` that ``sys.argv[0]`` holds under ``-m``."""
+    if argv and Path(argv[0]).parts[-2:] == ("apao_ray", "__main__.py"):
+        return ["python", "-m", "apao_ray", *argv[1:]]
+    return list(argv)
 
 
 def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_failures: int) -> Any:
