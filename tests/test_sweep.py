@@ -128,6 +128,9 @@ def test_interrupted_study_resumed_without_rerun_duplicate_or_orphan(study):
                for trial_id, run in children.items()}
     assert any(resumed.values()), "no trial resumed from a checkpoint"
     assert all(1 <= value < step for history in resumed.values() for step, value in history), resumed
+    # a resumed trial's first report carries its earlier epochs (a list, for MLflow's backfill); Tune's
+    # TensorBoard logger would print all of it in a warning per resumed trial
+    assert "TBXLoggerCallback" not in study["stderr"] and not list(study["dir"].rglob("events.out.tfevents*"))
     parent = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")[0]
     assert parent.data.tags["apao.outcome"] == "finished"
 

@@ -11,7 +11,9 @@ from ..config import TrialConfig
 
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                  "RAY_TRAIN_V2_ENABLED": "1", "RAY_AIR_NEW_OUTPUT": "0",
-                 "RAY_TRAIN_ENABLE_PRINT_PATCH": "0"}  # else every worker line is printed twice
+                 "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",  # else every worker line is printed twice
+                 # no TensorBoard files: MLflow is the record (sweep.py keeps Tune's CSV and JSON loggers)
+                 "TUNE_DISABLE_AUTO_CALLBACK_LOGGERS": "1"}
 # Ray Train gives a trial's workers 60 s to start (placement group + torch import); on a machine busy
 # with other work that is not enough, and each timeout costs a retry. A user's own value wins.
 WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"

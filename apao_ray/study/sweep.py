@@ -248,7 +248,9 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
         recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
                                        options.study_name, train_root, {"base": options.base.to_dict()},
                                        example_history, run_tags(options.base), options.dataset_record)
-        return [recorder, ProgressCallback(metric, num_trials)]
+        from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
+        return [recorder, ProgressCallback(metric, num_trials), CSVLoggerCallback(), JsonLoggerCallback()]
 
     callbacks = make_callbacks(options.spec.num_trials)
     recorder = callbacks[0]
