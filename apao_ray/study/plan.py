@@ -159,7 +159,8 @@ class Plan:
         lines.append(f"  ASHA compares each tuned method's trials at epochs {rungs}" if rungs else
                      f"  ASHA prunes nothing (grace {fit.asha_grace_period} epochs >= {fit.epochs} epochs)")
         lines.append(f"  study ~{format_duration(fit.estimate_s)} wall, peak memory ~{self.peak_bytes / gib:.1f} GiB "
-                     f"({self.slots} trials at once); an upper bound: ASHA pruning and early stopping shorten it")
+                     f"({self.slots} trials at once), for full-length trials; ASHA pruning and early stopping "
+                     "shorten it, whole epochs in a Ray worker run slower than the short probe (up to 1.4x measured)")
         source = "cached" if self.probes_cached == len(self.methods) else "measured now"
         lines.append(f"  (from a probe of up to {PROBE_STEPS} optimizer steps + 1 validation batch per method on this "
                      f"machine, {source}; cache {probe_cache_path()})")
@@ -241,8 +242,8 @@ def cost_summary(plan: Plan, actual: dict[tuple[str, str], dict[str, float]]) ->
         shown = lambda v: "-" if v is None else f"{v / scale:.{digits}f}"  # noqa: E731
         return f"{shown(estimate)} / {shown(value)}"
 
-    lines = ["cost per method, estimate / actual (estimates are upper bounds: pruning and early stopping shorten "
-             "trials):", "  method                  wall min       CPU min        peak RSS MB    energy kWh"]
+    lines = ["cost per method, estimate / actual (estimates are for full-length trials, from a short probe: pruning "
+             "and early stopping shorten trials, whole epochs in a worker run slower than the probe):", "  method                  wall min       CPU min        peak RSS MB    energy kWh"]
     estimates = plan.cost_estimates()
     for method in sorted(set(estimates) | set(actual)):
         est, got = estimates.get(method, {}), actual.get(method, {})
