@@ -55,6 +55,7 @@ class CostMeter:
             from codecarbon import OfflineEmissionsTracker
         except ImportError:
             return
+        logging.getLogger("codecarbon").setLevel(logging.ERROR)  # before it starts: its start-up INFO/WARNING lines
         try:  # offline: no network; the country only picks a carbon intensity, energy does not depend on it
             self.energy_tracker = OfflineEmissionsTracker(country_iso_code="USA", output_methods=[], log_level="error",
                                                           tracking_mode="process", measure_power_secs=30)
@@ -62,7 +63,7 @@ class CostMeter:
         except Exception as error:  # noqa: BLE001 - energy is optional: a failure is stated, never fatal
             self.energy_tracker = None
             self.energy_method = f"not measured: CodeCarbon failed to start ({type(error).__name__}: {error})"[:300]
-        logging.getLogger("codecarbon").setLevel(logging.ERROR)
+        logging.getLogger("codecarbon").setLevel(logging.ERROR)  # its constructor may have lowered it again
 
     def _energy_kwh(self) -> float | None:
         """Energy so far in this segment (flushes CodeCarbon's measurement without stopping it)."""
