@@ -169,3 +169,23 @@ def test_probe_cache_is_read_per_hardware_and_config(tmp_path, monkeypatch):
     (tmp_path / "apao_ray" / "probes.json").write_text(json.dumps({key: saved}))
     measured, was_cached = probe(config, 2)
     assert was_cached and measured.train_s_per_sample == 0.02 and measured.peak_bytes == 123
+
+
+def test_the_probe_times_a_sustained_rate_not_the_first_steps(one_torch_thread):
+    """At least ``steps`` timed steps; with a time floor it goes on past them until the floor, the step cap or
+    the end of the epoch (the synthetic dataset's tiny model takes milliseconds a step)."""
+    from apao_ray.config import DataConfig, ModelConfig, TrainConfig, TrialConfig
+    from apao_ray.study.plan import PROBE_MAX_STEPS
+    from apao_ray.study.probe import run_probe
+
+    config = TrialConfig(DataConfig(dataset="synthetic"), ModelConfig(d_model=32, num_layers=1, num_heads=2, head_dim=16,
+                                                                      d_ff=64),
+                         train=TrainConfig(batch_size=16, eval_batch_size=8, precision="fp32"))
+    config = json.loads(json.dumps(config.to_dict()))
+    burst = run_probe(config, 1, steps=3, min_seconds=0.0)
+    assert burst["timed_samples"] == 3 * 16
+    sustained = run_probe(config, 1, steps=3, min_seconds=0.5)  # ~1 ms a step: the floor ends it
+    assert 3 * 16 < sustained["timed_samples"] < PROBE_MAX_STEPS * 16
+    assert sustained["train_s_per_sample"] * sustained["timed_samples"] >= 0.5
+    capped = run_probe(config, 1, steps=3, min_seconds=1e6)  # 4,262 training samples: the step cap ends it
+    assert capped["timed_samples"] == PROBE_MAX_STEPS * 16

@@ -1,6 +1,6 @@
 """A study's plan before any trial: trials per method, epochs, and its cost on this hardware.
 
-The cost comes from a short probe of the real model and loss (a few optimizer steps and one
+The cost comes from a short probe of the real model and loss (~10 s of optimizer steps and one
 validation batch, in a subprocess so that its peak memory is its own), cached per hardware and
 config in ``~/.cache/apao_ray/probes.json``. With a wall-clock budget the study is fitted to it
 (:mod:`.budget`: the pure, unit-tested arithmetic of that fit).
@@ -21,7 +21,10 @@ from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Fit, MethodC
                      fit_budget, format_duration, largest_subset, makespan, parse_duration, study_seconds,
                      trial_durations)
 
-PROBE_STEPS = 3           # timed optimizer steps (after one warm-up step)
+PROBE_STEPS = 3           # timed optimizer steps at least (after one warm-up step)
+PROBE_SECONDS = 10.0      # ... and timed training for at least this long (a sustained rate: 3 steps read ~5% fast)
+PROBE_MAX_STEPS = 200     # ... but no more steps than this (nor more than one epoch)
+PROBE_VERSION = 2         # in the cache key: probes measured another way are not reused
 PROBE_CACHE_FILE = "probes.json"
 PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
 MEMORY_WARNING_FRACTION = 0.8  # of the machine's memory, for the plan's peak (Ray's monitor kills at 0.95)
@@ -37,6 +40,7 @@ class Probe:
     precision: str
     threads: int
     device: str
+    timed_samples: int = 0  # training samples the rate was measured on (after the warm-up step)
 
 
 def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
@@ -52,7 +56,7 @@ def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
 def probe_key(config_dict: dict[str, Any], threads: int) -> str:
     """Cache key: the hardware and what sets the cost (model, loss, batch, precision, data, eval)."""
     train = config_dict["train"]
-    relevant = {"hw": hardware_key(threads, bool(train.get("use_gpu"))), "model": config_dict["model"],
+    relevant = {"probe": PROBE_VERSION, "hw": hardware_key(threads, bool(train.get("use_gpu"))), "model": config_dict["model"],
                 "loss": {k: config_dict["loss"].get(k) for k in ("name", "num_negatives")},
                 "data": config_dict["data"], "protocol": config_dict.get("protocol"),
                 "train": {k: train.get(k) for k in ("batch_size", "precision", "eval_batch_size", "beam_size",
@@ -162,7 +166,7 @@ class Plan:
                      f"({self.slots} trials at once), for full-length trials; ASHA pruning and early stopping "
                      "shorten it, whole epochs in a Ray worker run slower than the short probe (up to 1.4x measured)")
         source = "cached" if self.probes_cached == len(self.methods) else "measured now"
-        lines.append(f"  (from a probe of up to {PROBE_STEPS} optimizer steps + 1 validation batch per method on this "
+        lines.append(f"  (from a probe of ~{PROBE_SECONDS:.0f} s of training + 1 validation batch per method on this "
                      f"machine, {source}; cache {probe_cache_path()})")
         if self.budget_s is not None:
             if fit.changes:

@@ -1,6 +1,6 @@
 """The timing probe behind a study's plan: ``python -m apao_ray.study.probe CONFIG_JSON THREADS``.
 
-Runs the real model and loss of one trial config for a few optimizer steps and one validation
+Runs the real model and loss of one trial config for ~10 s of optimizer steps and one validation
 batch, and prints one JSON line (seconds per training sample, per validation user, peak memory).
 A subprocess of its own, so the peak memory is the trial's alone and the driver stays light.
 """
@@ -11,14 +11,18 @@ import resource
 import sys
 import time
 
-from .plan import PROBE_STEPS
+from .plan import PROBE_MAX_STEPS, PROBE_SECONDS, PROBE_STEPS
 
 
 class _Enough(Exception):
     """Ends the probe's training early."""
 
 
-def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, max_seconds: float = 30.0) -> dict:
+def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_seconds: float = PROBE_SECONDS,
+              max_seconds: float = 30.0) -> dict:
+    """Trains at least ``steps`` timed optimizer steps and until ``min_seconds`` of them have passed
+    (at most PROBE_MAX_STEPS, one epoch, or ``max_seconds`` once two steps are timed), then times one
+    validation batch."""
     import numpy as np
     import torch
 
@@ -35,7 +39,8 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, max_sec
     device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
     train = config.train.replace(precision=resolve_precision(config.train.precision, device),
                                  effective_batch_size=config.train.batch_size,  # one optimizer step per micro-batch
-                                 max_train_samples=(steps + 1) * config.train.batch_size, retention_users=0)
+                                 max_train_samples=(max(steps, PROBE_MAX_STEPS) + 1) * config.train.batch_size,
+                                 retention_users=0)
     config = config.replace(train=train, loss=config.loss.replace(pretrain_ce_epochs=0).to_dict())
     dataset = load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
                            config.data.synthetic_seed)
@@ -60,8 +65,11 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, max_sec
 
     def step_done(done: int, total: int) -> None:
         stamps.append(synced_now())
-        if len(stamps) >= 2 and stamps[-1] - stamps[0] > max_seconds:
+        timed = stamps[-1] - stamps[0]
+        if len(stamps) >= 2 and timed > max_seconds:
             raise _Enough  # a slow config (pairwise, many negatives): one timed step is enough
+        if len(stamps) > steps and timed >= min_seconds:
+            raise _Enough  # a sustained rate, not the first steps' burst
 
     try:
         runner.train_epoch(1, model, loss_fn, optimizer, scheduler, reference, step_done)
@@ -82,7 +90,7 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, max_sec
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     return {"train_s_per_sample": train_s_per_sample, "eval_s_per_user": eval_s_per_user, "peak_bytes": int(peak),
-            "precision": train.precision, "threads": threads, "device": device.type}
+            "precision": train.precision, "threads": threads, "device": device.type, "timed_samples": samples}
 
 
 if __name__ == "__main__":
