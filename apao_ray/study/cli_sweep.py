@@ -21,7 +21,7 @@ SWEEP_EPILOG = """\
 defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to
 20 epochs each (patience 5), ASHA stopping APAO trials weaker than others of their method after 5 epochs (CE
 runs to the end). Before the first trial the study prints its plan: trials per method, epochs, and the wall
-time and peak memory estimated from ~10 s of optimizer steps of the real model on this machine (--dry-run stops
+time and peak memory estimated from ~8 s of optimizer steps of the real model on this machine (--dry-run stops
 there). A paper-size study on a full dataset takes days on 2 CPUs: give --budget (e.g. 3h) and the study is
 fitted to it (fewer epochs, then fewer trials), or run it on GPUs (--gpus-per-trial 0.25 runs four trials per
 GPU). --quick finishes in a few minutes on 2 CPUs (tiny model, 2048-sample subset, 2 epochs, 4 trials): a

@@ -1,6 +1,6 @@
 """A study's plan before any trial: trials per method, epochs, and its cost on this hardware.
 
-The cost comes from a short probe of the real model and loss (~10 s of optimizer steps and one
+The cost comes from a short probe of the real model and loss (~8 s of optimizer steps and one
 validation batch, in a subprocess so that its peak memory is its own), cached per hardware and
 config in ``~/.cache/apao_ray/probes.json``. With a wall-clock budget the study is fitted to it
 (:mod:`.budget`: the pure, unit-tested arithmetic of that fit).
@@ -22,8 +22,8 @@ from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Fit, MethodC
                      trial_durations)
 
 PROBE_STEPS = 3           # timed optimizer steps at least (after one warm-up step)
-PROBE_SECONDS = 10.0      # ... and timed training for at least this long (a sustained rate: 3 steps read ~5% fast)
-PROBE_MAX_STEPS = 200     # ... but no more steps than this (nor more than one epoch)
+PROBE_SECONDS = 8.0       # ... and timed training for at least this long (a sustained rate: 3 steps read ~5% fast)
+PROBE_MAX_STEPS = 50      # ... but no more steps than this (nor more than one epoch): tiny models stop early
 PROBE_VERSION = 2         # in the cache key: probes measured another way are not reused
 PROBE_CACHE_FILE = "probes.json"
 PROBE_CACHE_ENV = "APAO_PROBE_CACHE"

@@ -1,6 +1,6 @@
 """The timing probe behind a study's plan: ``python -m apao_ray.study.probe CONFIG_JSON THREADS``.
 
-Runs the real model and loss of one trial config for ~10 s of optimizer steps and one validation
+Runs the real model and loss of one trial config for ~8 s of optimizer steps and one validation
 batch, and prints one JSON line (seconds per training sample, per validation user, peak memory).
 A subprocess of its own, so the peak memory is the trial's alone and the driver stays light.
 """
