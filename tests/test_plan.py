@@ -189,3 +189,25 @@ def test_the_probe_times_a_sustained_rate_not_the_first_steps(one_torch_thread):
     assert sustained["train_s_per_sample"] * sustained["timed_samples"] >= 0.2
     capped = run_probe(config, 1, steps=3, min_seconds=1e6)  # 4,262 training samples: the step cap ends it
     assert capped["timed_samples"] == PROBE_MAX_STEPS * 16
+
+
+def test_finished_trials_rates_replace_the_probes_in_the_next_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
+    from apao_ray.config import TrialConfig
+    from apao_ray.study.plan import method_config, record_observed
+
+    config = method_config(TrialConfig(), "tiger", "ce")
+    trials = [{"perf/samples_per_second": 100.0, "valid_s_per_user": 0.008, "cost/peak_rss_mb": 3000.0},
+              {"perf/samples_per_second": 125.0, "valid_s_per_user": None, "cost/peak_rss_mb": 4000.0},
+              {"perf/samples_per_second": None}]  # a trial that never reported a rate
+    assert not record_observed(config, 2, trials)  # nothing probed on this machine yet: nothing to correct
+    saved = {"train_s_per_sample": 1 / 150, "eval_s_per_user": 0.006, "peak_bytes": 2**30, "precision": "bf16",
+             "threads": 2, "device": "cpu", "timed_samples": 1280}
+    (tmp_path / "probes.json").write_text(json.dumps({probe_key(config, 2): saved}))
+    assert record_observed(config, 2, trials)
+    measured, was_cached = probe(config, 2)
+    assert was_cached and measured.observed_trials == 2
+    assert measured.train_s_per_sample == pytest.approx(1 / 112.5)  # the median trial rate, not the probe's 150
+    assert measured.eval_s_per_user == 0.008 and measured.peak_bytes == 4000 * 2**20  # the larger peak
+    assert measured.timed_samples == 1280
+    assert not record_observed(config, 1, trials)  # another thread count is another entry

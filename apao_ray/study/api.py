@@ -5,7 +5,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import Plan, cost_summary, make_plan
+from .plan import Plan, cost_summary, make_plan, method_config, record_observed
 from .spec import StudySpec
 
 
@@ -98,6 +98,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
     rows = table_rows(tracker, study=options.study_name)
+    record_rates(spec, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
               for row in rows}
     return StudyResult(table=pd.DataFrame(rows), trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
@@ -105,6 +106,29 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
                        tracking_uri=options.tracking_uri, interrupted=outcome.interrupted,
                        stop_signal=outcome.stop_signal, optuna_summary=outcome.optuna_summary,
                        cost_summary=cost_summary(plan, actual))
+
+
+def record_rates(spec: StudySpec, plan: Plan, rows: list[dict[str, Any]]) -> int:
+    """Gives the probe cache what this study's trials measured per method (training samples/s, validation
+    seconds per user, peak RSS), so the next plan on this machine starts from real epochs; not for a cluster
+    (its nodes are not this machine), nor for trials whose tuned negatives differ from the probed config.
+    Returns the methods recorded."""
+    if spec.address:
+        return 0
+    base, splits = spec.resolved["base"], spec.resolved["dataset"].splits
+    valid_users = min(len(splits["valid"]), base.train.eval_max_users or len(splits["valid"]))
+    by_method: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for row in rows:
+        choices, metrics = row["choices"], row["metrics"]
+        if row["error"] or choices.get("num_negatives", base.loss.num_negatives) != base.loss.num_negatives:
+            continue
+        validation_s = metrics.get("perf/epoch_seconds", 0.0) - metrics.get("perf/train_seconds", 0.0)
+        by_method.setdefault((choices["backbone"], choices["loss"]), []).append(
+            {"perf/samples_per_second": metrics.get("perf/samples_per_second"),
+             "valid_s_per_user": validation_s / valid_users if validation_s > 0 else None,
+             "cost/peak_rss_mb": metrics.get("cost/peak_rss_mb")})
+    return sum(record_observed(method_config(base, backbone, loss), plan.threads, trials)
+               for (backbone, loss), trials in by_method.items())
 
 
 def trial_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -11,9 +11,10 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ class Probe:
     threads: int
     device: str
     timed_samples: int = 0  # training samples the rate was measured on (after the warm-up step)
+    observed_trials: int = 0  # finished study trials whose measured rates replaced the probe's (record_observed)
 
 
 def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
@@ -79,7 +81,7 @@ def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> 
     except (OSError, ValueError):
         cache = {}  # a damaged cache is re-measured, not an error
     if use_cache and key in cache:
-        return Probe(**cache[key]), True
+        return _with_observed(cache[key]), True
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
            + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-m", "apao_ray.study.probe", json.dumps(config_dict), str(threads)],
@@ -96,6 +98,52 @@ def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> 
     return result, False
 
 
+def _with_observed(entry: dict[str, Any]) -> Probe:
+    """A cache entry as a Probe: the rates that finished trials measured win over the probe's short run,
+    the larger peak memory wins."""
+    entry = dict(entry)
+    observed = entry.pop("observed", None)
+    measured = Probe(**entry)
+    if not observed:
+        return measured
+    return replace(measured, train_s_per_sample=observed["train_s_per_sample"],
+                   eval_s_per_user=observed.get("eval_s_per_user") or measured.eval_s_per_user,
+                   peak_bytes=max(measured.peak_bytes, int(observed.get("peak_bytes") or 0)),
+                   observed_trials=int(observed["trials"]))
+
+
+def method_config(base: Any, backbone: str, loss: str) -> dict[str, Any]:
+    """The trial config a method is probed with (and its cache entry's key is made of), as plain JSON."""
+    config = base.replace(model=base.model.replace(backbone=backbone).to_dict(), loss=base.loss.replace(name=loss).to_dict())
+    return json.loads(json.dumps(config.to_dict()))
+
+
+def record_observed(config_dict: dict[str, Any], threads: int, trials: list[dict[str, Any]]) -> bool:
+    """Stores what finished trials of one method measured (``perf/samples_per_second``, validation seconds per
+    user, ``cost/peak_rss_mb``) in the probe cache entry of their config, so the next plan on this machine
+    uses real epochs instead of the probe's few steps. Only an entry that exists is updated; returns whether
+    one was."""
+    rates = [t["perf/samples_per_second"] for t in trials if (t.get("perf/samples_per_second") or 0) > 0]
+    if not rates:
+        return False
+    path, key = probe_cache_path(), probe_key(config_dict, threads)
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if key not in cache:
+        return False
+    valid = [t["valid_s_per_user"] for t in trials if (t.get("valid_s_per_user") or 0) > 0]
+    peaks = [t["cost/peak_rss_mb"] for t in trials if (t.get("cost/peak_rss_mb") or 0) > 0]
+    cache[key]["observed"] = {"train_s_per_sample": 1.0 / statistics.median(rates), "trials": len(rates),
+                              "eval_s_per_user": statistics.median(valid) if valid else None,
+                              "peak_bytes": int(max(peaks) * 2**20) if peaks else None}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    tmp.replace(path)
+    return True
+
+
 @dataclass
 class Plan:
     """The printed plan and the schedule the study will run."""
@@ -110,6 +158,7 @@ class Plan:
     fit: Fit
     budget_s: float | None = None
     probes_cached: int = 0
+    probes_observed: int = 0  # methods whose rates come from finished trials on this machine (record_observed)
     notes: list[str] = field(default_factory=list)
     repeat_seeds: tuple[int, ...] = ()  # --seeds after the first: each method's best configuration again
     threads: int = 1  # torch threads per trial (the CPU-seconds estimate)
@@ -166,6 +215,9 @@ class Plan:
                      f"({self.slots} trials at once), for full-length trials; ASHA pruning and early stopping "
                      "shorten it, whole epochs in a Ray worker run slower than the short probe (up to 1.4x measured)")
         source = "cached" if self.probes_cached == len(self.methods) else "measured now"
+        if self.probes_observed:
+            source += (f"; training and validation rates of {self.probes_observed} of {len(self.methods)} methods from "
+                       "finished trials of earlier studies here")
         lines.append(f"  (from a probe of ~{PROBE_SECONDS:.0f} s of training + 1 validation batch per method on this "
                      f"machine, {source}; cache {probe_cache_path()})")
         if self.budget_s is not None:
@@ -209,14 +261,13 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     train_samples = min(len(splits["train"]), base.train.max_train_samples or len(splits["train"]))
     valid_users = min(len(splits["valid"]), base.train.eval_max_users or len(splits["valid"]))
     threads = trial_threads(spec.cpus_per_trial)
-    methods, cached, precisions, devices = [], 0, set(), set()
+    methods, cached, observed, precisions, devices = [], 0, 0, set(), set()
     for backbone, loss, _ in search.allocation():
         if any((m.backbone, m.loss) == (backbone, loss) for m in methods):
             continue
-        config = base.replace(model=base.model.replace(backbone=backbone).to_dict(),
-                              loss=base.loss.replace(name=loss).to_dict())
-        measured, was_cached = probe(json.loads(json.dumps(config.to_dict())), threads, use_cache)
+        measured, was_cached = probe(method_config(base, backbone, loss), threads, use_cache)
         cached += was_cached
+        observed += measured.observed_trials > 0
         precisions.add(measured.precision)
         devices.add(measured.device)
         train_s = train_samples * measured.train_s_per_sample
@@ -231,7 +282,8 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
         notes.append("  note: probed on this machine's CPU (no GPU here): trials on GPUs will be faster")
     return Plan(dataset=base.data.dataset, protocol=spec.protocol, precision="/".join(sorted(precisions)), slots=slots,
                 methods=methods, asked_epochs=base.train.epochs, asked_trials_per_tuned=search.trials_per_tuned,
-                fit=fit, budget_s=spec.budget_s, probes_cached=cached, notes=notes, repeat_seeds=spec.repeat_seeds,
+                fit=fit, budget_s=spec.budget_s, probes_cached=cached, probes_observed=observed, notes=notes,
+                repeat_seeds=spec.repeat_seeds,
                 threads=threads, machine_bytes=0 if spec.address else machine_memory_bytes())
 
 
