@@ -306,3 +306,37 @@ def test_mlflow_opens_on_runs_with_datasets_and_the_parent_has_the_summary_metri
         best = max(runs, key=lambda run: run.data.metrics["best/val/ndcg_at_10"])
         assert parent.data.metrics[f"best/tiger/{loss}/val/ndcg_at_10"] == best.data.metrics["best/val/ndcg_at_10"]
         assert parent.data.metrics[f"best/tiger/{loss}/test/recall_at_10"] == best.data.metrics["test/recall_at_10"]
+
+
+def _repeat_runs(db: Path) -> list[tuple[str, str]]:
+    """(run it repeats, status) of every repeat-phase child run, read straight from SQLite."""
+    query = ("select t.value, r.status from runs r join tags t on t.run_uuid = r.run_uuid and t.key = 'apao.repeats'")
+    try:
+        with sqlite3.connect(db, timeout=10) as connection:
+            return connection.execute(query).fetchall()
+    except sqlite3.Error:
+        return []
+
+
+@pytest.mark.e2e
+def test_a_study_interrupted_in_its_repeat_phase_resumes_it_without_duplicates(tmp_path):
+    """Ctrl-C while the best configurations are re-trained on the other seed; re-running the command
+    finishes the repeat phase with exactly one child run per (method, seed) and the search untouched."""
+    command = [sys.executable, SWEEP, "--smoke", "--losses", "ce,apao_pointwise", "--num-samples", "1", "--epochs", "2",
+               "--seeds", "0,1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]
+    process, _ = _launch_until(command, tmp_path, lambda state: any(
+        status == "RUNNING" for _, status in _repeat_runs(tmp_path / "mlflow.db")), timeout=600)
+    searched = {trial for trial, _, _ in _runs_state(tmp_path / "mlflow.db")}
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=180)
+    assert process.returncode == 130 and "re-run the same command" in stderr, stderr[-3000:]
+    result = run_script(command[1:], cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    repeats = _repeat_runs(tmp_path / "mlflow.db")
+    assert len(repeats) == 2 and len({origin for origin, _ in repeats}) == 2, repeats  # one per method, no duplicate
+    assert all(status == "FINISHED" for _, status in repeats), repeats
+    from apao_ray.tracking import Tracker
+
+    children = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "apao-synthetic").child_runs()
+    assert len(children) == 4 and sorted(run.data.tags["apao.seed"] for run in children) == ["0", "0", "1", "1"]
+    assert searched <= {run.data.tags.get("apao.trial_id") for run in children}  # the search's runs were kept
