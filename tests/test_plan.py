@@ -197,7 +197,8 @@ def test_finished_trials_rates_replace_the_probes_in_the_next_plan(tmp_path, mon
     from apao_ray.study.plan import method_config, record_observed
 
     config = method_config(TrialConfig(), "tiger", "ce")
-    trials = [{"perf/samples_per_second": 100.0, "valid_s_per_user": 0.008, "cost/peak_rss_mb": 3000.0},
+    trials = [{"perf/samples_per_second": 100.0, "valid_s_per_user": 0.008, "cost/peak_rss_mb": 3000.0,
+               "cost/energy_kwh": 0.02, "cost/cpu_seconds": 1000.0},
               {"perf/samples_per_second": 125.0, "valid_s_per_user": None, "cost/peak_rss_mb": 4000.0},
               {"perf/samples_per_second": None}]  # a trial that never reported a rate
     assert not record_observed(config, 2, trials)  # nothing probed on this machine yet: nothing to correct
@@ -209,5 +210,11 @@ def test_finished_trials_rates_replace_the_probes_in_the_next_plan(tmp_path, mon
     assert was_cached and measured.observed_trials == 2
     assert measured.train_s_per_sample == pytest.approx(1 / 112.5)  # the median trial rate, not the probe's 150
     assert measured.eval_s_per_user == 0.008 and measured.peak_bytes == 4000 * 2**20  # the larger peak
-    assert measured.timed_samples == 1280
+    assert measured.timed_samples == 1280 and measured.energy_kwh_per_cpu_s == pytest.approx(2e-5)
+    # the plan estimates energy from it: CPU seconds (wall x threads) x kWh per CPU-second
+    cost = MethodCost("tiger", "ce", True, epoch_s=100.0, fixed_s=20.0, energy_kwh_per_cpu_s=2e-5)
+    plan = Plan(dataset="office", protocol="paper", precision="bf16", slots=1, methods=[cost], asked_epochs=2,
+                asked_trials_per_tuned=1, fit=fit_budget([cost], 2, 1, 5, 1, None), threads=2)
+    assert plan.cost_estimates()[("tiger", "ce")]["cost/energy_kwh"] == pytest.approx(220 * 2 * 2e-5)
+    assert "0.0088 / 0.01" in cost_summary(plan, {("tiger", "ce"): {"cost/energy_kwh": 0.01}})
     assert not record_observed(config, 1, trials)  # another thread count is another entry

@@ -126,7 +126,8 @@ def record_rates(spec: StudySpec, plan: Plan, rows: list[dict[str, Any]]) -> int
         by_method.setdefault((choices["backbone"], choices["loss"]), []).append(
             {"perf/samples_per_second": metrics.get("perf/samples_per_second"),
              "valid_s_per_user": validation_s / valid_users if validation_s > 0 else None,
-             "cost/peak_rss_mb": metrics.get("cost/peak_rss_mb")})
+             "cost/peak_rss_mb": metrics.get("cost/peak_rss_mb"), "cost/energy_kwh": metrics.get("cost/energy_kwh"),
+             "cost/cpu_seconds": metrics.get("cost/cpu_seconds")})
     return sum(record_observed(method_config(base, backbone, loss), plan.threads, trials)
                for (backbone, loss), trials in by_method.items())
 

@@ -64,6 +64,7 @@ class MethodCost:
     peak_bytes: int = 0
     train_samples: int = 0
     train_epoch_s: float = 0.0
+    energy_kwh_per_cpu_s: float | None = None  # measured by earlier trials of this method here (plan.record_observed)
 
     def trial_s(self, epochs: int) -> float:
         return self.fixed_s + epochs * self.epoch_s

@@ -43,6 +43,7 @@ class Probe:
     device: str
     timed_samples: int = 0  # training samples the rate was measured on (after the warm-up step)
     observed_trials: int = 0  # finished study trials whose measured rates replaced the probe's (record_observed)
+    energy_kwh_per_cpu_s: float | None = None  # CodeCarbon's energy per CPU-second in those trials
 
 
 def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
@@ -109,7 +110,7 @@ def _with_observed(entry: dict[str, Any]) -> Probe:
     return replace(measured, train_s_per_sample=observed["train_s_per_sample"],
                    eval_s_per_user=observed.get("eval_s_per_user") or measured.eval_s_per_user,
                    peak_bytes=max(measured.peak_bytes, int(observed.get("peak_bytes") or 0)),
-                   observed_trials=int(observed["trials"]))
+                   observed_trials=int(observed["trials"]), energy_kwh_per_cpu_s=observed.get("energy_kwh_per_cpu_s"))
 
 
 def method_config(base: Any, backbone: str, loss: str) -> dict[str, Any]:
@@ -120,9 +121,9 @@ def method_config(base: Any, backbone: str, loss: str) -> dict[str, Any]:
 
 def record_observed(config_dict: dict[str, Any], threads: int, trials: list[dict[str, Any]]) -> bool:
     """Stores what finished trials of one method measured (``perf/samples_per_second``, validation seconds per
-    user, ``cost/peak_rss_mb``) in the probe cache entry of their config, so the next plan on this machine
-    uses real epochs instead of the probe's few steps. Only an entry that exists is updated; returns whether
-    one was."""
+    user, ``cost/peak_rss_mb``, CodeCarbon's ``cost/energy_kwh`` per ``cost/cpu_seconds``) in the probe cache
+    entry of their config, so the next plan on this machine uses real epochs instead of the probe's few
+    steps. Only an entry that exists is updated; returns whether one was."""
     rates = [t["perf/samples_per_second"] for t in trials if (t.get("perf/samples_per_second") or 0) > 0]
     if not rates:
         return False
@@ -135,9 +136,12 @@ def record_observed(config_dict: dict[str, Any], threads: int, trials: list[dict
         return False
     valid = [t["valid_s_per_user"] for t in trials if (t.get("valid_s_per_user") or 0) > 0]
     peaks = [t["cost/peak_rss_mb"] for t in trials if (t.get("cost/peak_rss_mb") or 0) > 0]
+    energy = [t["cost/energy_kwh"] / t["cost/cpu_seconds"] for t in trials
+              if (t.get("cost/energy_kwh") or 0) > 0 and (t.get("cost/cpu_seconds") or 0) > 0]
     cache[key]["observed"] = {"train_s_per_sample": 1.0 / statistics.median(rates), "trials": len(rates),
                               "eval_s_per_user": statistics.median(valid) if valid else None,
-                              "peak_bytes": int(max(peaks) * 2**20) if peaks else None}
+                              "peak_bytes": int(max(peaks) * 2**20) if peaks else None,
+                              "energy_kwh_per_cpu_s": statistics.median(energy) if energy else None}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     tmp.replace(path)
@@ -177,13 +181,16 @@ class Plan:
     def cost_estimates(self) -> dict[tuple[str, str], dict[str, float]]:
         """Per (backbone, loss), the figures each trial records (``training/cost.py``), summed over the
         method's trials as the study table sums them: wall and CPU seconds (wall x threads: an upper
-        bound, threads are not always busy), peak RSS in MB (the probe's). Energy is not estimated."""
+        bound, threads are not always busy), peak RSS in MB (the probe's) and, where earlier trials of the method
+        measured it here, energy in kWh (their energy per CPU-second times the CPU seconds)."""
         estimates = {}
         for m in self.fitted_methods:
             count = (1 if m.is_baseline else self.fit.trials_per_tuned) + len(self.repeat_seeds)
             wall = count * m.trial_s(self.fit.epochs)
             estimates[(m.backbone, m.loss)] = {"cost/wall_seconds": wall, "cost/cpu_seconds": wall * self.threads,
                                                "cost/peak_rss_mb": m.peak_bytes / 2**20}
+            if m.energy_kwh_per_cpu_s:
+                estimates[(m.backbone, m.loss)]["cost/energy_kwh"] = wall * self.threads * m.energy_kwh_per_cpu_s
         return estimates
 
     @property
@@ -274,7 +281,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
         methods.append(MethodCost(
             backbone, loss, is_baseline(loss), epoch_s=train_s + valid_users * measured.eval_s_per_user,
             fixed_s=TRIAL_START_S + len(splits["test"]) * measured.eval_s_per_user, peak_bytes=measured.peak_bytes,
-            train_samples=train_samples, train_epoch_s=train_s))
+            train_samples=train_samples, train_epoch_s=train_s, energy_kwh_per_cpu_s=measured.energy_kwh_per_cpu_s))
     fit = fit_budget(methods, base.train.epochs, search.trials_per_tuned, spec.asha_grace_period, slots,
                      spec.budget_s, len(spec.repeat_seeds))
     notes = []
@@ -298,14 +305,17 @@ def cost_summary(plan: Plan, actual: dict[tuple[str, str], dict[str, float]]) ->
         shown = lambda v: "-" if v is None else f"{v / scale:.{digits}f}"  # noqa: E731
         return f"{shown(estimate)} / {shown(value)}"
 
+    def shown_energy(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3g}"
+
     lines = ["cost per method, estimate / actual (estimates are for full-length trials, from a short probe: pruning "
-             "and early stopping shorten trials, whole epochs in a worker run slower than the probe):", "  method                  wall min       CPU min        peak RSS MB    energy kWh"]
+             "and early stopping shorten trials, whole epochs in a worker run slower than the probe):",
+             "  method                  wall min       CPU min        peak RSS MB    energy kWh"]
     estimates = plan.cost_estimates()
     for method in sorted(set(estimates) | set(actual)):
         est, got = estimates.get(method, {}), actual.get(method, {})
-        energy = got.get("cost/energy_kwh")
         lines.append(f"  {'/'.join(method):<23} {pair(est.get('cost/wall_seconds'), got.get('cost/wall_seconds'), 60, 1):<14} "
                      f"{pair(est.get('cost/cpu_seconds'), got.get('cost/cpu_seconds'), 60, 1):<14} "
                      f"{pair(est.get('cost/peak_rss_mb'), got.get('cost/peak_rss_mb'), 1, 0):<14} "
-                     f"- / {'-' if energy is None else f'{energy:.3g}'}")
+                     f"{shown_energy(est.get('cost/energy_kwh'))} / {shown_energy(got.get('cost/energy_kwh'))}")
     return "\n".join(lines)
