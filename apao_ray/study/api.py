@@ -5,7 +5,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from .plan import Plan, cost_summary, make_plan, method_config, record_observed
+from .plan import Plan, cost_summary, make_plan, method_config, record_observed, validation_users
 from .spec import StudySpec
 
 
@@ -116,7 +116,7 @@ def record_rates(spec: StudySpec, plan: Plan, rows: list[dict[str, Any]]) -> int
     if spec.address:
         return 0
     base, splits = spec.resolved["base"], spec.resolved["dataset"].splits
-    valid_users = min(len(splits["valid"]), base.train.eval_max_users or len(splits["valid"]))
+    valid_users = validation_users(base, splits)
     by_method: dict[tuple[str, str], list[dict[str, float]]] = {}
     for row in rows:
         choices, metrics = row["choices"], row["metrics"]

@@ -59,7 +59,8 @@ def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
 def probe_key(config_dict: dict[str, Any], threads: int) -> str:
     """Cache key: the hardware and what sets the cost (model, loss, batch, precision, data, eval)."""
     train = config_dict["train"]
-    relevant = {"probe": PROBE_VERSION, "hw": hardware_key(threads, bool(train.get("use_gpu"))), "model": config_dict["model"],
+    relevant = {"probe": PROBE_VERSION, "hw": hardware_key(threads, bool(train.get("use_gpu"))),
+                "model": config_dict["model"],
                 "loss": {k: config_dict["loss"].get(k) for k in ("name", "num_negatives")},
                 "data": config_dict["data"], "protocol": config_dict.get("protocol"),
                 "train": {k: train.get(k) for k in ("batch_size", "precision", "eval_batch_size", "beam_size",
@@ -77,10 +78,7 @@ def probe_cache_path() -> Path:
 def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> tuple[Probe, bool]:
     """The probe of one trial config, from the cache or a fresh subprocess; returns (probe, was_cached)."""
     path, key = probe_cache_path(), probe_key(config_dict, threads)
-    try:
-        cache = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        cache = {}  # a damaged cache is re-measured, not an error
+    cache = _read_cache(path)
     if use_cache and key in cache:
         return _with_observed(cache[key]), True
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
@@ -92,11 +90,22 @@ def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> 
                            f"failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
     result = Probe(**json.loads(done.stdout.strip().splitlines()[-1]))
     cache[key] = result.__dict__
+    _write_cache(path, cache)
+    return result, False
+
+
+def _read_cache(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        return {}  # a damaged cache is re-measured, not an error
+
+
+def _write_cache(path: Path, cache: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
     tmp.replace(path)  # atomic: two studies probing at once never leave half a file
-    return result, False
 
 
 def _with_observed(entry: dict[str, Any]) -> Probe:
@@ -110,12 +119,14 @@ def _with_observed(entry: dict[str, Any]) -> Probe:
     return replace(measured, train_s_per_sample=observed["train_s_per_sample"],
                    eval_s_per_user=observed.get("eval_s_per_user") or measured.eval_s_per_user,
                    peak_bytes=max(measured.peak_bytes, int(observed.get("peak_bytes") or 0)),
-                   observed_trials=int(observed["trials"]), energy_kwh_per_cpu_s=observed.get("energy_kwh_per_cpu_s"))
+                   observed_trials=int(observed["trials"]),
+                   energy_kwh_per_cpu_s=observed.get("energy_kwh_per_cpu_s"))
 
 
 def method_config(base: Any, backbone: str, loss: str) -> dict[str, Any]:
     """The trial config a method is probed with (and its cache entry's key is made of), as plain JSON."""
-    config = base.replace(model=base.model.replace(backbone=backbone).to_dict(), loss=base.loss.replace(name=loss).to_dict())
+    config = base.replace(model=base.model.replace(backbone=backbone).to_dict(),
+                          loss=base.loss.replace(name=loss).to_dict())
     return json.loads(json.dumps(config.to_dict()))
 
 
@@ -128,10 +139,7 @@ def record_observed(config_dict: dict[str, Any], threads: int, trials: list[dict
     if not rates:
         return False
     path, key = probe_cache_path(), probe_key(config_dict, threads)
-    try:
-        cache = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
+    cache = _read_cache(path)
     if key not in cache:
         return False
     valid = [t["valid_s_per_user"] for t in trials if (t.get("valid_s_per_user") or 0) > 0]
@@ -142,9 +150,7 @@ def record_observed(config_dict: dict[str, Any], threads: int, trials: list[dict
                               "eval_s_per_user": statistics.median(valid) if valid else None,
                               "peak_bytes": int(max(peaks) * 2**20) if peaks else None,
                               "energy_kwh_per_cpu_s": statistics.median(energy) if energy else None}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    tmp.replace(path)
+    _write_cache(path, cache)
     return True
 
 
@@ -250,6 +256,11 @@ def machine_memory_bytes() -> int:
         return 0
 
 
+def validation_users(base: Any, splits: dict[str, Any]) -> int:
+    """Users a trial validates on each epoch (``eval_max_users`` caps the split)."""
+    return min(len(splits["valid"]), base.train.eval_max_users or len(splits["valid"]))
+
+
 def trial_threads(cpus_per_trial: float) -> int:
     """The torch threads of a trial's worker: its CPUs, at least one."""
     return max(1, int(round(cpus_per_trial)))
@@ -266,7 +277,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     base, dataset, search = spec.resolved["base"], spec.resolved["dataset"], spec.resolved["search"]
     splits = dataset.splits
     train_samples = min(len(splits["train"]), base.train.max_train_samples or len(splits["train"]))
-    valid_users = min(len(splits["valid"]), base.train.eval_max_users or len(splits["valid"]))
+    valid_users = validation_users(base, splits)
     threads = trial_threads(spec.cpus_per_trial)
     methods, cached, observed, precisions, devices = [], 0, 0, set(), set()
     for backbone, loss, _ in search.allocation():

@@ -63,7 +63,6 @@ class CostMeter:
         except Exception as error:  # noqa: BLE001 - energy is optional: a failure is stated, never fatal
             self.energy_tracker = None
             self.energy_method = f"not measured: CodeCarbon failed to start ({type(error).__name__}: {error})"[:300]
-        logging.getLogger("codecarbon").setLevel(logging.ERROR)  # its constructor may have lowered it again
 
     def _energy_kwh(self) -> float | None:
         """Energy so far in this segment (flushes CodeCarbon's measurement without stopping it)."""
