@@ -68,3 +68,20 @@ def test_within_a_method_the_weak_trial_is_pruned_and_its_epoch_recorded(schedul
     assert scheduler.on_trial_result(None, strong[2], {"training_iteration": 6, "epoch": 5, METRIC: 0.8,
                                                        "done": True}) == TrialScheduler.STOP
     assert pruned_epoch("p2") is None
+
+
+def test_a_pruned_trial_is_tested_on_a_checkpoint_the_scheduler_saw_not_one_saved_after_the_stop(tmp_path):
+    """A worker can save epoch e+1 before the stop for epoch e reaches it; the tested checkpoint is the
+    newest at or before the pruned epoch (its validation result is the one MLflow logged)."""
+    from apao_ray.study.pruned import latest_checkpoint
+    from apao_ray.training.worker import train_run_name
+
+    run_dir = tmp_path / train_run_name("t1") / "checkpoint_x"
+    for name in ("epoch_0001", "epoch_0002", "epoch_0003"):
+        (run_dir / name).mkdir(parents=True)
+    (run_dir / "epoch_0004-scratch").mkdir()  # a scratch dir, not a checkpoint
+    assert latest_checkpoint(tmp_path, "t1", up_to_epoch=2).name == "epoch_0002"
+    assert latest_checkpoint(tmp_path, "t1", up_to_epoch=1).name == "epoch_0001"
+    assert latest_checkpoint(tmp_path, "t1").name == "epoch_0003"
+    assert latest_checkpoint(tmp_path, "t1", up_to_epoch=0) is None
+    assert latest_checkpoint(tmp_path, "nope") is None

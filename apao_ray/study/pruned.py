@@ -1,8 +1,10 @@
 """Pruned trials tested on their best checkpoint so far: a pruned trial still says how it does on test.
 
-ASHA stops a trial mid-way, before its own final test. After the Tuner ends, each pruned trial's latest
-checkpoint (which holds the weights of its best validation epoch so far) is tested in a Ray task with
-the trial's resources, and the test metrics are logged to its MLflow run at that epoch.
+ASHA stops a trial mid-way, before its own final test. After the Tuner ends, each pruned trial's newest
+checkpoint up to the epoch it was pruned at (which holds the weights of its best validation epoch so far)
+is tested in a Ray task with the trial's resources, and the test metrics are logged to its MLflow run at
+that epoch. A worker can train and save one more epoch before the stop reaches it; that checkpoint's
+validation result never reached Tune or MLflow, so it is not the one tested.
 """
 from __future__ import annotations
 
@@ -11,16 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from ..training.worker import train_run_name
-from .mlflow_callback import OUTCOME_TAG, PRUNED, TRIAL_TAG
+from .mlflow_callback import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
 
 TESTED_TAG = "apao.tested_on"
 TEST_TIMEOUT_S = 3600
 
 
-def latest_checkpoint(train_root: str | Path, trial_id: str) -> Path | None:
-    """The newest per-epoch checkpoint of a trial's Train run (``epoch_XXXX``), if any was saved."""
+def latest_checkpoint(train_root: str | Path, trial_id: str, up_to_epoch: int | None = None) -> Path | None:
+    """The newest per-epoch checkpoint of a trial's Train run (``epoch_XXXX``) at or before ``up_to_epoch``
+    (any epoch if None), if one was saved."""
     run_dir = Path(train_root) / train_run_name(trial_id)
-    matches = sorted(path for path in run_dir.glob("**/epoch_[0-9][0-9][0-9][0-9]") if path.is_dir())
+    matches = sorted(path for path in run_dir.glob("**/epoch_[0-9][0-9][0-9][0-9]") if path.is_dir()
+                     and (up_to_epoch is None or int(path.name.removeprefix("epoch_")) <= up_to_epoch))
     return matches[-1] if matches else None
 
 
@@ -56,7 +60,8 @@ def evaluate_pruned_trials(tracker: Any, parent_run_id: str, train_root: str, nu
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(evaluate_checkpoint)
     pending = {}
     for run in runs:
-        checkpoint = latest_checkpoint(train_root, run.data.tags[TRIAL_TAG])
+        pruned_at = run.data.tags.get(PRUNED_EPOCH_TAG)
+        checkpoint = latest_checkpoint(train_root, run.data.tags[TRIAL_TAG], int(pruned_at) if pruned_at else None)
         if checkpoint is not None:  # pruned before its first checkpoint: nothing to test
             pending[run.info.run_id] = remote.remote(str(checkpoint), max(1, round(num_cpus)))
     for run_id, task in pending.items():
