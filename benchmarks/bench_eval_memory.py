@@ -15,7 +15,6 @@ import argparse
 import ctypes
 import gc
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from apao_ray.config import ModelConfig, TrainConfig
 from apao_ray.data import load_dataset
 from apao_ray.models import build_model
 from apao_ray.training.evaluation import evaluate_split
+from apao_ray.study.plan import cpu_model
 from apao_ray.training.precision import resolve_precision
 
 
@@ -39,12 +39,6 @@ def reset_peak() -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
 
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def main() -> None:

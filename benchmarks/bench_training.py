@@ -14,13 +14,15 @@ batches were the default before the speed work; rows are labelled ``@REV``.
 
     python benchmarks/bench_training.py --backbones tiger --losses ce --baseline-rev 0e64951
     python benchmarks/bench_training.py --epoch   # one full epoch + validation at the defaults
+    python benchmarks/bench_training.py --profile tiger apao_pairwise default --batch-size 128 --steps 1
+        # which ops take the time: torch.profiler over the measured steps, top ops by self CPU time
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import platform
 import resource
 import signal
 import statistics
@@ -30,19 +32,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from apao_ray.study.plan import cpu_model
+
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_A100_SECONDS = {"ce": 15, "apao_pointwise": 15, "apao_pairwise": 163}  # SPEC §6, TIGER on Office
 REFERENCE_SAMPLES_PER_SECOND = 41.0  # the authors' code, TIGER CE on Office, 2 CPUs (PERFORMANCE_TARGETS.md)
 VARIANTS = {"default": ("auto", False), "fp32": ("fp32", False), "bf16": ("bf16", False),
             "grouped": ("fp32", True), "bf16+grouped": ("bf16", True)}
 
-
-def cpu_model() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -75,12 +72,20 @@ def measure(args: argparse.Namespace) -> dict:
     EpochRunner(config.replace(train=warmup), dataset, tensors, torch.device("cpu")).train_epoch(
         1, model, loss, optimizer, scheduler, None)
     runner = EpochRunner(config, dataset, tensors, torch.device("cpu"))
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
     start = time.perf_counter()
-    metrics = runner.train_epoch(2, model, loss, optimizer, scheduler, None)
+    with profiler or contextlib.nullcontext():
+        metrics = runner.train_epoch(2, model, loss, optimizer, scheduler, None)
     seconds = time.perf_counter() - start
-    return {"samples_per_second": metrics["train/num_samples"] / seconds, "seconds": seconds,
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "precision": config.train.precision, "num_train_samples": len(dataset.splits["train"])}
+    result = {"samples_per_second": metrics["train/num_samples"] / seconds, "seconds": seconds,
+              "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+              "precision": config.train.precision, "num_train_samples": len(dataset.splits["train"])}
+    if profiler:
+        events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        total = sum(e.self_cpu_time_total for e in events) or 1
+        result["top_ops"] = [{"op": e.key, "self_cpu_share": e.self_cpu_time_total / total, "calls": e.count,
+                              "self_cpu_seconds": e.self_cpu_time_total / 1e6} for e in events[:args.profile_rows]]
+    return result
 
 
 def measure_epoch(args: argparse.Namespace) -> dict:
@@ -155,9 +160,24 @@ def main() -> int:
     parser.add_argument("--baseline-variants", default="fp32", help="variants for the baseline (default fp32)")
     parser.add_argument("--epoch", action="store_true", help="time one full epoch + validation at the defaults instead")
     parser.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "training.json"))
+    parser.add_argument("--profile", nargs=3, metavar=("BACKBONE", "LOSS", "VARIANT"),
+                        help="profile one configuration in this process (micro-batch --batch-size, --steps optimizer "
+                             "steps) and print its top ops by self CPU time instead of the table")
+    parser.add_argument("--profile-rows", type=int, default=25, help="ops listed by --profile (default 25)")
     parser.add_argument("--one", nargs=3, metavar=("BACKBONE", "LOSS", "VARIANT"), help=argparse.SUPPRESS)
-    parser.add_argument("--batch-size", type=int, default=256, help=argparse.SUPPRESS)  # for --one
+    parser.add_argument("--batch-size", type=int, default=256,
+                        help="micro-batch of --profile (default 256; the table uses --batch-sizes)")
     args = parser.parse_args()
+    if args.profile:
+        args.backbone, args.loss, args.variant = args.profile
+        result = measure(args)
+        print(f"{cpu_model()}, {args.threads} threads, {args.backbone}/{args.loss} {args.variant} micro-batch "
+              f"{args.batch_size}: {result['samples_per_second']:.1f} samples/s under the profiler, "
+              f"peak RSS {result['peak_rss_gib']:.2f} GiB")
+        print(f"{'op':<44}{'self CPU %':>11}{'seconds':>9}{'calls':>8}")
+        for op in result["top_ops"]:
+            print(f"{op['op'][:43]:<44}{100 * op['self_cpu_share']:>10.1f}%{op['self_cpu_seconds']:>9.2f}{op['calls']:>8}")
+        return 0
     if args.one:
         args.backbone, args.loss, args.variant = args.one
         print(json.dumps(measure(args)))

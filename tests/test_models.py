@@ -177,3 +177,33 @@ def test_build_model_fills_paper_sizes_and_rejects_unknown_backbone():
     object.__setattr__(bad, "backbone", "gpt2")  # ModelConfig itself refuses it, so bypass
     with pytest.raises(ValueError, match=r"unknown backbone 'gpt2'; choose from \['llama', 'tiger'\]"):
         build_model(bad, VOCAB, NUM_LEVELS)
+
+
+def test_label_log_probs_is_log_softmax_at_the_label_in_float32_with_its_exact_gradient(monkeypatch):
+    """The chunked log-softmax (forward and hand-written backward) equals autograd's log_softmax:
+    float64 gradcheck across chunk boundaries, and bf16 logits give float32 log-probs equal to the
+    upcast reference with a bf16 gradient equal to the reference's cast back."""
+    import apao_ray.models.base as base
+
+    monkeypatch.setattr(base, "CPU_CHUNK_ELEMENTS", 3 * 11)  # 3 rows of V=11 per chunk: 7 rows -> 3 chunks
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, dtype=torch.float64, generator=generator, requires_grad=True)
+    labels = torch.randint(0, 11, (7,), generator=generator)
+    assert torch.autograd.gradcheck(lambda x: label_log_probs(x, labels), (logits,))
+    expected = torch.log_softmax(logits, -1).gather(-1, labels[:, None]).squeeze(-1)
+    assert torch.allclose(label_log_probs(logits, labels), expected, atol=1e-12, rtol=0)
+
+    shaped = (torch.randn(2, 3, 5, 40, generator=generator) * 4).to(torch.bfloat16).requires_grad_()
+    shaped_labels = torch.randint(0, 40, (2, 3, 5), generator=generator)
+    weights = torch.randn(2, 3, 5, generator=generator)
+    out = label_log_probs(shaped, shaped_labels)
+    assert out.dtype == torch.float32 and out.shape == (2, 3, 5)
+    (out * weights).sum().backward()
+    reference_input = shaped.detach().float().requires_grad_()
+    reference = torch.log_softmax(reference_input, -1).gather(-1, shaped_labels[..., None]).squeeze(-1)
+    (reference * weights).sum().backward()
+    assert torch.allclose(out, reference, atol=1e-5, rtol=0)
+    assert shaped.grad.dtype == torch.bfloat16
+    assert torch.equal(shaped.grad, reference_input.grad.to(torch.bfloat16))
+    with torch.inference_mode():  # evaluation calls it without autograd
+        assert torch.allclose(label_log_probs(shaped.detach(), shaped_labels), reference, atol=1e-5, rtol=0)

@@ -11,7 +11,9 @@ class LossInputs:
     """Model outputs for one batch, with candidate 0 of every row the positive (the target).
 
     Attributes:
-        logits: (B, C, T, V) teacher-forced next-token logits of C = 1 + N candidates.
+        logits: (B, C, T, V) teacher-forced next-token logits of C = 1 + N candidates, in the
+            model's dtype (bf16 under bf16 autocast): a loss upcasts what it needs
+            (``label_log_probs`` and ``at_least_float32`` do).
         candidates: (B, C, T) token ids of the candidates' semantic IDs.
         candidate_nodes: (B, C, T + 1) trie node id of each candidate's length-m prefix
             (m = 0..T, as ``Catalog.leaf_prefix_nodes``); for masking duplicate prefixes and MSL.

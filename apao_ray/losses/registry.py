@@ -76,13 +76,13 @@ class Loss:
     def token_log_probs(self, inputs: LossInputs, num_candidates: int | None = None) -> torch.Tensor:
         """(B, C', T) label log-probs s^t (log-softmax over the full vocabulary).
 
-        Only the first ``num_candidates`` candidates are scored (all when None). Half
-        precision is upcast first: bf16 log-probs are off by ~1e-2, too coarse for the weights.
+        Only the first ``num_candidates`` candidates are scored (all when None), in at least
+        float32 whatever the logits' dtype (``label_log_probs``).
         """
         logits, candidates = inputs.logits, inputs.candidates
         if num_candidates is not None:
             logits, candidates = logits[:, :num_candidates], candidates[:, :num_candidates]
-        return label_log_probs(at_least_float32(logits), candidates)      # (B, C', T)
+        return label_log_probs(logits, candidates)                         # (B, C', T) float32+
 
 
 def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:

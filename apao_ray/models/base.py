@@ -125,11 +125,53 @@ def drop_history_eos(history_ids: torch.Tensor, history_mask: torch.Tensor) -> t
     return ids, mask                                                            # (B, L-1)
 
 
+# rows of (R, V) logits upcast at a time by label_log_probs on a CPU: ~4 MiB of float32, so the
+# upcast copy stays in cache instead of a second full (R, V) tensor in memory
+CPU_CHUNK_ELEMENTS = 2**20
+
+
+class _LabelLogProbs(torch.autograd.Function):
+    """log_softmax(logits)[label] per row of (R, V) logits, in at least float32, chunked over rows.
+
+    Forward keeps only the logits (in their own dtype) and the (R,) normalisers; backward forms
+    softmax - onehot chunk by chunk and writes the gradient in the logits' dtype, which is what
+    autograd would cast it to anyway. No (R, V) float32 tensor is ever materialised.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+        dtype = torch.promote_types(logits.dtype, torch.float32)
+        lse = torch.empty(logits.shape[0], dtype=dtype, device=logits.device)   # (R,)
+        picked = logits.gather(-1, labels[:, None]).squeeze(-1).to(dtype)       # (R,)
+        for start in range(0, logits.shape[0], chunk_rows):
+            torch.logsumexp(logits[start:start + chunk_rows].to(dtype), dim=-1, out=lse[start:start + chunk_rows])
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.chunk_rows = chunk_rows
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        logits, labels, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)                                    # (R, V) logits' dtype
+        for start in range(0, logits.shape[0], ctx.chunk_rows):
+            end = start + ctx.chunk_rows
+            g = grad[start:end, None].to(lse.dtype)                               # (r, 1)
+            part = (logits[start:end].to(lse.dtype) - lse[start:end, None]).exp_().mul_(-g)  # -g * softmax
+            part.scatter_add_(-1, labels[start:end, None], g)                     # + g at the label
+            grad_logits[start:end] = part
+        return grad_logits, None, None
+
+
 def label_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """(..., T, V) logits and (..., T) labels -> (..., T) log-softmax of each label token.
 
-    Computed as ``logit[label] - logsumexp(logits)`` so no (..., T, V) log-prob tensor is kept
-    for backward beyond the logits themselves.
+    Computed as ``logit[label] - logsumexp(logits)`` in at least float32 whatever the logits'
+    dtype (bf16 log-probs are off by ~1e-2, too coarse for losses and prefix weights), a chunk
+    of rows at a time on a CPU, so neither a float32 copy nor a log-prob tensor of the logits'
+    size is kept for backward: only the logits themselves and one normaliser per row.
     """
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)                                          # (R, V)
+    chunk_rows = max(1, CPU_CHUNK_ELEMENTS // vocab) if logits.device.type == "cpu" else max(1, flat.shape[0])
+    out = _LabelLogProbs.apply(flat, labels.reshape(-1), chunk_rows)          # (R,)
+    return out.view(labels.shape)

@@ -46,14 +46,17 @@ class Probe:
     energy_kwh_per_cpu_s: float | None = None  # CodeCarbon's energy per CPU-second in those trials
 
 
-def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows: for caches and benchmark tables."""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
     except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "threads": threads, "gpu": use_gpu, "python": platform.python_version()}
+        return platform.processor() or platform.machine()
+
+
+def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
+    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "gpu": use_gpu, "python": platform.python_version()}
 
 
 def probe_key(config_dict: dict[str, Any], threads: int) -> str:

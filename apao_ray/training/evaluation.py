@@ -40,7 +40,7 @@ def split_ce_loss(model: nn.Module, dataset: Dataset, split_name: str, batch_siz
         labels = batch.labels[:, None, :]                                                  # (B, 1, T)
         with autocast(precision, device):
             logits = model(batch.history_ids, batch.history_mask, labels)
-        logp = label_log_probs(logits.float(), labels)
+        logp = label_log_probs(logits, labels)  # normalised in float32
         total += float(-logp.sum())
         count += logp.numel()
     model.train(was_training)

@@ -60,10 +60,10 @@ def validation_loss(model: nn.Module, loss_fn: Any, runner: Any, dataset: Datase
             batch = batch.to(runner.device)
             candidates, nodes = runner._candidates(batch, loss_fn.num_negatives, generator)
             with torch.inference_mode(), autocast(runner.config.train.precision, runner.device):
-                logits = model(batch.history_ids, batch.history_mask, candidates).float()  # (B, C, T', V)
+                logits = model(batch.history_ids, batch.history_mask, candidates)  # (B, C, T', V)
                 ref_logp = None
                 if reference is not None and loss_fn.needs_reference:
-                    ref_logp = label_log_probs(reference(batch.history_ids, batch.history_mask, candidates).float(),
+                    ref_logp = label_log_probs(reference(batch.history_ids, batch.history_mask, candidates),
                                                candidates)                            # (B, C, T')
                 output = loss_fn(LossInputs(logits, candidates, nodes, ref_logp))
             total += float(output.loss) * len(batch)

@@ -90,8 +90,8 @@ class EpochRunner:
                     if reference is not None:
                         with torch.no_grad(), precision:
                             ref_logits = reference(batch.history_ids, batch.history_mask, candidates)
-                        ref_logp = label_log_probs(ref_logits.float(), candidates)           # (B, C, T)
-                    output = loss_fn(LossInputs(logits.float(), candidates, nodes, ref_logp))
+                        ref_logp = label_log_probs(ref_logits, candidates)                   # (B, C, T)
+                    output = loss_fn(LossInputs(logits, candidates, nodes, ref_logp))  # losses upcast
                     (output.loss * gradient_scale(len(chunk), len(step_indices), self.config.protocol)).backward()
                 weight = len(chunk)
                 for name, value in output.metrics.items():
