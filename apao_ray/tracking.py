@@ -6,8 +6,10 @@ concurrent trials never contend for the SQLite database.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import time
@@ -133,6 +135,26 @@ def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+@contextlib.contextmanager
+def quiet_mlflow():
+    """MLflow without its per-call chatter: no artifact download bars (``log_model`` downloads the
+    model back to validate its input example), no INFO/WARNING lines from model logging (a
+    CloudPickle notice and "Inferring model signature" per trial). Errors still show."""
+    loggers = [logging.getLogger(name) for name in ("mlflow.pyfunc", "mlflow.models")]
+    levels = [logger.level for logger in loggers]
+    previous = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = previous or "false"  # a user's own choice wins
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if previous is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+
+
 class Tracker:
     """Thin wrapper over ``MlflowClient`` for one experiment."""
 
@@ -226,7 +248,7 @@ class Tracker:
         previous = mlflow.get_tracking_uri()
         mlflow.set_tracking_uri(self.tracking_uri)
         try:
-            with mlflow.start_run(run_id=run_id):
+            with mlflow.start_run(run_id=run_id), quiet_mlflow():
                 info = mlflow.pyfunc.log_model(
                     name=MODEL_NAME, python_model=RecommenderModel(),
                     artifacts={"checkpoint": str(checkpoint_dir)}, code_paths=[package_dir],

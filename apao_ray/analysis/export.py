@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import gzip
 import json
-import os
 import shutil
 import sqlite3
 import tempfile
@@ -135,12 +134,10 @@ def export_study(tracking_uri: str, study: str, to_dir: str | Path, recompute_pe
     Raises:
         ValueError: no study of that name in the store (the message lists those that exist).
     """
-    from ..tracking import Tracker, redact, studies_in, study_experiment
-
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # one bar per trial otherwise
+    from ..tracking import Tracker, quiet_mlflow, redact, studies_in, study_experiment
 
     to_dir = Path(to_dir)
-    with snapshot(tracking_uri) as uri:
+    with snapshot(tracking_uri) as uri, quiet_mlflow():  # one download bar per trial otherwise
         experiment = study_experiment(uri, study)
         if experiment is None:
             raise ValueError(f"no study {study!r} in {redact(tracking_uri)!r}; studies there: {studies_in(uri)}")

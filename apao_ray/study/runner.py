@@ -19,6 +19,7 @@ QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 WORKER_START_TIMEOUT_S = 300
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
+PASSED_ENV = ("APAO_RAY_TRAIN_LOG_LEVEL",)  # the driver's settings that Ray's processes read too
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
@@ -56,8 +57,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     check_ray_address(address)
     project_root = str(Path(__file__).resolve().parents[2])
     # workers import apao_ray from this checkout even when it is not installed on the cluster
+    passed = [*ray_env, *(k for k in PASSED_ENV if k in os.environ)]
     runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                                **{k: os.environ[k] for k in ray_env}}}
+                                **{k: os.environ[k] for k in passed}}}
     try:
         if address and address != "local":
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)

@@ -33,8 +33,10 @@ class RunSource:
     def per_user(self, record: dict[str, Any]) -> Any:
         run_id = record["run_id"]
         if run_id not in self.tables and self.tracker is not None:
+            from ..tracking import quiet_mlflow
+
             try:
-                with tempfile.TemporaryDirectory() as tmp:
+                with tempfile.TemporaryDirectory() as tmp, quiet_mlflow():
                     self.tables[run_id] = read_per_user(self.tracker.client.download_artifacts(run_id, PER_USER_FILE, tmp))
             except Exception:  # noqa: BLE001 - a run without the table (older, failed upload): no comparison for it
                 self.tables[run_id] = None

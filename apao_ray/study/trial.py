@@ -19,6 +19,7 @@ FAILURE_FILE = "trial_failure.txt"
 # tries to start a trial's worker group before the trial fails (Ray's default is to try forever, and a
 # worker group that cannot start on a loaded or too small machine then hangs the study)
 MAX_START_RETRIES = 3
+RAY_TRAIN_LOG_LEVEL = "WARNING"  # on the console; $APAO_RAY_TRAIN_LOG_LEVEL=INFO brings Ray Train's lines back
 
 
 class TrialStartError(RuntimeError):
@@ -55,7 +56,9 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     ``name`` must be stable across restarts (derive it from the Tune trial id, never a
     timestamp): Ray finds the run's checkpoints to resume from by (storage_path, name).
     """
+    log_level = os.environ.get("APAO_RAY_TRAIN_LOG_LEVEL", RAY_TRAIN_LOG_LEVEL)
     loop_config = {"trial": config.to_dict(), "verbose": verbose, "progress_label": progress_label,
+                   "ray_log_level": log_level,
                    "max_memory_bytes": resources.memory_bytes,
                    "failure_file": str(Path(storage_path).resolve() / name / FAILURE_FILE),
                    "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(name)}
@@ -64,6 +67,9 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
         failure_config=ray.train.FailureConfig(max_failures=max_failures, controller_failure_limit=MAX_START_RETRIES),
         callbacks=callbacks or None,
+        # Ray Train's own INFO lines (every report's whole metrics dict, each checkpoint, worker-group
+        # start-up) would bury our progress lines; its session log files keep every level
+        logging_config=ray.train.LoggingConfig(log_level=log_level),
     )
     return TorchTrainer(train_loop_per_worker, train_loop_config=loop_config,
                         scaling_config=resources.scaling_config(), run_config=run_config)

@@ -1,6 +1,7 @@
 """The Ray Train per-worker function: the plain training loop with Ray Train hooks."""
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -119,9 +120,21 @@ def limit_threads(num_threads: int) -> None:
             pass
 
 
+def quiet_report_log(level: str) -> None:
+    """Applies Ray Train's console log level to its "Reporting training result" line too: Ray 2.60 logs
+    every report (with the whole metrics dict) at INFO under a logger named after its file's path, not
+    ``ray.train.*``, so ``RunConfig(logging_config=...)`` misses it."""
+    try:
+        from ray.train.v2._internal.execution import context
+    except ImportError:  # another Ray: nothing to do
+        return
+    logging.getLogger(context.__file__).setLevel(level)
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point given to ``TorchTrainer``; ``loop_config = {"trial": TrialConfig dict, ...}``."""
     limit_threads(int(loop_config.get("cpus_per_worker") or 1))
+    quiet_report_log(loop_config.get("ray_log_level", "INFO"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if loop_config.get("max_memory_bytes"):
         limit_memory(int(loop_config["max_memory_bytes"]))
