@@ -207,3 +207,30 @@ def test_label_log_probs_is_log_softmax_at_the_label_in_float32_with_its_exact_g
     assert torch.equal(shaped.grad, reference_input.grad.to(torch.bfloat16))
     with torch.inference_mode():  # evaluation calls it without autograd
         assert torch.allclose(label_log_probs(shaped.detach(), shaped_labels), reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_dropout_is_inverted_dropout_with_independent_elements(p, dtype):
+    from apao_ray.models.dropout import Dropout
+
+    n = 1 << 20
+    layer = Dropout(p)
+    x = torch.full((n // 64, 64), 2.0, dtype=dtype, requires_grad=True)
+    torch.manual_seed(0)
+    y = layer(x)
+    kept = y != 0
+    # each element kept with probability 1 - p: within 5 binomial standard deviations over 2^20 elements
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * (p * (1 - p) / n) ** 0.5
+    # kept ones scaled by 1 / (1 - p), p as rounded to a multiple of 2^-16
+    assert torch.allclose(y[kept].float(), torch.tensor(2.0 / (1 - p)), rtol=1e-4 if dtype == torch.float32 else 4e-3)
+    # the four 16-bit lanes of one random word, and neighbouring words, are independent: no correlation
+    flat = kept.flatten().double()
+    for lag in (1, 2, 3, 4):
+        assert abs(torch.corrcoef(torch.stack([flat[:-lag], flat[lag:]]))[0, 1].item()) < 5 / n ** 0.5, lag
+    y.float().sum().backward()
+    assert torch.equal(x.grad * 2, y.detach())  # the same mask and scale backward (x is 2 everywhere)
+    torch.manual_seed(0)
+    assert torch.equal(layer(x), y)  # the seeded torch generator: a run repeats
+    layer.eval()
+    assert layer(x) is x

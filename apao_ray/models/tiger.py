@@ -19,6 +19,7 @@ from torch import nn
 
 from ..data.catalog import BOS_TOKEN
 from .base import Backbone, DecodeCache
+from .dropout import Dropout
 from .packing import PackedHistory, attend_in_buckets
 
 
@@ -169,7 +170,7 @@ class FeedForward(nn.Module):
         super().__init__()
         self.wi = nn.Linear(d_model, d_ff, bias=False)
         self.wo = nn.Linear(d_ff, d_model, bias=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.wo(self.dropout(F.relu(self.wi(x))))
@@ -181,7 +182,7 @@ class EncoderLayer(nn.Module):
         self.attn_norm, self.ff_norm = nn.RMSNorm(d_model, eps=1e-6), nn.RMSNorm(d_model, eps=1e-6)
         self.attn = Attention(d_model, num_heads, head_dim, dropout)
         self.ff = FeedForward(d_model, d_ff, dropout)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), bias))
@@ -200,7 +201,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(d_model, num_heads, head_dim, dropout)
         self.cross_attn = Attention(d_model, num_heads, head_dim, dropout)
         self.ff = FeedForward(d_model, d_ff, dropout)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: torch.Tensor, self_bias: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
@@ -242,7 +243,7 @@ class TigerBackbone(Backbone):
         self.encoder_bias = RelativePositionBias(num_heads, num_buckets, max_distance, is_bidirectional=True)
         self.decoder_bias = RelativePositionBias(num_heads, num_buckets, max_distance, is_bidirectional=False)
         self.encoder_norm, self.decoder_norm = nn.RMSNorm(d_model, eps=1e-6), nn.RMSNorm(d_model, eps=1e-6)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
