@@ -149,7 +149,8 @@ def test_a_non_finite_loss_fails_the_run_once_with_its_reason(tmp_path):
     Train does not restart it from the checkpoint (--max-failures 3 would otherwise retry 3 times)."""
     result = run_script([TRAIN, *COMMON, "--loss", "apao_pointwise", "--beta", "1e39", "--epochs", "2",
                          "--max-failures", "3", "--output-dir", str(tmp_path / "runs"), "--run-name", "nan"],
-                        cwd=tmp_path, timeout=300, env={"RAY_DEDUP_LOGS": "0"})
+                        # Ray Train's INFO lines (off on the console by default) count the worker groups
+                        cwd=tmp_path, timeout=300, env={"RAY_DEDUP_LOGS": "0", "APAO_RAY_TRAIN_LOG_LEVEL": "INFO"})
     assert result.returncode == 1, result.stderr[-3000:]
     assert "trial nan failed: NonFiniteLossError: training loss became nan in epoch 1" in result.stderr
     assert result.stderr.count("Setting up process group") == 1  # one worker group: no restart
