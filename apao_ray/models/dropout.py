@@ -5,9 +5,9 @@ generic path: in a bf16 TIGER pairwise training step it took a sixth of the time
 session 10). :class:`Dropout` draws one 64-bit random word per four elements instead and compares each
 16-bit quarter of it with a threshold: the same inverted dropout (each element kept with probability
 ``1 - p``, independently, kept ones scaled by ``1 / (1 - p)``), with ``p`` rounded to a multiple of
-2^-16 (0.1 -> 0.100006), from the same seeded torch generator, 2-3x faster forward. It saves a
-one-byte mask for backward rather than a mask of the input's dtype. On other devices (CUDA's dropout
-is a fused kernel already) and outside training it is ``F.dropout``.
+2^-16 (0.1 -> 0.100006), from the same seeded torch generator, 2-3x faster forward
+(``benchmarks/bench_dropout.py``). On other devices (CUDA's dropout is a fused kernel already) and
+outside training it is ``F.dropout``.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ _LEVELS = 1 << 16
 _scratch: list[torch.Tensor] = []
 
 
-def drop_mask(shape: torch.Size, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
+def drop_mask(shape: torch.Size, p: float) -> torch.Tensor:
     """A bool tensor of ``shape``, True (dropped) with probability ``round(p * 2^16) / 2^16`` each,
     independently: four 16-bit uniforms per 64-bit draw of the CPU generator."""
     count = shape.numel()
@@ -30,7 +30,7 @@ def drop_mask(shape: torch.Size, p: float, generator: torch.Generator | None = N
     if not _scratch or _scratch[0].numel() < size:
         _scratch[:] = [torch.empty(size, dtype=torch.int64)]
     words = _scratch[0][:size]
-    words.random_(-(1 << 63), None, generator=generator)  # all 64 bits uniform (the default range leaves the top one 0)
+    words.random_(-(1 << 63), None)  # all 64 bits uniform (the default range leaves the top one 0)
     lanes = words.view(torch.int16)[:count].view(shape)    # uniform over [-2^15, 2^15)
     return lanes < int(round(p * _LEVELS)) - (_LEVELS >> 1)
 
@@ -50,17 +50,8 @@ class _Dropout(torch.autograd.Function):
         return grad.mul(ctx.scale).masked_fill_(dropped, 0), None
 
 
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
-    """``F.dropout(x, p, training)``, by :func:`drop_mask` on CPU tensors."""
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu" or p >= 1.0:
-        return F.dropout(x, p, training)
-    return _Dropout.apply(x, p)
-
-
 class Dropout(nn.Module):
-    """``nn.Dropout`` by :func:`dropout` (no parameters, the same state dict)."""
+    """``nn.Dropout`` by :func:`drop_mask` on CPU tensors (no parameters, the same state dict)."""
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
@@ -69,7 +60,11 @@ class Dropout(nn.Module):
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dropout(x, self.p, self.training)
+        if not self.training or self.p == 0.0:
+            return x
+        if x.device.type != "cpu" or self.p >= 1.0:
+            return F.dropout(x, self.p, True)
+        return _Dropout.apply(x, self.p)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

@@ -19,7 +19,8 @@ QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 WORKER_START_TIMEOUT_S = 300
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
-PASSED_ENV = ("APAO_RAY_TRAIN_LOG_LEVEL",)  # the driver's settings that Ray's processes read too
+RAY_TRAIN_LOG_LEVEL_ENV = "APAO_RAY_TRAIN_LOG_LEVEL"  # Ray Train's console log level (default WARNING)
+PASSED_ENV = (RAY_TRAIN_LOG_LEVEL_ENV,)  # the driver's settings that Ray's processes read too
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:

@@ -13,7 +13,7 @@ from ray.train.torch import TorchTrainer
 from ..config import TrialConfig
 from ..training.checkpoint import FINAL_METRICS_FILE
 from ..training.worker import TrialFailedError, remove_scratch, scratch_prefix, train_loop_per_worker
-from .runner import WORKER_START_TIMEOUT_ENV
+from .runner import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV
 
 FAILURE_FILE = "trial_failure.txt"
 # tries to start a trial's worker group before the trial fails (Ray's default is to try forever, and a
@@ -56,7 +56,7 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     ``name`` must be stable across restarts (derive it from the Tune trial id, never a
     timestamp): Ray finds the run's checkpoints to resume from by (storage_path, name).
     """
-    log_level = os.environ.get("APAO_RAY_TRAIN_LOG_LEVEL", RAY_TRAIN_LOG_LEVEL)
+    log_level = os.environ.get(RAY_TRAIN_LOG_LEVEL_ENV, RAY_TRAIN_LOG_LEVEL)
     loop_config = {"trial": config.to_dict(), "verbose": verbose, "progress_label": progress_label,
                    "ray_log_level": log_level,
                    "max_memory_bytes": resources.memory_bytes,
