@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ import urllib.request
 
 import pytest
 
+from apao_ray.study.runner import stable_free_port
 from conftest import ROOT, run_script, train_tiny
 
 pytestmark = pytest.mark.e2e  # trains a tiny model and starts MLflow's scoring server: ~1 minute on 2 CPUs
@@ -35,16 +35,10 @@ def registered(synthetic, tmp_path_factory):
     return {"tracking_uri": tracker.tracking_uri, "model_uri": f"models:/{MODEL_NAME}@best", "dir": root}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(registered):
     """``python -m apao_ray serve models:/...@best`` on a free port; killed (its whole process group) afterwards."""
-    port = _free_port()
+    port = stable_free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": registered["tracking_uri"]}
     log = open(registered["dir"] / "server.log", "w+")
     process = subprocess.Popen([sys.executable, "-m", "apao_ray", "serve", registered["model_uri"], "--port", str(port)],

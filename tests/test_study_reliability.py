@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from apao_ray.study.runner import stable_free_port
 from conftest import ROOT, run_script
 
 SWEEP = str(ROOT / "studies" / "sweep.py")
@@ -29,12 +30,6 @@ def _children(tracker):
 def _parent(tracker):
     (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
     return parent
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _wait_http(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -83,12 +78,12 @@ def _stop_node(node: subprocess.Popen) -> None:
 def two_node_cluster():
     """A head node and a worker node on this machine (2 logical CPUs each), torn down afterwards."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-    port = _free_port()
+    port = stable_free_port()
     address = f"127.0.0.1:{port}"
     nodes: list[subprocess.Popen] = []
     try:
         for arguments, count in ((["--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-                                   "--dashboard-host=127.0.0.1", f"--dashboard-port={_free_port()}"], 1),
+                                   "--dashboard-host=127.0.0.1", f"--dashboard-port={stable_free_port()}"], 1),
                                  ([f"--address={address}", "--num-cpus=2"], 2)):
             nodes.append(_start_node(arguments, env))
             deadline = time.time() + 180
@@ -141,7 +136,7 @@ def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_pa
 @pytest.fixture
 def mlflow_server(tmp_path):
     """`mlflow server` on a loopback port with a SQLite backend and a local artifact root."""
-    port = _free_port()
+    port = stable_free_port()
     server = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
                                "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
                                "--port", str(port), "--workers", "1"],
@@ -317,3 +312,32 @@ def test_resume_refuses_an_optuna_storage_other_than_the_one_the_study_started_w
             main([*argv, *given, "--dry-run"])
         except SystemExit as error:
             assert "Optuna storage" not in capsys.readouterr().err, given
+
+
+def test_ray_dashboard_port_is_free_and_outside_the_range_the_os_hands_out(tmp_path, monkeypatch):
+    """Ray's own processes bind port 0 (the kernel's ephemeral range) while ours starts: the dashboard's port
+    comes from below that range and above Ray's worker ports, and is one nobody holds."""
+    import apao_ray.study.runner as runner
+
+    ephemeral_start = int(runner.EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    ports = {runner.stable_free_port() for _ in range(20)}
+    assert all(runner.RAY_WORKER_PORTS_END < port < ephemeral_start for port in ports), sorted(ports)
+    held = []
+    try:  # the whole gap held by us: the port comes from elsewhere, never a held one
+        for port in range(runner.RAY_WORKER_PORTS_END + 1, runner.RAY_WORKER_PORTS_END + 4):
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()  # held by someone else already: just as good
+                continue
+            held.append(sock)
+        (tmp_path / "range").write_text(f"{runner.RAY_WORKER_PORTS_END + 4}\t60999\n")
+        monkeypatch.setattr(runner, "EPHEMERAL_RANGE_FILE", tmp_path / "range")
+        port = runner.stable_free_port()
+        assert not runner.RAY_WORKER_PORTS_END < port < runner.RAY_WORKER_PORTS_END + 4
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    finally:
+        for sock in held:
+            sock.close()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from pathlib import Path
@@ -46,6 +47,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# Ray's workers listen on 10002-19999 (ray.init's default worker ports); its other processes bind port 0,
+# i.e. a port of the kernel's ephemeral range. A dashboard port between the two cannot be taken by them
+# between our choice and the dashboard's bind (in CI one was: "address already in use", the study failed).
+RAY_WORKER_PORTS_END = 19999
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def stable_free_port(attempts: int = 64) -> int:
+    """A loopback TCP port free now, above Ray's worker ports and below the kernel's ephemeral range
+    (where no process that asks the OS for any port can be given it); any free port where that gap is
+    unknown or full."""
+    try:
+        ephemeral_start = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return free_port()
+    candidates = range(RAY_WORKER_PORTS_END + 1, ephemeral_start)
+    for port in random.sample(candidates, min(attempts, len(candidates))):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return free_port()
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Joins ``address`` (a running cluster) or starts a local Ray, once per process."""
     ray_env = {**QUIET_RAY_ENV, WORKER_START_TIMEOUT_ENV: str(WORKER_START_TIMEOUT_S)}
@@ -70,7 +97,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             # another Ray on the machine (a studies/train.py run, a second study) the cleaner cannot
             # tell which one is ours and dies, the stopped trial's CPUs are never freed and the next
             # trial's workers never start: name our dashboard to every process of this job.
-            port = free_port()
+            port = stable_free_port()
             runtime_env["env_vars"][API_SERVER_ENV] = f"http://127.0.0.1:{port}"
             # address "local": a new Ray of our own. ray.init() with no address joins the newest cluster
             # that `ray start` recorded in /tmp/ray/ray_current_cluster (another user's study, or a dead
