@@ -10,9 +10,12 @@ reported, each with its ratio to the first variant's CE of the same backbone in 
 Variants: ``default`` (what a user gets: precision auto, random batches), ``fp32``, ``bf16``,
 ``grouped`` (--group-by-length, fp32), ``bf16+grouped``. ``--baseline-rev REV`` also runs the
 tree at REV (a temporary git worktree) with its own copy of this script: its ``fp32`` random
-batches were the default before the speed work; rows are labelled ``@REV``.
+batches were the default before the speed work; rows are labelled ``@REV``. ``--allocators``
+runs each configuration under each memory allocator (``system,auto`` is the A/B of the allocator
+a trial's worker gets, training/memory.py).
 
     python benchmarks/bench_training.py --backbones tiger --losses ce --baseline-rev 0e64951
+    python benchmarks/bench_training.py --backbones tiger --losses ce,apao_pairwise --allocators system,auto
     python benchmarks/bench_training.py --epoch   # one full epoch + validation at the defaults
     python benchmarks/bench_training.py --profile tiger apao_pairwise default --batch-size 128 --steps 1
         # which ops take the time: torch.profiler over the measured steps, top ops by self CPU time
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 
 from apao_ray.study.plan import cpu_model
+from apao_ray.training.memory import ALLOCATORS, allocator_env, allocator_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER_A100_SECONDS = {"ce": 15, "apao_pointwise": 15, "apao_pairwise": 163}  # SPEC §6, TIGER on Office
@@ -79,7 +83,8 @@ def measure(args: argparse.Namespace) -> dict:
     seconds = time.perf_counter() - start
     result = {"samples_per_second": metrics["train/num_samples"] / seconds, "seconds": seconds,
               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-              "precision": config.train.precision, "num_train_samples": len(dataset.splits["train"])}
+              "precision": config.train.precision, "num_train_samples": len(dataset.splits["train"]),
+              "allocator": allocator_in_use()}
     if profiler:
         events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in events) or 1
@@ -109,7 +114,7 @@ def measure_epoch(args: argparse.Namespace) -> dict:
             "validation_seconds": epoch["perf/epoch_seconds"] - epoch["perf/train_seconds"],
             "samples_per_second": epoch["perf/samples_per_second"], "precision": epoch["precision"],
             "val_users": epoch["val/num_users_evaluated"],
-            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "allocator": allocator_in_use()}
 
 
 class Baseline:
@@ -125,8 +130,8 @@ class Baseline:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(self.path)], capture_output=True)
 
 
-def run_one(script: Path, backbone: str, loss: str, variant: str, batch_size: int, args: argparse.Namespace,
-            is_baseline: bool) -> dict:
+def run_one(script: Path, backbone: str, loss: str, variant: str, batch_size: int, allocator: str,
+            args: argparse.Namespace, is_baseline: bool) -> dict:
     common = ["--data-dir", args.data_dir, "--dataset", args.dataset, "--threads", str(args.threads),
               "--num-negatives", str(args.num_negatives), "--seed", str(args.seed)]
     if is_baseline:  # the old script: --batch-size is the whole optimizer step, no accumulation
@@ -134,7 +139,8 @@ def run_one(script: Path, backbone: str, loss: str, variant: str, batch_size: in
     else:
         extra = ["--batch-size", str(batch_size), "--effective-batch-size", str(args.effective_batch_size),
                  "--steps", str(args.steps)]
-    env = {**os.environ, "PYTHONPATH": str(script.parents[1])}
+    # the allocator a trial's Ray worker gets (training/memory.py); "system" for an old revision's rows
+    env = {**os.environ, **allocator_env(allocator), "PYTHONPATH": str(script.parents[1])}
     done = subprocess.run([sys.executable, str(script), "--one", backbone, loss, variant, *common, *extra],
                           capture_output=True, text=True, env=env)
     if done.returncode != 0:
@@ -156,6 +162,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--variants", default="default", help=f"comma list from {list(VARIANTS)} (default: default)")
+    parser.add_argument("--allocators", default="auto",
+                        help=f"comma list from {list(ALLOCATORS)}: the memory allocator of each measured process, as "
+                             "$APAO_RAY_ALLOCATOR gives a trial's worker (default: auto); the baseline runs on system")
     parser.add_argument("--baseline-rev", help="also run this git revision's code (A/B interleaved), e.g. 0e64951")
     parser.add_argument("--baseline-variants", default="fp32", help="variants for the baseline (default fp32)")
     parser.add_argument("--epoch", action="store_true", help="time one full epoch + validation at the defaults instead")
@@ -193,23 +202,26 @@ def main() -> int:
     # SIGTERM (timeout, kill) unwinds through `finally`, so the baseline worktree is removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     baseline = Baseline(args.baseline_rev) if args.baseline_rev else None
-    configs = [(b, l, v, int(s), False) for b in args.backbones.split(",") for l in args.losses.split(",")
-               for v in args.variants.split(",") for s in args.batch_sizes.split(",")]
+    allocators = args.allocators.split(",")
+    for allocator in allocators:
+        allocator_env(allocator)  # an unknown or missing allocator fails here, naming it
+    configs = [(b, l, v, int(s), a, False) for b in args.backbones.split(",") for l in args.losses.split(",")
+               for v in args.variants.split(",") for s in args.batch_sizes.split(",") for a in allocators]
     if baseline:
-        configs += [(b, l, v, 128, True) for b in args.backbones.split(",") for l in args.losses.split(",")
+        configs += [(b, l, v, 128, "system", True) for b in args.backbones.split(",") for l in args.losses.split(",")
                     for v in args.baseline_variants.split(",")]
 
-    def label(backbone: str, loss: str, variant: str, batch_size: int, is_baseline: bool) -> str:
+    def label(backbone: str, loss: str, variant: str, batch_size: int, allocator: str, is_baseline: bool) -> str:
         suffix = f"@{args.baseline_rev}" if is_baseline else f" b{batch_size}"
-        return f"{backbone}/{loss} {variant}{suffix}"
+        return f"{backbone}/{loss} {variant}{suffix}" + (f" {allocator}" if len(allocators) > 1 else "")
 
     runs: dict[str, list[dict]] = {label(*c): [] for c in configs}
     try:
         for round_index in range(args.repeats):
             order = configs if round_index % 2 == 0 else configs[::-1]  # A/B interleaved, alternating order
             for config in order:
-                script = (baseline.path if config[4] else ROOT) / "benchmarks" / "bench_training.py"
-                runs[label(*config)].append(run_one(script, *config[:4], args, config[4]))
+                script = (baseline.path if config[5] else ROOT) / "benchmarks" / "bench_training.py"
+                runs[label(*config)].append(run_one(script, *config[:5], args, config[5]))
                 print(f"round {round_index + 1}: {label(*config)} {runs[label(*config)][-1]['samples_per_second']:.1f} "
                       f"samples/s (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
     finally:
@@ -219,12 +231,13 @@ def main() -> int:
     first = configs[0]
     for config in configs:
         key = label(*config)
-        reference_key = label(config[0], "ce", first[2], first[3], False)
+        reference_key = label(config[0], "ce", first[2], first[3], first[4], False)
         speeds = [r["samples_per_second"] for r in runs[key]]
         ratios = [r["samples_per_second"] / c["samples_per_second"] for r, c in zip(runs[key], runs.get(reference_key, []))]
         median = statistics.median(speeds)
         rows.append({"label": key, "backbone": config[0], "loss": config[1], "variant": config[2],
-                     "batch_size": config[3], "baseline": config[4], "precision": runs[key][0].get("precision", "fp32"),
+                     "batch_size": config[3], "baseline": config[5], "precision": runs[key][0].get("precision", "fp32"),
+                     "allocator": runs[key][0].get("allocator", "system"),
                      "samples_per_second": median, "ratio_to_first_ce": statistics.median(ratios) if ratios else None,
                      "ratio_to_reference_code": median / REFERENCE_SAMPLES_PER_SECOND,
                      "epoch_minutes": runs[key][0]["num_train_samples"] / median / 60,
@@ -232,10 +245,10 @@ def main() -> int:
                      "paper_a100_epoch_seconds": PAPER_A100_SECONDS.get(config[1]) if config[0] == "tiger" else None,
                      "runs": speeds})
     print(f"{header['cpu']}, {args.threads} threads, effective batch {args.effective_batch_size}")
-    print(f"{'configuration':<40}{'samples/s':>10}{'x first CE':>11}{'x ref 41':>9}{'epoch min':>10}{'RSS GiB':>9}")
+    print(f"{'configuration':<48}{'samples/s':>10}{'x first CE':>11}{'x ref 41':>9}{'epoch min':>10}{'RSS GiB':>9}")
     for row in rows:
         ratio = f"{row['ratio_to_first_ce']:.2f}" if row["ratio_to_first_ce"] is not None else "-"
-        print(f"{row['label']:<40}{row['samples_per_second']:>10.1f}{ratio:>11}{row['ratio_to_reference_code']:>9.2f}"
+        print(f"{row['label']:<48}{row['samples_per_second']:>10.1f}{ratio:>11}{row['ratio_to_reference_code']:>9.2f}"
               f"{row['epoch_minutes']:>10.1f}{row['peak_rss_gib']:>9.2f}")
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps({**header, "args": {k: v for k, v in vars(args).items() if k != "one"},

@@ -77,8 +77,12 @@ def test_export_is_compact_and_holds_what_the_report_needs(studies, tmp_path):
 
     export = load_export(out)
     assert {t["tags"]["loss"] for t in export.trials} == {"ce", "apao_pointwise"}
+    from apao_ray.training.memory import find_tcmalloc
+
     for trial in export.trials:
         assert trial["params"]["base.train.seed"] == "0" and trial["tags"]["apao.protocol"] == "paper"
+        # the worker ran on the allocator that auto picks on this machine (training/memory.py)
+        assert trial["tags"]["apao.allocator"] == ("tcmalloc" if find_tcmalloc() else "glibc-cached")
         assert trial["tags"]["apao.precision"] in ("fp32", "bf16") and "test/beam_retention_at_20" in trial["metrics"]
         assert list(export.history(trial["run_id"], "val/ndcg_at_10").index) == [1, 2]
         assert len(export.per_user(trial)) == 600

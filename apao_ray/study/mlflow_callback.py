@@ -14,7 +14,7 @@ from ..tracking import Tracker
 from ..training.cost import ENERGY_METHOD_KEY
 from ..training.evaluation import PER_USER_FILE
 from ..training.loop import PRECISION_KEY, RESUMED_HISTORY_KEY
-from ..training.worker import WORKER_NODE_KEY, remove_scratch, train_run_name
+from ..training.worker import ALLOCATOR_KEY, WORKER_NODE_KEY, remove_scratch, train_run_name
 from . import interrupt, plots
 from .repeats import REPEATS_TAG, SEED_TAG, seed_record
 from .scheduler import pruned_epoch
@@ -25,6 +25,7 @@ STUDY_TAG = "apao.study"
 OUTCOME_TAG = "apao.outcome"
 NODE_TAG = "apao.node_id"
 ENERGY_TAG = "apao.energy_method"  # how cost/energy_kwh was obtained (measured, estimated, or not at all)
+ALLOCATOR_TAG = "apao.allocator"  # the worker's memory allocator (tcmalloc/glibc-cached/system)
 PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its worker (fp32/bf16)
 INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
 PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (pruned.py)
@@ -143,7 +144,8 @@ class MlflowStudyCallback(tune.Callback):
         self.logged_metrics += self.tracker.log_metrics(run_id, metrics, step)
         if result.get(WORKER_NODE_KEY) and trial.trial_id not in self._nodes_tagged:
             self.tracker.set_tags(run_id, {NODE_TAG: result[WORKER_NODE_KEY], "apao.node_ip": result.get("node_ip", ""),
-                                           PRECISION_TAG: result.get(PRECISION_KEY, "")})
+                                           PRECISION_TAG: result.get(PRECISION_KEY, ""),
+                                           ALLOCATOR_TAG: result.get(ALLOCATOR_KEY, "")})
             self._nodes_tagged.add(trial.trial_id)
 
     def _finished(self, trial: Any) -> bool:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..training.memory import allocator_env
 from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Fit, MethodCost, asha_rungs,  # noqa: F401
                      fit_budget, format_duration, largest_subset, makespan, parse_duration, study_seconds,
                      trial_durations)
@@ -65,7 +66,7 @@ def probe_key(config_dict: dict[str, Any], threads: int) -> str:
     relevant = {"probe": PROBE_VERSION, "hw": hardware_key(threads, bool(train.get("use_gpu"))),
                 "model": config_dict["model"],
                 "loss": {k: config_dict["loss"].get(k) for k in ("name", "num_negatives")},
-                "data": config_dict["data"], "protocol": config_dict.get("protocol"),
+                "data": config_dict["data"], "protocol": config_dict.get("protocol"), "allocator": allocator_env(),
                 "train": {k: train.get(k) for k in ("batch_size", "precision", "eval_batch_size", "beam_size",
                                                     "group_by_length")}}
     return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
@@ -84,8 +85,8 @@ def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> 
     cache = _read_cache(path)
     if use_cache and key in cache:
         return _with_observed(cache[key]), True
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
-           + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, **allocator_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
+           + os.environ.get("PYTHONPATH", "")}  # the allocator a trial's worker gets (runner.init_ray)
     done = subprocess.run([sys.executable, "-m", "apao_ray.study.probe", json.dumps(config_dict), str(threads)],
                           capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import TrialConfig
+from ..training.memory import ALLOCATOR_ENV, allocator_env
 
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                  "RAY_TRAIN_V2_ENABLED": "1", "RAY_AIR_NEW_OUTPUT": "0",
@@ -86,8 +87,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     project_root = str(Path(__file__).resolve().parents[2])
     # workers import apao_ray from this checkout even when it is not installed on the cluster
     passed = [*ray_env, *(k for k in PASSED_ENV if k in os.environ)]
+    # the allocator is found on this machine; on a cluster, whose nodes may lack tcmalloc, auto keeps to glibc
+    local = not address or address == "local"
+    allocator = os.environ.get(ALLOCATOR_ENV) or ("auto" if local else "glibc-cached")
     runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                                **{k: os.environ[k] for k in passed}}}
+                                **{k: os.environ[k] for k in passed}, **allocator_env(allocator)}}
     try:
         if address and address != "local":
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)

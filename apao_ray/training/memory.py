@@ -9,6 +9,13 @@ each call costs the page faults of re-touching them (trimming after every optimi
 more CPU), so :class:`MemoryReleaser` trims only when the resident size is above a soft limit, at most
 once per ``min_interval_s``, plus once at each phase boundary (after training, after validation).
 Elsewhere than glibc (macOS, musl) it does nothing.
+
+The allocator itself is chosen for the processes that train (:func:`allocator_env`, set in their
+environment at start): every step frees and re-allocates the same large tensors, and glibc serves
+each block above 32 MB with a fresh ``mmap`` that it unmaps on free, so every step page-faults them
+all in again (a pairwise step at micro-batch 128 spent ~40% of its time in the kernel). tcmalloc keeps
+them; where it is not installed, glibc is told to keep them (no mmap, no automatic trim), and the
+releaser above still returns what is free past its soft limit. Measured in benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -22,15 +29,71 @@ MIN_INTERVAL_S = 20.0
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _glibc_trim():
+ALLOCATOR_ENV = "APAO_RAY_ALLOCATOR"  # the allocator of the processes that train (allocator_env)
+ALLOCATORS = ("auto", "tcmalloc", "glibc-cached", "system")
+TCMALLOC_LIBRARIES = ("tcmalloc_minimal", "tcmalloc")  # Debian/Ubuntu: libtcmalloc-minimal4, conda: gperftools
+GLIBC_CACHED = {"MALLOC_MMAP_MAX_": "0",  # large blocks from the heap, reused, not fresh mmaps
+                "MALLOC_TRIM_THRESHOLD_": str(64 * 2**30),  # free heap top kept (the releaser trims)
+                "MALLOC_TOP_PAD_": str(256 * 2**20)}  # the heap grows in 256 MB steps
+# tcmalloc reports every allocation above 1 GB on stderr; a pairwise step makes several
+TCMALLOC_QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(2**50)}
+_USER_ALLOCATOR_VARS = ("LD_PRELOAD", "GLIBC_TUNABLES")
+
+
+def find_tcmalloc() -> str | None:
+    """tcmalloc's shared library name (e.g. ``libtcmalloc_minimal.so.4``) when the dynamic linker
+    finds it on this machine, else None."""
+    for name in TCMALLOC_LIBRARIES:
+        found = ctypes.util.find_library(name)
+        if found:
+            return found
+    return None
+
+
+def allocator_env(choice: str | None = None, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment variables that give a process started with them the allocator ``choice``
+    (default ``$APAO_RAY_ALLOCATOR``, else ``auto``).
+
+    ``auto``: tcmalloc where installed, else glibc keeping its large blocks (``glibc-cached``); nothing
+    when the environment already sets the allocator (``LD_PRELOAD``, ``GLIBC_TUNABLES`` or a
+    ``MALLOC_*`` variable: the user's own choice wins). ``tcmalloc``: refused where not installed.
+    ``system``: nothing (glibc's defaults, as before this setting existed).
+    """
+    environ = os.environ if environ is None else environ
+    choice = choice or environ.get(ALLOCATOR_ENV) or "auto"
+    if choice not in ALLOCATORS:
+        raise ValueError(f"{ALLOCATOR_ENV}={choice!r} is not an allocator; choose one of {', '.join(ALLOCATORS)}")
+    user_set = any(key in _USER_ALLOCATOR_VARS or key.startswith("MALLOC_") for key in environ)
+    if choice == "system" or (choice == "auto" and user_set):
+        return {}
+    if choice in ("auto", "tcmalloc"):
+        tcmalloc = find_tcmalloc()
+        if tcmalloc:
+            preload = " ".join(filter(None, (environ.get("LD_PRELOAD"), tcmalloc)))
+            return {"LD_PRELOAD": preload, **TCMALLOC_QUIET}
+        if choice == "tcmalloc":
+            raise ValueError(f"{ALLOCATOR_ENV}=tcmalloc but no tcmalloc library is installed (looked for "
+                             f"{', '.join('lib' + name for name in TCMALLOC_LIBRARIES)}): install it "
+                             "(Debian/Ubuntu: apt-get install libtcmalloc-minimal4) or choose auto")
+    return dict(GLIBC_CACHED)
+
+
+def allocator_in_use() -> str:
+    """The allocator this process runs on: ``tcmalloc``, ``glibc-cached`` or ``system``."""
+    if _TCMALLOC_RELEASE is not None:
+        return "tcmalloc"
+    return "glibc-cached" if os.environ.get("MALLOC_MMAP_MAX_") == "0" else "system"
+
+
+def _symbol(library: str | None, name: str):
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
+        return getattr(ctypes.CDLL(library), name)
     except (OSError, AttributeError):
         return None
 
 
-_TRIM = _glibc_trim()
+_TCMALLOC_RELEASE = _symbol(None, "MallocExtension_ReleaseFreeMemory")  # only when tcmalloc is loaded
+_TRIM = _TCMALLOC_RELEASE or _symbol(ctypes.util.find_library("c") or "libc.so.6", "malloc_trim")
 
 
 def resident_bytes() -> int | None:
@@ -43,10 +106,13 @@ def resident_bytes() -> int | None:
 
 
 def release_free_memory() -> bool:
-    """Returns malloc's free pages to the OS; False where that is not possible."""
+    """Returns the allocator's free pages to the OS; False where that is not possible."""
     if _TRIM is None:
         return False
-    _TRIM(0)
+    if _TCMALLOC_RELEASE is not None:
+        _TRIM()
+    else:
+        _TRIM(0)
     return True
 
 

@@ -16,9 +16,11 @@ from torch import nn
 from ..config import TrialConfig
 from .hooks import TrainingHooks
 from .loop import NonFiniteLossError, TrialOutOfMemoryError, run_trial
+from .memory import allocator_in_use
 
 
 WORKER_NODE_KEY = "worker_node_id"
+ALLOCATOR_KEY = "allocator"  # the memory allocator the worker runs on (memory.allocator_in_use)
 SCRATCH_PREFIX = "apao-worker-"  # + the Train run's name: scratch directories in the system temp dir
 
 
@@ -92,7 +94,8 @@ class RayTrainHooks(TrainingHooks):
         # barrier: every rank calls report every epoch; only rank 0 passes a checkpoint
         # the thread pools the trial really ran on, for the record (see limit_threads)
         threads = {"perf/torch_threads": torch.get_num_threads(), "perf/torch_interop_threads": torch.get_num_interop_threads()}
-        ray.train.report({**metrics, **threads, WORKER_NODE_KEY: self.node_id}, checkpoint=checkpoint,
+        ray.train.report({**metrics, **threads, WORKER_NODE_KEY: self.node_id, ALLOCATOR_KEY: allocator_in_use()},
+                         checkpoint=checkpoint,
                          checkpoint_dir_name=name if checkpoint else None,
                          delete_local_checkpoint_after_upload=checkpoint is not None)
 
