@@ -164,6 +164,10 @@ def test_dry_run_prints_the_plan_fits_a_budget_and_refuses_one_too_small(tmp_pat
     assert result.returncode == 0, result.stderr[-3000:]
     plan = result.stderr
     assert "plan: 4 trials on synthetic, protocol paper" in plan and "measured now" in plan
+    from apao_ray.training.memory import find_tcmalloc
+
+    # the probes ran on the allocator a trial's worker gets (training/memory.py)
+    assert f"allocator {'tcmalloc' if find_tcmalloc() else 'glibc-cached'}, " in plan, plan
     assert re.search(r"tiger/ce +1 trial +8 epochs +epoch ~[\d.]+ (s|min) +trial ~.* peak ~[\d.]+ GiB", plan), plan
     assert re.search(r"tiger/apao_pointwise +3 trials +8 epochs", plan), plan
     assert (probe_cache / "probes.json").is_file()

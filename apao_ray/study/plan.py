@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..training.memory import allocator_env
+from ..training.memory import allocator_env, find_tcmalloc
 from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Fit, MethodCost, asha_rungs,  # noqa: F401
                      fit_budget, format_duration, largest_subset, makespan, parse_duration, study_seconds,
                      trial_durations)
@@ -45,6 +45,7 @@ class Probe:
     timed_samples: int = 0  # training samples the rate was measured on (after the warm-up step)
     observed_trials: int = 0  # finished study trials whose measured rates replaced the probe's (record_observed)
     energy_kwh_per_cpu_s: float | None = None  # CodeCarbon's energy per CPU-second in those trials
+    allocator: str = ""  # the memory allocator the probe ran on (training/memory.py)
 
 
 def cpu_model() -> str:
@@ -173,6 +174,7 @@ class Plan:
     budget_s: float | None = None
     probes_cached: int = 0
     probes_observed: int = 0  # methods whose rates come from finished trials on this machine (record_observed)
+    allocator: str = ""  # the probes' memory allocator, what this machine's trials get
     notes: list[str] = field(default_factory=list)
     repeat_seeds: tuple[int, ...] = ()  # --seeds after the first: each method's best configuration again
     threads: int = 1  # torch threads per trial (the CPU-seconds estimate)
@@ -211,8 +213,9 @@ class Plan:
 
     def text(self) -> str:
         fit, gib = self.fit, 2 ** 30
+        allocator = f", allocator {self.allocator}" if self.allocator else ""
         lines = [f"plan: {self.num_trials} trials on {self.dataset}, protocol {self.protocol}, precision "
-                 f"{self.precision}, {self.slots} at a time"]
+                 f"{self.precision}{allocator}, {self.slots} at a time"]
         estimates = self.cost_estimates()
         for m in self.fitted_methods:
             count = 1 if m.is_baseline else fit.trials_per_tuned
@@ -283,7 +286,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     train_samples = min(len(splits["train"]), base.train.max_train_samples or len(splits["train"]))
     valid_users = validation_users(base, splits)
     threads = trial_threads(spec.cpus_per_trial)
-    methods, cached, observed, precisions, devices = [], 0, 0, set(), set()
+    methods, cached, observed, precisions, devices, allocators = [], 0, 0, set(), set(), set()
     for backbone, loss, _ in search.allocation():
         if any((m.backbone, m.loss) == (backbone, loss) for m in methods):
             continue
@@ -292,6 +295,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
         observed += measured.observed_trials > 0
         precisions.add(measured.precision)
         devices.add(measured.device)
+        allocators.add(measured.allocator)
         train_s = train_samples * measured.train_s_per_sample
         methods.append(MethodCost(
             backbone, loss, is_baseline(loss), epoch_s=train_s + valid_users * measured.eval_s_per_user,
@@ -302,10 +306,13 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     notes = []
     if spec.gpus_per_trial > 0 and "cuda" not in devices:
         notes.append("  note: probed on this machine's CPU (no GPU here): trials on GPUs will be faster")
+    if "cuda" not in devices and "glibc-cached" in allocators and find_tcmalloc() is None:
+        notes.append("  note: tcmalloc is not installed here; with it (Debian/Ubuntu: apt-get install "
+                     "libtcmalloc-minimal4) CPU training ran ~1.1x faster than on glibc (benchmarks/RESULTS.md)")
     return Plan(dataset=base.data.dataset, protocol=spec.protocol, precision="/".join(sorted(precisions)), slots=slots,
                 methods=methods, asked_epochs=base.train.epochs, asked_trials_per_tuned=search.trials_per_tuned,
                 fit=fit, budget_s=spec.budget_s, probes_cached=cached, probes_observed=observed, notes=notes,
-                repeat_seeds=spec.repeat_seeds,
+                repeat_seeds=spec.repeat_seeds, allocator="/".join(sorted(a for a in allocators if a)),
                 threads=threads, machine_bytes=0 if spec.address else machine_memory_bytes())
 
 

@@ -11,6 +11,7 @@ import resource
 import sys
 import time
 
+from ..training.memory import allocator_in_use
 from .plan import PROBE_MAX_STEPS, PROBE_SECONDS, PROBE_STEPS
 
 
@@ -90,7 +91,8 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     return {"train_s_per_sample": train_s_per_sample, "eval_s_per_user": eval_s_per_user, "peak_bytes": int(peak),
-            "precision": train.precision, "threads": threads, "device": device.type, "timed_samples": samples}
+            "precision": train.precision, "threads": threads, "device": device.type, "timed_samples": samples,
+            "allocator": allocator_in_use()}
 
 
 if __name__ == "__main__":
