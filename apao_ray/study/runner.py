@@ -93,7 +93,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                 **{k: os.environ[k] for k in passed}, **allocator_env(allocator)}}
     try:
-        if address and address != "local":
+        if not local:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         else:
             # the dashboard (bound to 127.0.0.1) serves the State API, which Ray Train's placement-group

@@ -13,7 +13,7 @@ Elsewhere than glibc (macOS, musl) it does nothing.
 The allocator itself is chosen for the processes that train (:func:`allocator_env`, set in their
 environment at start): every step frees and re-allocates the same large tensors, and glibc serves
 each block above 32 MB with a fresh ``mmap`` that it unmaps on free, so every step page-faults them
-all in again (a pairwise step at micro-batch 128 spent ~40% of its time in the kernel). tcmalloc keeps
+all in again (a TIGER CE + pairwise benchmark run spent ~40% of its CPU time in the kernel). tcmalloc keeps
 them; where it is not installed, glibc is told to keep them (no mmap, no automatic trim), and the
 releaser above still returns what is free past its soft limit. Measured in benchmarks/RESULTS.md.
 """
@@ -92,8 +92,16 @@ def _symbol(library: str | None, name: str):
         return None
 
 
+def _release_function():
+    """A no-argument call that returns the allocator's free pages to the OS, or None."""
+    if _TCMALLOC_RELEASE is not None:
+        return _TCMALLOC_RELEASE
+    malloc_trim = _symbol(ctypes.util.find_library("c") or "libc.so.6", "malloc_trim")
+    return None if malloc_trim is None else lambda: malloc_trim(0)
+
+
 _TCMALLOC_RELEASE = _symbol(None, "MallocExtension_ReleaseFreeMemory")  # only when tcmalloc is loaded
-_TRIM = _TCMALLOC_RELEASE or _symbol(ctypes.util.find_library("c") or "libc.so.6", "malloc_trim")
+_TRIM = _release_function()
 
 
 def resident_bytes() -> int | None:
@@ -109,10 +117,7 @@ def release_free_memory() -> bool:
     """Returns the allocator's free pages to the OS; False where that is not possible."""
     if _TRIM is None:
         return False
-    if _TCMALLOC_RELEASE is not None:
-        _TRIM()
-    else:
-        _TRIM(0)
+    _TRIM()
     return True
 
 
