@@ -10,7 +10,8 @@ reported, each with its ratio to the first variant's CE of the same backbone in 
 Variants: ``default`` (what a user gets: precision auto, random batches), ``fp32``, ``bf16``,
 ``grouped`` (--group-by-length, fp32), ``bf16+grouped``. ``--baseline-rev REV`` also runs the
 tree at REV (a temporary git worktree) with its own copy of this script: its ``fp32`` random
-batches were the default before the speed work; rows are labelled ``@REV``. ``--allocators``
+batches were the default before the speed work; rows are labelled ``@REV`` and run on the same
+allocators (and micro-batches, where its script accumulates gradients) as the new rows. ``--allocators``
 runs each configuration under each memory allocator (``system,auto`` is the A/B of the allocator
 a trial's worker gets, training/memory.py).
 
@@ -125,21 +126,24 @@ class Baseline:
         self.path = Path(tempfile.mkdtemp(prefix="apao-baseline-")) / "tree"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(self.path), rev],
                        check=True, capture_output=True)
+        # scripts before gradient accumulation took --batch-size as the whole optimizer step
+        self.accumulates = "--effective-batch-size" in (self.path / "benchmarks" / "bench_training.py").read_text()
 
     def close(self) -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(self.path)], capture_output=True)
 
 
 def run_one(script: Path, backbone: str, loss: str, variant: str, batch_size: int, allocator: str,
-            args: argparse.Namespace, is_baseline: bool) -> dict:
+            args: argparse.Namespace, old_script: bool) -> dict:
     common = ["--data-dir", args.data_dir, "--dataset", args.dataset, "--threads", str(args.threads),
               "--num-negatives", str(args.num_negatives), "--seed", str(args.seed)]
-    if is_baseline:  # the old script: --batch-size is the whole optimizer step, no accumulation
+    if old_script:  # --batch-size is the whole optimizer step, no accumulation
         extra = ["--batch-size", str(batch_size), "--steps", str(args.steps * args.effective_batch_size // batch_size)]
     else:
         extra = ["--batch-size", str(batch_size), "--effective-batch-size", str(args.effective_batch_size),
                  "--steps", str(args.steps)]
-    # the allocator a trial's Ray worker gets (training/memory.py); "system" for an old revision's rows
+    # the allocator a trial's Ray worker gets (training/memory.py), set by the environment alone, so an old
+    # revision's rows run on the same allocator as the new ones
     env = {**os.environ, **allocator_env(allocator), "PYTHONPATH": str(script.parents[1])}
     done = subprocess.run([sys.executable, str(script), "--one", backbone, loss, variant, *common, *extra],
                           capture_output=True, text=True, env=env)
@@ -208,11 +212,13 @@ def main() -> int:
     configs = [(b, l, v, int(s), a, False) for b in args.backbones.split(",") for l in args.losses.split(",")
                for v in args.variants.split(",") for s in args.batch_sizes.split(",") for a in allocators]
     if baseline:
-        configs += [(b, l, v, 128, "system", True) for b in args.backbones.split(",") for l in args.losses.split(",")
-                    for v in args.baseline_variants.split(",")]
+        # an old script without accumulation measures micro-batch 128 steps (what it was compared at)
+        sizes = args.batch_sizes.split(",") if baseline.accumulates else ["128"]
+        configs += [(b, l, v, int(s), a, True) for b in args.backbones.split(",") for l in args.losses.split(",")
+                    for v in args.baseline_variants.split(",") for s in sizes for a in allocators]
 
     def label(backbone: str, loss: str, variant: str, batch_size: int, allocator: str, is_baseline: bool) -> str:
-        suffix = f"@{args.baseline_rev}" if is_baseline else f" b{batch_size}"
+        suffix = f" b{batch_size}" + (f"@{args.baseline_rev}" if is_baseline else "")
         return f"{backbone}/{loss} {variant}{suffix}" + (f" {allocator}" if len(allocators) > 1 else "")
 
     runs: dict[str, list[dict]] = {label(*c): [] for c in configs}
@@ -221,7 +227,7 @@ def main() -> int:
             order = configs if round_index % 2 == 0 else configs[::-1]  # A/B interleaved, alternating order
             for config in order:
                 script = (baseline.path if config[5] else ROOT) / "benchmarks" / "bench_training.py"
-                runs[label(*config)].append(run_one(script, *config[:5], args, config[5]))
+                runs[label(*config)].append(run_one(script, *config[:5], args, config[5] and not baseline.accumulates))
                 print(f"round {round_index + 1}: {label(*config)} {runs[label(*config)][-1]['samples_per_second']:.1f} "
                       f"samples/s (load {os.getloadavg()[0]:.1f})", file=sys.stderr, flush=True)
     finally:
@@ -235,21 +241,25 @@ def main() -> int:
         speeds = [r["samples_per_second"] for r in runs[key]]
         ratios = [r["samples_per_second"] / c["samples_per_second"] for r, c in zip(runs[key], runs.get(reference_key, []))]
         median = statistics.median(speeds)
+        old = runs.get(label(*config[:5], True), []) if not config[5] else []  # the same configuration at REV
+        to_old = [r["samples_per_second"] / o["samples_per_second"] for r, o in zip(runs[key], old)]
         rows.append({"label": key, "backbone": config[0], "loss": config[1], "variant": config[2],
                      "batch_size": config[3], "baseline": config[5], "precision": runs[key][0].get("precision", "fp32"),
                      "allocator": runs[key][0].get("allocator", "system"),
                      "samples_per_second": median, "ratio_to_first_ce": statistics.median(ratios) if ratios else None,
                      "ratio_to_reference_code": median / REFERENCE_SAMPLES_PER_SECOND,
+                     "ratio_to_baseline_rev": statistics.median(to_old) if to_old else None,
                      "epoch_minutes": runs[key][0]["num_train_samples"] / median / 60,
                      "peak_rss_gib": max(r["peak_rss_gib"] for r in runs[key]),
                      "paper_a100_epoch_seconds": PAPER_A100_SECONDS.get(config[1]) if config[0] == "tiger" else None,
                      "runs": speeds})
     print(f"{header['cpu']}, {args.threads} threads, effective batch {args.effective_batch_size}")
-    print(f"{'configuration':<48}{'samples/s':>10}{'x first CE':>11}{'x ref 41':>9}{'epoch min':>10}{'RSS GiB':>9}")
+    print(f"{'configuration':<48}{'samples/s':>10}{'x first CE':>11}{'x ref 41':>9}{'x @REV':>7}{'epoch min':>10}"
+          f"{'RSS GiB':>9}")
     for row in rows:
-        ratio = f"{row['ratio_to_first_ce']:.2f}" if row["ratio_to_first_ce"] is not None else "-"
+        ratio, to_old = (f"{row[k]:.2f}" if row[k] is not None else "-" for k in ("ratio_to_first_ce", "ratio_to_baseline_rev"))
         print(f"{row['label']:<48}{row['samples_per_second']:>10.1f}{ratio:>11}{row['ratio_to_reference_code']:>9.2f}"
-              f"{row['epoch_minutes']:>10.1f}{row['peak_rss_gib']:>9.2f}")
+              f"{to_old:>7}{row['epoch_minutes']:>10.1f}{row['peak_rss_gib']:>9.2f}")
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps({**header, "args": {k: v for k, v in vars(args).items() if k != "one"},
                                                "rows": rows}, indent=2))
