@@ -133,6 +133,8 @@ def test_interrupted_study_resumed_without_rerun_duplicate_or_orphan(study):
     assert "TBXLoggerCallback" not in study["stderr"] and not list(study["dir"].rglob("events.out.tfevents*"))
     # nor does Ray Train print each report's metrics dict, nor MLflow a download bar per logged model
     assert "Reporting training result" not in study["stderr"] and "Downloading artifacts" not in study["stderr"]
+    # a local Ray starts no preemption watcher per trial (a process each, and an error line on the console)
+    assert "PreemptionWatcher" not in study["stderr"]
     parent = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")[0]
     assert parent.data.tags["apao.outcome"] == "finished"
 

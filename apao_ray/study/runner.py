@@ -20,6 +20,9 @@ QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV"
 # with other work that is not enough, and each timeout costs a retry. A user's own value wins.
 WORKER_START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
 WORKER_START_TIMEOUT_S = 300
+# Ray Train starts a preemption watcher actor per trial (a process of its own) to checkpoint before a cloud
+# node is drained; a Ray started on this machine has no node to drain. A cluster keeps Ray's default.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 RAY_TRAIN_LOG_LEVEL_ENV = "APAO_RAY_TRAIN_LOG_LEVEL"  # Ray Train's console log level (default WARNING)
 PASSED_ENV = (RAY_TRAIN_LOG_LEVEL_ENV,)  # the driver's settings that Ray's processes read too
@@ -76,7 +79,9 @@ def stable_free_port(attempts: int = 64) -> int:
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Joins ``address`` (a running cluster) or starts a local Ray, once per process."""
-    ray_env = {**QUIET_RAY_ENV, WORKER_START_TIMEOUT_ENV: str(WORKER_START_TIMEOUT_S)}
+    local = not address or address == "local"
+    ray_env = {**QUIET_RAY_ENV, WORKER_START_TIMEOUT_ENV: str(WORKER_START_TIMEOUT_S),
+               **({PREEMPTION_WATCHER_ENV: "0"} if local else {})}
     for key, value in ray_env.items():
         os.environ.setdefault(key, value)
     import ray
@@ -88,7 +93,6 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     # workers import apao_ray from this checkout even when it is not installed on the cluster
     passed = [*ray_env, *(k for k in PASSED_ENV if k in os.environ)]
     # the allocator is found on this machine; on a cluster, whose nodes may lack tcmalloc, auto keeps to glibc
-    local = not address or address == "local"
     allocator = os.environ.get(ALLOCATOR_ENV) or ("auto" if local else "glibc-cached")
     runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                 **{k: os.environ[k] for k in passed}, **allocator_env(allocator)}}
