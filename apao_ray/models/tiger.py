@@ -19,7 +19,7 @@ from torch import nn
 
 from ..data.catalog import BOS_TOKEN
 from .base import Backbone, DecodeCache
-from .dropout import Dropout
+from .dropout import Dropout, attention
 from .packing import PackedHistory, attend_in_buckets
 
 
@@ -111,8 +111,7 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         # the additive bias must share q's dtype under autocast; -inf-like entries stay -inf
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), scale=1.0,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        return attention(q, k, v, bias.to(q.dtype), self.dropout, self.training)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """Self-attention of (N, S, d_model) under a bias broadcastable to (N, H, S, S)."""
