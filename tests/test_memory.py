@@ -60,17 +60,34 @@ def test_free_blocks_stay_resident_until_released(allocator):
     assert trimmed["released"] and trimmed["before"] - trimmed["after"] > 400 * 2**20
 
 
-@needs_glibc
-def test_releaser_trims_above_its_soft_limit_at_most_once_per_interval():
+_RELEASER = textwrap.dedent("""
+    import json
+    from apao_ray.training import memory
+
     releaser = memory.MemoryReleaser(soft_limit_bytes=0, min_interval_s=3600)
-    releaser.step()
-    releaser.step()
-    assert releaser.releases == 1
+    releaser.step(); releaser.step()
     high = memory.MemoryReleaser(soft_limit_bytes=2**62, min_interval_s=0)
     high.step()
-    assert high.releases == 0  # below the limit: no trim, no page faults
+    below = high.releases
     high.release()
-    assert high.releases == 1
+    print(json.dumps({"periodic": releaser.releases, "below": below, "explicit": high.releases,
+                      "allocator": memory.allocator_in_use()}))
+""")
+
+
+@needs_glibc
+@pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_releaser_trims_above_its_soft_limit_at_most_once_per_interval_except_under_tcmalloc(allocator):
+    """glibc keeps what is freed: trimmed above the soft limit, at most once per interval. tcmalloc returns
+    free spans by itself, and a periodic release of all of them only made the next steps fault them in again
+    (APAO-pairwise 1.19x faster without): there only the explicit releases at phase boundaries remain."""
+    done = subprocess.run([sys.executable, "-c", _RELEASER], capture_output=True, text=True, timeout=120,
+                          env=_env(allocator))
+    assert done.returncode == 0, done.stderr[-2000:]
+    run = json.loads(done.stdout.strip().splitlines()[-1])
+    assert run["allocator"] == allocator
+    assert run["periodic"] == (0 if allocator == "tcmalloc" else 1)
+    assert run["below"] == 0 and run["explicit"] == 1  # below the limit no trim; an explicit release always
 
 
 # every step of a training loop frees and re-allocates tensors of tens of MB

@@ -14,8 +14,10 @@ The allocator itself is chosen for the processes that train (:func:`allocator_en
 environment at start): every step frees and re-allocates the same large tensors, and glibc serves
 each block above 32 MB with a fresh ``mmap`` that it unmaps on free, so every step page-faults them
 all in again (a TIGER CE + pairwise benchmark run spent ~40% of its CPU time in the kernel). tcmalloc keeps
-them; where it is not installed, glibc is told to keep them (no mmap, no automatic trim), and the
-releaser above still returns what is free past its soft limit. Measured in benchmarks/RESULTS.md.
+them and returns free spans to the OS at its own pace, so under tcmalloc the releaser only acts at phase
+boundaries (its periodic release cost APAO-pairwise 1.19x); where tcmalloc is not installed, glibc is told
+to keep them (no mmap, no automatic trim), and the releaser returns what is free past its soft limit.
+Measured in benchmarks/RESULTS.md.
 """
 from __future__ import annotations
 
@@ -132,7 +134,9 @@ class MemoryReleaser:
 
     def step(self) -> None:
         now = time.monotonic()
-        if _TRIM is None or now - self._last < self.min_interval_s:
+        # tcmalloc returns free spans to the OS on its own (TCMALLOC_RELEASE_RATE): releasing all of them
+        # every 20 s only made the next steps fault them in again (APAO-pairwise ran ~1.1x slower)
+        if _TRIM is None or _TCMALLOC_RELEASE is not None or now - self._last < self.min_interval_s:
             return
         rss = resident_bytes()
         if rss is not None and rss > self.soft_limit_bytes:
