@@ -95,6 +95,23 @@ def test_seeds_put_the_search_on_the_first_and_the_repeats_on_the_others(isolate
     assert cli_sweep.spec_from_args(args).__class__ is StudySpec and args.seeds == (0, 1)
 
 
+def test_smoke_settings_yield_to_options_written_in_any_form():
+    from apao_ray.study import cli_sweep
+
+    parser = cli_sweep.build_parser()
+    # long form, --x=v and an abbreviation argparse accepts all count as written; a default value written counts too
+    argv = ["--smoke", "--epo", "7", "--patience=3", "--num-samples", "3"]
+    given = cli_sweep.given_flags(parser, argv)
+    assert given == {"smoke", "epochs", "patience", "num_samples"}
+    args = parser.parse_args(argv)
+    cli_sweep.apply_quick(args, given)
+    assert (args.epochs, args.patience) == (7, 3)
+    assert args.asha_grace_period == 8  # not written: --smoke's grace past the last epoch
+    plain = parser.parse_args(["--smoke"])
+    cli_sweep.apply_quick(plain, cli_sweep.given_flags(parser, ["--smoke"]))
+    assert plain.epochs == cli_sweep.QUICK_SETTINGS["epochs"] and plain.patience == plain.epochs
+
+
 def test_the_recorded_command_is_the_one_a_user_types_again():
     from apao_ray.study.sweep import invocation
 

@@ -162,9 +162,14 @@ def positive_float(text: str) -> float:
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """Destinations of the options written on the command line (``--x v`` or ``--x=v``)."""
-    written = {arg.split("=", 1)[0] for arg in argv if arg.startswith("-")}
-    return {action.dest for action in parser._actions if written & set(action.option_strings)}
+    """Destinations of the options written on the command line, however written (``--x v``, ``--x=v``,
+    an abbreviation such as ``--epo 3``): argparse fills in a default only where the namespace it is
+    given lacks the attribute, so a second parse into a namespace pre-filled with a marker leaves the
+    marker exactly on the options not written."""
+    marker = object()
+    dests = vars(parser.parse_args(argv))
+    written = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, marker)))
+    return {dest for dest, value in vars(written).items() if value is not marker}
 
 
 def apply_quick(args: argparse.Namespace, given: set[str]) -> None:
