@@ -127,7 +127,9 @@ def _val_ce_without_and_with(short, tmp_path, backbone: str, loss: str, flag: st
 def test_length_grouped_batches_learn_like_random_ones(short, tmp_path):
     """--group-by-length changes only which samples share a batch: training still learns as well."""
     before, after = _val_ce_without_and_with(short, tmp_path, "tiger", "ce", "group_by_length")
-    assert after[True] < before - 0.5 and after[True] < after[False] + 0.05, (before, after)  # no worse
+    # no worse than random batches up to their own noise: over seeds 0-3 (2026-11-25) random batches ended at
+    # 1.93-2.11 and grouped minus random per seed ranged -0.064..+0.061, so 0.05 failed on seed 0 by chance
+    assert after[True] < before - 0.5 and after[True] < after[False] + 0.15, (before, after)
     assert after[True] != after[False]  # the batches really were different
 
 
