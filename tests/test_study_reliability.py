@@ -23,6 +23,27 @@ RAY = str(Path(sys.executable).with_name("ray"))
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))
 
 
+def test_a_trial_whose_workers_cannot_start_is_told_how_they_failed():
+    """Ray Train gives up on a worker group after its start failed on every try: a timeout says how long each
+    try waited; workers killed while starting (Ray's memory monitor kills them within seconds) say so, with
+    no invented wait; the MLflow outcome follows the cause."""
+    from ray.exceptions import OutOfMemoryError
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+
+    from apao_ray.study.mlflow_callback import failure_outcome
+    from apao_ray.study.trial import MAX_START_RETRIES, TrialStartError, start_failure_message
+
+    killed = start_failure_message("train-trial_id=abc", OutOfMemoryError(
+        "3 worker(s) were killed due to the node running low on memory. Details follow"))
+    assert killed.startswith(f"train-trial_id=abc: its Ray Train workers could not be started in "
+                             f"{MAX_START_RETRIES + 1} tries (the last: OutOfMemoryError: 3 worker(s) were killed")
+    assert " s each" not in killed and "Details follow" not in killed
+    assert failure_outcome(f"{TrialStartError.__module__}.TrialStartError: {killed}") == "out of memory"
+    slow = start_failure_message("train-trial_id=abc", WorkerGroupStartupTimeoutError(1))
+    assert f"{MAX_START_RETRIES + 1} tries of " in slow and "WorkerGroupStartupTimeoutError" in slow
+    assert failure_outcome(f"TrialStartError: {slow}") == "could not start its workers"
+
+
 def _children(tracker):
     return {c.data.tags["apao.trial_id"]: c for c in tracker.child_runs()}
 

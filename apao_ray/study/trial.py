@@ -75,6 +75,17 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
                         scaling_config=resources.scaling_config(), run_config=run_config)
 
 
+def start_failure_message(run_name: str, failure: BaseException) -> str:
+    """Why a trial's workers could not be started, told as it happened: Ray Train gives up after
+    ``MAX_START_RETRIES + 1`` failed starts, each a timeout (the machine too busy or too small) or a failure
+    (e.g. workers killed by Ray's memory monitor while starting, which happens within seconds)."""
+    cause = str(failure).split(". ")[0]
+    timed_out = isinstance(failure, TimeoutError) or "Timeout" in type(failure).__name__
+    each = f" of {os.environ.get(WORKER_START_TIMEOUT_ENV, '60')} s each" if timed_out else ""
+    return (f"{run_name}: its Ray Train workers could not be started in {MAX_START_RETRIES + 1} tries{each} "
+            f"(the last: {type(failure).__name__}: {cause}); free CPUs/memory on the machine, or lower --max-concurrent")
+
+
 def fit(trainer: TorchTrainer) -> ray.train.Result:
     """Runs the trainer; raises TrialFailedError when its worker gave up for a deterministic reason
     (it leaves the reason in the run's ``failure_file``, next to the checkpoints)."""
@@ -82,12 +93,8 @@ def fit(trainer: TorchTrainer) -> ray.train.Result:
     path.unlink(missing_ok=True)  # from an earlier attempt of a resumed run
     try:
         result = trainer.fit()
-    except ray.train.ControllerError as error:  # worker-group start failed on every try
-        timeout = os.environ.get(WORKER_START_TIMEOUT_ENV, "60")
-        cause = str(error.controller_failure).split(". ")[0]
-        raise TrialStartError(f"{trainer.run_config.name}: its Ray Train workers did not start in "
-                              f"{MAX_START_RETRIES + 1} tries of {timeout} s each ({type(error.controller_failure).__name__}: "
-                              f"{cause}); free CPUs/memory on the machine, or lower --max-concurrent") from error
+    except ray.train.ControllerError as error:  # the worker group could not be (re)started, on every try
+        raise TrialStartError(start_failure_message(trainer.run_config.name, error.controller_failure)) from error
     finally:  # what workers on this node left when killed mid-way (a restart, a stop)
         remove_scratch(trainer.run_config.name)
     if path.exists():
