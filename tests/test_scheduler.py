@@ -74,7 +74,7 @@ def test_a_pruned_trial_is_tested_on_a_checkpoint_the_scheduler_saw_not_one_save
     """A worker can save epoch e+1 before the stop for epoch e reaches it; the tested checkpoint is the
     newest at or before the pruned epoch (its validation result is the one MLflow logged)."""
     from apao_ray.study.pruned import latest_checkpoint
-    from apao_ray.training.worker import train_run_name
+    from apao_ray.names import train_run_name
 
     run_dir = tmp_path / train_run_name("t1") / "checkpoint_x"
     for name in ("epoch_0001", "epoch_0002", "epoch_0003"):

@@ -23,7 +23,8 @@ from apao_ray.training.checkpoint import (BEST_MODEL_FILE, CATALOG_FILE, CONFIG_
                                           load_catalog_arrays, load_checkpoint)
 from apao_ray.training.evaluation import select_users, split_ce_loss
 from apao_ray.training.hooks import TrainingHooks
-from apao_ray.training.loop import RESUMED_HISTORY_KEY, NonFiniteLossError, run_trial
+from apao_ray.names import RESUMED_HISTORY_KEY
+from apao_ray.training.loop import NonFiniteLossError, run_trial
 from apao_ray.training.precision import resolve_precision
 
 from conftest import TINY_MODEL, InterruptedHooks

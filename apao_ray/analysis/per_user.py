@@ -9,7 +9,7 @@ from typing import Any
 
 import pandas as pd
 
-from ..training.evaluation import PER_USER_FILE
+from ..names import PER_USER_FILE
 
 PER_USER_METRICS = ("recall_at_10", "recall_at_20", "ndcg_at_10", "ndcg_at_20")
 

@@ -11,10 +11,8 @@ from typing import Any
 from ray import tune
 
 from ..tracking import Tracker
-from ..training.cost import ENERGY_METHOD_KEY
-from ..training.evaluation import PER_USER_FILE
-from ..training.loop import PRECISION_KEY, RESUMED_HISTORY_KEY
-from ..training.worker import ALLOCATOR_KEY, WORKER_NODE_KEY, remove_scratch, train_run_name
+from ..names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY,
+                     WORKER_NODE_KEY, remove_scratch, train_run_name)
 from . import interrupt, plots
 from .repeats import REPEATS_TAG, SEED_TAG, seed_record
 from .scheduler import pruned_epoch

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..training.worker import train_run_name
+from ..names import train_run_name
 from .mlflow_callback import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
 
 TESTED_TAG = "apao.tested_on"

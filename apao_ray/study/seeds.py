@@ -15,7 +15,7 @@ from typing import Any
 
 from ..analysis.per_user import PER_USER_FILE, read_per_user
 from ..analysis.results import Method, Trial, compare_methods, with_repeats
-from ..training.cost import SUMMED
+from ..names import SUMMED
 
 TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
 STD_SUFFIX = " std"

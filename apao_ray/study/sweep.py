@@ -77,7 +77,7 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         train = base.train.replace(seed=int(config[SEED_KEY])) if SEED_KEY in config else base.train
         trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, train,
                                    base.protocol)
-        from ..training.worker import train_run_name
+        from ..names import train_run_name
 
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
         trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,

@@ -12,7 +12,8 @@ from ray.train.torch import TorchTrainer
 
 from ..config import TrialConfig
 from ..training.checkpoint import FINAL_METRICS_FILE
-from ..training.worker import TrialFailedError, remove_scratch, scratch_prefix, train_loop_per_worker
+from ..names import remove_scratch, scratch_prefix
+from ..training.worker import TrialFailedError, train_loop_per_worker
 from .runner import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV
 
 FAILURE_FILE = "trial_failure.txt"

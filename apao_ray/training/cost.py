@@ -14,10 +14,7 @@ from typing import Any
 
 import torch
 
-WALL, CPU, RSS, GPU_MEMORY, ENERGY = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb",
-                                      "cost/peak_gpu_memory_mb", "cost/energy_kwh")
-SUMMED = (WALL, CPU, ENERGY)
-ENERGY_METHOD_KEY = "energy_method"  # a sentence in the final report (MLflow tag apao.energy_method)
+from ..names import CPU, ENERGY, ENERGY_METHOD_KEY, GPU_MEMORY, RSS, WALL
 # CodeCarbon's CPU modes that read a power counter; any other mode is its estimate from the CPU model's TDP
 MEASURED_CPU_MODES = ("intel_rapl", "intel_power_gadget", "apple_powermetrics")
 

@@ -47,7 +47,6 @@ def split_ce_loss(model: nn.Module, dataset: Dataset, split_name: str, batch_siz
     return total / max(count, 1)
 
 
-PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial
 PER_USER_CUTOFFS = (10, 20)
 
 

@@ -24,15 +24,14 @@ from ..losses import build_loss
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .cost import CostMeter
-from .evaluation import PER_USER_FILE, evaluate_split, evaluate_split_per_user, select_users, write_per_user
+from ..names import PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
+from .evaluation import evaluate_split, evaluate_split_per_user, select_users, write_per_user
 from .hooks import TrainingHooks
 from .precision import resolve_precision
 from .selection import LOSS, selection_score, validation_loss
 from .steps import EpochRunner
 
 
-RESUMED_HISTORY_KEY = "resumed_history"  # per-epoch metrics so far, in the first report after a resume
-PRECISION_KEY = "precision"  # the resolved precision (fp32/bf16), in every report
 CE_STAGE_PREFIX = "ce_stage/"  # a two-stage trial's CE epochs log train/ and val/ metrics under this prefix
 
 

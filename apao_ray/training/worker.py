@@ -14,30 +14,10 @@ import torch
 from torch import nn
 
 from ..config import TrialConfig
+from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
 from .hooks import TrainingHooks
 from .loop import NonFiniteLossError, TrialOutOfMemoryError, run_trial
 from .memory import allocator_in_use
-
-
-WORKER_NODE_KEY = "worker_node_id"
-ALLOCATOR_KEY = "allocator"  # the memory allocator the worker runs on (memory.allocator_in_use)
-SCRATCH_PREFIX = "apao-worker-"  # + the Train run's name: scratch directories in the system temp dir
-
-
-def train_run_name(trial_id: str) -> str:
-    """A trial's Train run name, from the Tune trial id and no timestamp: a restored trial finds its checkpoints."""
-    return f"train-trial_id={trial_id}"
-
-
-def scratch_prefix(run_name: str) -> str:
-    return SCRATCH_PREFIX + run_name.replace("=", "_") + "-"
-
-
-def remove_scratch(run_name: str) -> None:
-    """Removes a Train run's scratch directories on this node, e.g. those of workers that were killed
-    (a trial that the scheduler stopped) before they could remove their own."""
-    for path in Path(tempfile.gettempdir()).glob(scratch_prefix(run_name) + "*"):
-        shutil.rmtree(path, ignore_errors=True)
 
 
 class TrialFailedError(RuntimeError):

@@ -1,0 +1,43 @@
+"""Names the training side writes and the study side reads: result keys, file names, run and scratch
+directory names.
+
+One place for each, imported by both sides. It imports neither torch nor Ray, so the study's driver
+(its MLflow and progress callbacks, the report) reads a trial's results without loading what trains it.
+"""
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+# keys in a trial's reports (one per epoch, then the final one)
+RESUMED_HISTORY_KEY = "resumed_history"  # per-epoch metrics so far, in the first report after a resume
+PRECISION_KEY = "precision"  # the resolved precision (fp32/bf16), in every report
+WORKER_NODE_KEY = "worker_node_id"  # the Ray node the trial trained on
+ALLOCATOR_KEY = "allocator"  # the memory allocator the worker runs on (training/memory.allocator_in_use)
+ENERGY_METHOD_KEY = "energy_method"  # a sentence in the final report (MLflow tag apao.energy_method)
+# a trial's cost, in its final report (training/cost.CostMeter); summed over a method's trials, the rest maxed
+WALL, CPU, RSS, GPU_MEMORY, ENERGY = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb",
+                                      "cost/peak_gpu_memory_mb", "cost/energy_kwh")
+SUMMED = (WALL, CPU, ENERGY)
+
+# files of a finished trial's final checkpoint
+PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial
+
+SCRATCH_PREFIX = "apao-worker-"  # + the Train run's name: a worker's scratch directories in the system temp dir
+
+
+def train_run_name(trial_id: str) -> str:
+    """A trial's Train run name, from the Tune trial id and no timestamp: a restored trial finds its checkpoints."""
+    return f"train-trial_id={trial_id}"
+
+
+def scratch_prefix(run_name: str) -> str:
+    return SCRATCH_PREFIX + run_name.replace("=", "_") + "-"
+
+
+def remove_scratch(run_name: str) -> None:
+    """Removes a Train run's scratch directories on this node, e.g. those of workers that were killed
+    (a trial that the scheduler stopped) before they could remove their own."""
+    for path in Path(tempfile.gettempdir()).glob(scratch_prefix(run_name) + "*"):
+        shutil.rmtree(path, ignore_errors=True)
