@@ -50,6 +50,27 @@ def test_a_stop_signal_to_the_driver_alone_is_recorded_as_an_interruption_and_re
     assert all(run.info.status == "FINISHED" for run in children)
 
 
+@pytest.mark.e2e
+def test_the_local_rays_workers_run_at_the_drivers_niceness_and_the_users_setting_wins():
+    """Ray starts workers at niceness +15, which beside an ordinary process on a busy CPU leaves a trial
+    ~1/28 of a core instead of an even share; the product's local Ray keeps the driver's niceness. Run under
+    `nice -n 3`: workers must be at 3 (relative to the driver), and at 3 + 5 when the user sets Ray's own variable."""
+    import subprocess
+
+    from conftest import ROOT
+
+    code = ("import os, ray; from apao_ray.study.runner import init_ray; init_ray(None, num_cpus=1); "
+            "print(os.nice(0), ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote())); ray.shutdown()")
+    for user_value, expected in ((None, "3 3"), ("5", "3 8")):
+        env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+        if user_value is not None:
+            env["RAY_worker_niceness"] = user_value
+        result = subprocess.run(["nice", "-n", "3", sys.executable, "-c", code], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.split("\n")[-2].strip() == expected, (user_value, result.stdout, result.stderr[-2000:])
+
+
 def test_limit_threads_caps_both_torch_pools_and_the_thread_env_of_a_fresh_worker():
     """In a fresh process, as a Ray Train worker starts: torch's intra-op and inter-op pools and the
     OpenMP/MKL/OpenBLAS variables all take the reserved CPU count (torch defaults to every core)."""

@@ -23,6 +23,12 @@ WORKER_START_TIMEOUT_S = 300
 # Ray Train starts a preemption watcher actor per trial (a process of its own) to checkpoint before a cloud
 # node is drained; a Ray started on this machine has no node to drain. A cluster keeps Ray's default.
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+# Ray starts its workers at niceness +15: beside any ordinary process (niceness 0) on an oversubscribed CPU a
+# trial then gets 36/1024 of the scheduler's weight, ~28x slower than the other process instead of an even
+# share (#17 saw 27x). Workers of a Ray started here keep the driver's niceness (`nice ./apao sweep` still
+# works); a cluster keeps what its nodes were started with.
+WORKER_NICENESS_ENV = "RAY_worker_niceness"
+LOCAL_RAY_ENV = {PREEMPTION_WATCHER_ENV: "0", WORKER_NICENESS_ENV: "0"}
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 RAY_TRAIN_LOG_LEVEL_ENV = "APAO_RAY_TRAIN_LOG_LEVEL"  # Ray Train's console log level (default WARNING)
 PASSED_ENV = (RAY_TRAIN_LOG_LEVEL_ENV,)  # the driver's settings that Ray's processes read too
@@ -81,7 +87,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
     """Joins ``address`` (a running cluster) or starts a local Ray, once per process."""
     local = not address or address == "local"
     ray_env = {**QUIET_RAY_ENV, WORKER_START_TIMEOUT_ENV: str(WORKER_START_TIMEOUT_S),
-               **({PREEMPTION_WATCHER_ENV: "0"} if local else {})}
+               **(LOCAL_RAY_ENV if local else {})}
     for key, value in ray_env.items():
         os.environ.setdefault(key, value)
     import ray
