@@ -31,3 +31,26 @@ def test_the_drivers_callbacks_read_results_without_loading_torch():
             "apao_ray.study.seeds; print(sorted(m for m in ('torch', 'ray.train.torch') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
+
+
+def test_a_trial_run_again_keeps_its_last_attempts_end_as_history_not_as_its_state(tmp_path):
+    """--retry-failed (or a resume) reopens the trial's child run: while it runs again its outcome must not still
+    say 'out of memory', and the error of the attempt before is kept under apao.previous_error."""
+    from types import SimpleNamespace
+
+    from apao_ray.study.mlflow_callback import MlflowStudyCallback
+    from apao_ray.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    tracker = Tracker(uri, "apao-retry")
+    parent = tracker.start_run("study", {"apao.role": "study"})
+    child = tracker.start_run("tiger/apao_pairwise", {"apao.trial_id": "t1", "apao.study": "s"}, parent_run_id=parent)
+    tracker.set_tags(child, {"apao.outcome": "out of memory", "apao.error": "TrialStartError: killed"})
+    tracker.client.set_terminated(child, "FAILED")
+    callback = MlflowStudyCallback(uri, "apao-retry", parent, "s", tmp_path / "train_runs", {"base": {}}, [])
+    callback.on_trial_start(0, [], SimpleNamespace(trial_id="t1", config={}))
+    run = tracker.client.get_run(child)
+    assert run.info.status == "RUNNING"
+    assert run.data.tags["apao.outcome"] == "running again (its last attempt: out of memory)"
+    assert run.data.tags["apao.previous_outcome"] == "out of memory"
+    assert run.data.tags["apao.previous_error"] == "TrialStartError: killed" and "apao.error" not in run.data.tags

@@ -28,6 +28,8 @@ PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its work
 INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
 PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (pruned.py)
 PRUNED_EPOCH_TAG = "apao.pruned_epoch"
+ERROR_TAG = "apao.error"  # a failed trial's error; on a retry it moves to PREVIOUS_ERROR_TAG
+PREVIOUS_OUTCOME_TAG, PREVIOUS_ERROR_TAG = "apao.previous_outcome", "apao.previous_error"
 STOPPED_BY_TUNE = ("stopped before its end by Tune, not by the scheduler's pruning (the time budget ran out, "
                    "or it was pruned in a driver that was lost)")
 TERMINAL = ("TERMINATED", "ERROR")
@@ -101,7 +103,7 @@ class MlflowStudyCallback(tune.Callback):
         if run_id is None:  # a resumed study reuses the child run of the same trial
             run_id = self.tracker.find_run({TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name})
             if run_id is not None:
-                self.tracker.reopen(run_id)
+                self._reopen(run_id)
         if run_id is None:
             choices = trial_choices(trial.config)
             seed_tags, base = seed_record(trial.config, self.trial_params["base"])
@@ -115,6 +117,18 @@ class MlflowStudyCallback(tune.Callback):
                 self.tracker.log_dataset(run_id, self.dataset_record)
         self.run_ids[trial.trial_id] = run_id
         return run_id
+
+    def _reopen(self, run_id: str) -> None:
+        """A resumed or retried trial runs again in its own run: how its last attempt ended (interrupted, out of
+        memory, ...) becomes its history, not its state, until this attempt ends."""
+        tags = self.tracker.client.get_run(run_id).data.tags
+        self.tracker.reopen(run_id)
+        if OUTCOME_TAG in tags:
+            self.tracker.set_tags(run_id, {PREVIOUS_OUTCOME_TAG: tags[OUTCOME_TAG],
+                                           OUTCOME_TAG: f"running again (its last attempt: {tags[OUTCOME_TAG]})"})
+        if ERROR_TAG in tags:
+            self.tracker.set_tags(run_id, {PREVIOUS_ERROR_TAG: tags[ERROR_TAG]})
+            self.tracker.client.delete_tag(run_id, ERROR_TAG)
 
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._run_for(trial)
@@ -183,7 +197,7 @@ class MlflowStudyCallback(tune.Callback):
         if error_file and Path(error_file).exists():
             lines = [line for line in Path(error_file).read_text().splitlines() if line.strip()]
             reason = next((line for line in reversed(lines) if "Error" in line), lines[-1] if lines else reason)
-        self.tracker.set_tags(run_id, {OUTCOME_TAG: failure_outcome(reason), "apao.error": reason[-4000:]})
+        self.tracker.set_tags(run_id, {OUTCOME_TAG: failure_outcome(reason), ERROR_TAG: reason[-4000:]})
         self.tracker.end_run(run_id, "FAILED")
 
     def on_experiment_end(self, trials: list, **info: Any) -> None:
