@@ -10,9 +10,9 @@ from typing import Any
 
 from ray import tune
 
-from ..tracking import Tracker
 from ..names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY,
                      WORKER_NODE_KEY, remove_scratch, train_run_name)
+from ..tracking import Tracker
 from . import interrupt, plots
 from .repeats import REPEATS_TAG, SEED_TAG, seed_record
 from .scheduler import pruned_epoch

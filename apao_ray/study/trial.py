@@ -11,8 +11,8 @@ import ray.train
 from ray.train.torch import TorchTrainer
 
 from ..config import TrialConfig
-from ..training.checkpoint import FINAL_METRICS_FILE
 from ..names import remove_scratch, scratch_prefix
+from ..training.checkpoint import FINAL_METRICS_FILE
 from ..training.worker import TrialFailedError, train_loop_per_worker
 from .runner import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV
 

@@ -21,10 +21,10 @@ from torch import nn
 from ..config import LossConfig, TrialConfig
 from ..data import Dataset, load_dataset
 from ..losses import build_loss
+from ..names import PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .cost import CostMeter
-from ..names import PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from .evaluation import evaluate_split, evaluate_split_per_user, select_users, write_per_user
 from .hooks import TrainingHooks
 from .precision import resolve_precision
