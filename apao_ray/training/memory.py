@@ -135,7 +135,7 @@ class MemoryReleaser:
     def step(self) -> None:
         now = time.monotonic()
         # tcmalloc returns free spans to the OS on its own (TCMALLOC_RELEASE_RATE): releasing all of them
-        # every 20 s only made the next steps fault them in again (APAO-pairwise ran ~1.1x slower)
+        # every 20 s only made the next steps fault them in again (APAO-pairwise ran 1.19x slower, RESULTS.md)
         if _TRIM is None or _TCMALLOC_RELEASE is not None or now - self._last < self.min_interval_s:
             return
         rss = resident_bytes()
