@@ -30,10 +30,8 @@ KINDS = ("trainer", "direct")
 
 def run_study(kind: str, args: argparse.Namespace) -> float:
     """Wall seconds of one study of ``args.trials`` trials of this kind, in this process."""
-    from apao_ray.study.runner import QUIET_RAY_ENV
+    from apao_ray.study.runner import init_ray
 
-    for key, value in {**QUIET_RAY_ENV, "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}.items():
-        os.environ.setdefault(key, value)
     import ray
     import ray.train
     from ray import tune
@@ -69,7 +67,7 @@ def run_study(kind: str, args: argparse.Namespace) -> float:
     trainable = (tune.with_resources(trial_with_trainer, {"cpu": 0.01}) if kind == "trainer"
                  else tune.with_resources(trial_direct, {"cpu": args.cpus_per_trial}))
     start = time.perf_counter()
-    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
+    init_ray(num_cpus=args.cpus)  # as a study starts its local Ray (dashboard on: Ray Train's cleaner needs it)
     try:
         results = tune.Tuner(trainable, param_space={"x": tune.grid_search(list(range(args.trials)))},
                              tune_config=tune.TuneConfig(max_concurrent_trials=args.concurrent),

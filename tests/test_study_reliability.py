@@ -83,22 +83,30 @@ def _start_node(arguments: list[str], env: dict) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
-def _stop_node(node: subprocess.Popen) -> None:
+def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
+    """SIGTERM to every node at once, then SIGKILL to what is left."""
     for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-        try:
-            os.killpg(node.pid, sig)
-            node.wait(timeout=wait)
+        for node in nodes:
+            if node.poll() is None:
+                try:
+                    os.killpg(node.pid, sig)
+                except ProcessLookupError:
+                    pass
+        deadline = time.time() + wait
+        for node in nodes:
+            try:
+                node.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                pass
+        if all(node.poll() is not None for node in nodes):
             return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture
 def two_node_cluster():
     """A head node and a worker node on this machine (2 logical CPUs each), torn down afterwards."""
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    # a node that gets SIGTERM drains for 30 s first (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S): nothing to drain here
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     port = stable_free_port()
     address = f"127.0.0.1:{port}"
     nodes: list[subprocess.Popen] = []
@@ -114,8 +122,7 @@ def two_node_cluster():
                 time.sleep(2)
         yield address, set(alive)
     finally:
-        for node in reversed(nodes):
-            _stop_node(node)
+        _stop_nodes(nodes)
 
 
 @pytest.mark.e2e
@@ -363,3 +370,41 @@ def test_ray_dashboard_port_is_free_and_outside_the_range_the_os_hands_out(tmp_p
     finally:
         for sock in held:
             sock.close()
+
+
+def _trial_actor_pids() -> list[int]:
+    """Tune's trial actors (a function trainable runs as ``ImplicitFunc``), where a study's trials train."""
+    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in listing.splitlines() if line.split()[1:2] == ["ray::ImplicitFunc.train"]]
+
+
+@pytest.mark.e2e
+def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path):
+    """SIGKILL the process training a study's trial after its epoch-2 checkpoint: Tune retries the trial
+    (--max-failures 1), which continues from that checkpoint in the same child run."""
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    process = subprocess.Popen([sys.executable, SWEEP, "--smoke", "--losses", "ce", "--num-samples", "1", "--epochs", "4",
+                                "--max-failures", "1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
+                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    checkpoints = tmp_path / "runs" / "synthetic-study" / "train_runs"
+    deadline = time.time() + 400
+    while not list(checkpoints.glob("*/checkpoints/epoch_0002")):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.time() < deadline, "no epoch-2 checkpoint in 400 s"
+        time.sleep(0.3)
+    pids = _trial_actor_pids()
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGKILL)
+    _, stderr = process.communicate(timeout=400)
+    assert process.returncode == 0, stderr[-4000:]
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(uri, "apao-synthetic")
+    (run,) = tracker.child_runs()
+    assert run.info.status == "FINISHED" and run.data.tags["apao.outcome"] == "finished", run.data.tags
+    # every epoch logged once; the retry started after epoch 2 or later (its checkpoint), not from scratch
+    assert [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")] == [1, 2, 3, 4]
+    resumed = tracker.metric_history(run.info.run_id, "train/resumed_after_epoch")
+    assert resumed and all(value >= 2 for _, value in resumed), resumed
+    assert "test/ndcg_at_10" in run.data.metrics

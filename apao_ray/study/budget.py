@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 # fixed costs the probe does not see (measured on this 2-CPU machine while loaded: rough)
 RAY_START_S = 10.0        # ray.init of a local cluster
-TRIAL_START_S = 30.0      # a TorchTrainer's placement group + worker start + torch import + data load
+TRIAL_START_S = 10.0      # a trial actor's start + torch import + end: 7.0 s (bench_trial_overhead.py) + data load
 MIN_TRAIN_SAMPLES = 1024  # the smallest training subset a budget may cut an epoch to
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?$")
 

@@ -68,7 +68,7 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
         tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=len(configs), time_budget_s=time_budget_s),
             run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=str(directory.parent), callbacks=callbacks,
-                                      verbose=0, failure_config=tune.FailureConfig(max_failures=0)))
+                                      verbose=0, failure_config=tune.FailureConfig(max_failures=options.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()
     rows = summarize(results, options.base.train.seed)

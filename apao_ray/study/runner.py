@@ -107,7 +107,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> None:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         else:
             # the dashboard (bound to 127.0.0.1) serves the State API, which Ray Train's placement-group
-            # cleaner needs to free the workers of a trial that Tune stopped (ASHA, time budget). With
+            # cleaner needs to free the workers of a stopped run (and without which it waits 12 s per run). With
             # another Ray on the machine (a studies/train.py run, a second study) the cleaner cannot
             # tell which one is ours and dies, the stopped trial's CPUs are never freed and the next
             # trial's workers never start: name our dashboard to every process of this job.

@@ -1,4 +1,4 @@
-"""The study driver: a Ray Tune ``Tuner`` over trials (one TorchTrainer each), searched by
+"""The study driver: a Ray Tune ``Tuner`` over trials (each trained in its own Tune trial actor), searched by
 Optuna TPE, early-stopped by ASHA, recorded in MLflow (one parent run, a child per trial)."""
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
 METRICS_LOGGED_TAG = "apao.metric_values_logged"
-TRIAL_DRIVER_CPUS = 0.01
 
 
 @dataclass(frozen=True)
@@ -60,15 +59,14 @@ def invocation(argv: list[str]) -> list[str]:
     return list(argv)
 
 
-def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_failures: int) -> Any:
-    """The Tune trainable: turns a sampled config into a TrialConfig and runs its TorchTrainer."""
+def make_trial_function(base: TrialConfig, train_root: str, resources: Resources) -> Any:
+    """The Tune trainable: turns a sampled config into a TrialConfig and trains it in the trial's actor."""
 
     def apao_trial(config: dict[str, Any]) -> None:
         from ray import tune
-        from ray.tune.integration.ray_train import TuneReportCallback
 
         from .mlflow_callback import describe
-        from .trial import fit, make_trainer
+        from .trial import run_in_tune_actor
 
         choices = trial_choices(config)
         loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items()
@@ -80,10 +78,8 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Any, max_
         from ..names import train_run_name
 
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
-        trainer = make_trainer(trial_config, name=name, storage_path=train_root, resources=resources,
-                               max_failures=max_failures, callbacks=[TuneReportCallback()], verbose=False,
-                               progress_label=f"[{describe(choices)}] ")
-        fit(trainer)  # raises once, with the worker's reason, if it gave up
+        run_in_tune_actor(trial_config, name=name, storage_path=train_root, resources=resources,
+                          progress_label=f"[{describe(choices)}] ")
 
     return apao_trial
 
@@ -254,15 +250,16 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
 
     callbacks = make_callbacks(options.spec.num_trials)
     recorder = callbacks[0]
-    # a trial holds exactly --cpus-per-trial: a sliver for its Tune driver, the rest for its Train worker
-    # (a driver taking 0.01 on top would leave a 1-CPU node 0.99 CPU, too little for a 1-CPU worker)
-    resources = Resources(1, options.cpus_per_trial - TRIAL_DRIVER_CPUS, options.gpus_per_trial,
-                          options.memory_per_trial_bytes)
-    trainable = tune.with_resources(make_trial_function(options.base, train_root, resources, options.max_failures),
-                                    {"cpu": TRIAL_DRIVER_CPUS})
+    resources = Resources(1, options.cpus_per_trial, options.gpus_per_trial, options.memory_per_trial_bytes)
+    trainable = tune.with_resources(make_trial_function(options.base, train_root, resources),
+                                    resources.tune_resources())
     storage_url = options.optuna_storage or optuna_storage.resolve_storage_url(None, options.tracking_uri,
                                                                               options.output_dir)
     optuna_name = optuna_storage.optuna_study_name(options.base.data.dataset, options.study_name)
+    if options.retry_failed:  # trials that failed for their own reason (non-finite loss, memory) run again
+        from .trial import forget_failures
+
+        forget_failures(train_root)
     if study_state_exists(options):  # the restored searcher keeps the storage it was started with
         recorded = tracker.client.get_run(parent_id).data.tags.get(optuna_storage.STORAGE_TAG)
         if recorded is None:  # started before studies had an Optuna storage: its searcher has none
@@ -290,7 +287,8 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
             max_concurrent_trials=options.max_concurrent, time_budget_s=options.time_budget_s),
             run_config=tune.RunConfig(name=options.study_name, storage_path=str(options.output_dir),
                                       callbacks=callbacks, verbose=0,
-                                      failure_config=tune.FailureConfig(max_failures=0)))
+                                      # a crashed trial restarts from its last checkpoint (trial.py)
+                                      failure_config=tune.FailureConfig(max_failures=options.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()
     rows = summarize(results, options.base.train.seed)

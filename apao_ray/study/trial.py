@@ -1,20 +1,26 @@
-"""One trial as a Ray Train job: a ``TorchTrainer`` around the per-worker training loop."""
+"""Running one trial: in the calling Ray Tune trial actor (a study's trials: one worker each), or as a Ray Train
+``TorchTrainer`` job (``apao train``, data parallel over ``--num-workers``).
+
+Both keep a trial's checkpoints under ``storage_path/name`` (``name`` from ``names.train_run_name``), where a
+restarted or resumed trial finds them and the study's driver reads the final one.
+"""
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import ray.train
-from ray.train.torch import TorchTrainer
+from typing import TYPE_CHECKING, Any
 
 from ..config import TrialConfig
 from ..names import remove_scratch, scratch_prefix
 from ..training.checkpoint import FINAL_METRICS_FILE
-from ..training.worker import TrialFailedError, train_loop_per_worker
+from ..training.worker import TrialFailedError, train_in_tune_actor, train_loop_per_worker
 from .runner import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV
+
+if TYPE_CHECKING:  # Ray Train is imported where a TorchTrainer is made: a trial in Tune's actor does without it
+    import ray.train
+    from ray.train.torch import TorchTrainer
 
 FAILURE_FILE = "trial_failure.txt"
 # tries to start a trial's worker group before the trial fails (Ray's default is to try forever, and a
@@ -39,7 +45,18 @@ class Resources:
     gpus_per_worker: float = 0.0
     memory_bytes: int | None = None
 
+    def tune_resources(self) -> dict[str, float]:
+        """The reservation of a Tune trial actor that trains the trial itself (one worker)."""
+        if self.num_workers != 1:
+            raise ValueError(f"a trial trained in Tune's actor has one worker, not num_workers={self.num_workers}")
+        resources = {"cpu": self.cpus_per_worker, "gpu": self.gpus_per_worker}
+        if self.memory_bytes:
+            resources["memory"] = self.memory_bytes
+        return resources
+
     def scaling_config(self) -> ray.train.ScalingConfig:
+        import ray.train
+
         resources: dict[str, float] = {"CPU": self.cpus_per_worker}
         if self.gpus_per_worker:
             resources["GPU"] = self.gpus_per_worker
@@ -47,6 +64,41 @@ class Resources:
             resources["memory"] = self.memory_bytes
         return ray.train.ScalingConfig(num_workers=self.num_workers, use_gpu=self.gpus_per_worker > 0,
                                        resources_per_worker=resources)
+
+
+def make_loop_config(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
+                     verbose: bool, progress_label: str) -> dict[str, Any]:
+    """What the process that trains a trial is given (training/worker.py reads it)."""
+    run_dir = Path(storage_path).resolve() / name
+    return {"trial": config.to_dict(), "verbose": verbose, "progress_label": progress_label,
+            "max_memory_bytes": resources.memory_bytes, "output_dir": str(run_dir),
+            "failure_file": str(run_dir / FAILURE_FILE),
+            "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(name)}
+
+
+def run_in_tune_actor(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
+                      progress_label: str = "") -> dict[str, Any]:
+    """Trains the trial in the calling Tune trial actor, reporting each epoch to Tune, and returns its final
+    metrics. No Ray Train controller, worker group and their helper actors: measured ~10 s less per trial on
+    2 CPUs (benchmarks/bench_trial_overhead.py). ``name`` must be stable across restarts, as for make_trainer.
+
+    Raises TrialFailedError (also on each retry) when the trial failed for a reason its checkpoint would meet
+    again; ``forget_failures`` lets a resume with --retry-failed run such trials again.
+    """
+    loop_config = make_loop_config(config, name=name, storage_path=storage_path, resources=resources,
+                                   verbose=False, progress_label=progress_label)
+    try:
+        return train_in_tune_actor(loop_config)
+    finally:  # what an earlier attempt, killed mid-way, left in the system temp directory
+        remove_scratch(name)
+
+
+def forget_failures(storage_path: str | Path) -> int:
+    """Removes the failure records of the trials under ``storage_path`` so that they run again; returns how many."""
+    paths = list(Path(storage_path).glob(f"*/{FAILURE_FILE}"))
+    for path in paths:
+        path.unlink()
+    return len(paths)
 
 
 def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
@@ -57,12 +109,12 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     ``name`` must be stable across restarts (derive it from the Tune trial id, never a
     timestamp): Ray finds the run's checkpoints to resume from by (storage_path, name).
     """
+    import ray.train
+    from ray.train.torch import TorchTrainer
+
     log_level = os.environ.get(RAY_TRAIN_LOG_LEVEL_ENV, RAY_TRAIN_LOG_LEVEL)
-    loop_config = {"trial": config.to_dict(), "verbose": verbose, "progress_label": progress_label,
-                   "ray_log_level": log_level,
-                   "max_memory_bytes": resources.memory_bytes,
-                   "failure_file": str(Path(storage_path).resolve() / name / FAILURE_FILE),
-                   "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(name)}
+    loop_config = {**make_loop_config(config, name=name, storage_path=storage_path, resources=resources,
+                                      verbose=verbose, progress_label=progress_label), "ray_log_level": log_level}
     run_config = ray.train.RunConfig(
         name=name, storage_path=str(Path(storage_path).resolve()),
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
@@ -90,6 +142,8 @@ def start_failure_message(run_name: str, failure: BaseException) -> str:
 def fit(trainer: TorchTrainer) -> ray.train.Result:
     """Runs the trainer; raises TrialFailedError when its worker gave up for a deterministic reason
     (it leaves the reason in the run's ``failure_file``, next to the checkpoints)."""
+    import ray.train
+
     path = Path(trainer.train_loop_config["failure_file"])
     path.unlink(missing_ok=True)  # from an earlier attempt of a resumed run
     try:

@@ -1,6 +1,7 @@
-"""How the training loop talks to whatever runs it: plain Python (tests, notebooks) or Ray Train.
+"""How the training loop talks to whatever runs it: plain Python (tests, notebooks) or Ray.
 
-The loop itself never imports Ray; ``training/worker.py`` provides the Ray Train version.
+The loop itself never imports Ray; ``training/worker.py`` provides the Ray versions (a trial in Ray Tune's
+trial actor, a Ray Train worker).
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""The Ray Train per-worker function: the plain training loop with Ray Train hooks."""
+"""The training loop run inside Ray, two ways: a study's trial in Ray Tune's own trial actor (one worker:
+``train_in_tune_actor``), or a Ray Train worker of a ``TorchTrainer`` (``apao train``, data parallel with
+``--num-workers``: ``train_loop_per_worker``). Both set the worker up the same way (``setup_worker``)."""
 from __future__ import annotations
 
 import logging
@@ -8,8 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import ray.train
-import ray.train.torch
+import ray
 import torch
 from torch import nn
 
@@ -38,10 +39,43 @@ def limit_memory(max_bytes: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (max_bytes, resource.getrlimit(resource.RLIMIT_DATA)[1]))
 
 
+def worker_facts(node_id: str) -> dict[str, Any]:
+    """What every report of a trial run in Ray carries for the record: the thread pools it really ran on
+    (see limit_threads), its node and its memory allocator."""
+    return {"perf/torch_threads": torch.get_num_threads(), "perf/torch_interop_threads": torch.get_num_interop_threads(),
+            WORKER_NODE_KEY: node_id, ALLOCATOR_KEY: allocator_in_use()}
+
+
+class TuneTrialHooks(TrainingHooks):
+    """A trial trained in Ray Tune's trial actor: checkpoints under ``output_dir/checkpoints`` (written in a
+    scratch directory, then moved there whole), every report to Tune. A restarted trial (Tune's retry after a
+    crash, a resumed study) continues from the newest checkpoint there."""
+
+    def __init__(self, output_dir: str | Path, device: torch.device, verbose: bool = True,
+                 scratch_prefix: str = SCRATCH_PREFIX) -> None:
+        super().__init__(output_dir, device=device, keep_checkpoints=2, resume=True, verbose=verbose)
+        self._scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix))  # removed by close()
+        self.node_id = ray.get_runtime_context().get_node_id()
+
+    def close(self) -> None:
+        shutil.rmtree(self._scratch, ignore_errors=True)
+
+    def new_checkpoint_dir(self, epoch: int) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"epoch_{epoch:04d}-", dir=self._scratch))
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        from ray import tune
+
+        super().report(metrics, checkpoint_dir)  # the checkpoint is in place before Tune's callbacks hear of it
+        tune.report({**metrics, **worker_facts(self.node_id)})
+
+
 class RayTrainHooks(TrainingHooks):
     """Rank, device and DDP from Ray Train; checkpoints go to the run's storage via report."""
 
     def __init__(self, verbose: bool = True, scratch_prefix: str = SCRATCH_PREFIX) -> None:
+        import ray.train.torch  # here, not at the top: a trial in Tune's actor does without Ray Train
+
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
         self.world_size = context.get_world_size()
@@ -56,6 +90,8 @@ class RayTrainHooks(TrainingHooks):
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
+        import ray.train.torch
+
         return ray.train.torch.prepare_model(model)  # moves to the device; DDP when world_size > 1
 
     def restore_checkpoint(self) -> Path | None:
@@ -72,9 +108,7 @@ class RayTrainHooks(TrainingHooks):
         name = f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else "")
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         # barrier: every rank calls report every epoch; only rank 0 passes a checkpoint
-        # the thread pools the trial really ran on, for the record (see limit_threads)
-        threads = {"perf/torch_threads": torch.get_num_threads(), "perf/torch_interop_threads": torch.get_num_interop_threads()}
-        ray.train.report({**metrics, **threads, WORKER_NODE_KEY: self.node_id, ALLOCATOR_KEY: allocator_in_use()},
+        ray.train.report({**metrics, **worker_facts(self.node_id)},
                          checkpoint=checkpoint,
                          checkpoint_dir_name=name if checkpoint else None,
                          delete_local_checkpoint_after_upload=checkpoint is not None)
@@ -114,13 +148,52 @@ def quiet_report_log(level: str) -> None:
     logging.getLogger(context.__file__).setLevel(level)
 
 
-def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Entry point given to ``TorchTrainer``; ``loop_config = {"trial": TrialConfig dict, ...}``."""
+def setup_worker(loop_config: dict[str, Any]) -> None:
+    """Threads, warnings and memory cap of a process about to train a trial."""
     limit_threads(int(loop_config.get("cpus_per_worker") or 1))
-    quiet_report_log(loop_config.get("ray_log_level", "INFO"))
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
     if loop_config.get("max_memory_bytes"):
         limit_memory(int(loop_config["max_memory_bytes"]))
+
+
+def leave_failure(loop_config: dict[str, Any], error: BaseException) -> str:
+    """Writes why a trial failed for a reason a restart from its checkpoint would meet again (non-finite loss,
+    out of memory) where its driver finds it, and returns that reason."""
+    reason = f"{type(error).__name__}: {error}"
+    failure_file = Path(loop_config["failure_file"])
+    failure_file.parent.mkdir(parents=True, exist_ok=True)
+    failure_file.write_text(reason)
+    return reason
+
+
+def train_in_tune_actor(loop_config: dict[str, Any]) -> dict[str, Any]:
+    """Trains a study's trial in the calling Ray Tune trial actor and returns its final metrics; ``loop_config``
+    as for ``train_loop_per_worker`` plus ``output_dir`` (the trial's run directory).
+
+    Raises TrialFailedError for a non-finite loss or running out of memory, and at once when an earlier attempt
+    of this trial failed so (Tune retries a failed trial from its checkpoint; these would recur).
+    """
+    failure_file = Path(loop_config["failure_file"])
+    if failure_file.exists():
+        raise TrialFailedError(failure_file.read_text())
+    setup_worker(loop_config)
+    config = TrialConfig.from_dict(loop_config["trial"])
+    device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
+    hooks = TuneTrialHooks(loop_config["output_dir"], device, verbose=loop_config.get("verbose", True),
+                           scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX))
+    hooks.progress_label = loop_config.get("progress_label", "")
+    try:
+        return run_trial(config, hooks)
+    except (NonFiniteLossError, TrialOutOfMemoryError) as error:
+        raise TrialFailedError(leave_failure(loop_config, error)) from None
+    finally:
+        hooks.close()
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+    """Entry point given to ``TorchTrainer``; ``loop_config = {"trial": TrialConfig dict, ...}``."""
+    setup_worker(loop_config)
+    quiet_report_log(loop_config.get("ray_log_level", "INFO"))
     hooks = RayTrainHooks(verbose=loop_config.get("verbose", True),
                           scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX))
     hooks.progress_label = loop_config.get("progress_label", "")
@@ -131,8 +204,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             raise
         # Ray Train restarts a worker after any exception (up to max_failures), and these would recur
         # from the checkpoint: end the run and leave the reason where the driver raises it once
-        failure_file = Path(loop_config["failure_file"])
-        failure_file.parent.mkdir(parents=True, exist_ok=True)
-        failure_file.write_text(f"{type(error).__name__}: {error}")
+        leave_failure(loop_config, error)
     finally:  # the checkpoints were uploaded by report(): nothing in scratch is needed any more
         hooks.close()
