@@ -30,7 +30,7 @@ def test_a_trial_whose_workers_cannot_start_is_told_how_they_failed():
     from ray.exceptions import OutOfMemoryError
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
-    from apao_ray.study.mlflow_callback import failure_outcome
+    from apao_ray.study.outcomes import failure_outcome
     from apao_ray.study.trial import MAX_START_RETRIES, TrialStartError, start_failure_message
 
     killed = start_failure_message("train-trial_id=abc", OutOfMemoryError(

@@ -14,55 +14,12 @@ from ..names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_
                      WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ..tracking import Tracker
 from . import interrupt, plots
+from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
+                       PREVIOUS_ERROR_TAG, PREVIOUS_OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, STOPPED_BY_TUNE,
+                       STUDY_TAG, TERMINAL, TRIAL_TAG, describe, failure_outcome, is_final_report)
 from .repeats import REPEATS_TAG, SEED_TAG, seed_record
 from .scheduler import pruned_epoch
 from .space import trial_choices
-
-TRIAL_TAG = "apao.trial_id"
-STUDY_TAG = "apao.study"
-OUTCOME_TAG = "apao.outcome"
-NODE_TAG = "apao.node_id"
-ENERGY_TAG = "apao.energy_method"  # how cost/energy_kwh was obtained (measured, estimated, or not at all)
-ALLOCATOR_TAG = "apao.allocator"  # the worker's memory allocator (tcmalloc/glibc-cached/system)
-PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its worker (fp32/bf16)
-INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
-PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (pruned.py)
-PRUNED_EPOCH_TAG = "apao.pruned_epoch"
-ERROR_TAG = "apao.error"  # a failed trial's error; on a retry it moves to PREVIOUS_ERROR_TAG
-PREVIOUS_OUTCOME_TAG, PREVIOUS_ERROR_TAG = "apao.previous_outcome", "apao.previous_error"
-STOPPED_BY_TUNE = ("stopped before its end by Tune, not by the scheduler's pruning (the time budget ran out, "
-                   "or it was pruned in a driver that was lost)")
-TERMINAL = ("TERMINATED", "ERROR")
-
-
-def is_final_report(result: dict[str, Any]) -> bool:
-    """The trial's own last report (best weights tested), not an epoch's. Tune also sets ``done`` on
-    the epoch report that the scheduler answered with STOP, so ``done`` alone cannot tell them apart."""
-    return bool(result.get("done")) and "epochs_trained" in result
-
-
-def failure_outcome(reason: str) -> str:
-    """What the MLflow outcome tag says of a failed trial, from its error text."""
-    if "OutOfMemoryError" in reason or "out of memory" in reason.lower():
-        return "out of memory"
-    if "NonFiniteLossError" in reason:
-        return "non-finite loss"
-    if "TrialStartError" in reason:
-        return "could not start its workers"
-    return "failed"
-
-
-def describe(choices: dict[str, Any]) -> str:
-    """Run name that says backbone/loss/beta/eta/N, e.g. ``tiger/apao_pairwise b=0.2 eta=3e-05 N=100``."""
-    parts = [f"{choices['backbone']}/{choices['loss']}"]
-    if "beta" in choices:
-        parts.append(f"b={choices['beta']:.3g}")
-    if "eta" in choices:
-        parts.append(f"eta={choices['eta']:.2g}")
-    if "num_negatives" in choices:
-        parts.append(f"N={int(choices['num_negatives'])}")
-    return " ".join(parts)
-
 
 def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
     """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished."""

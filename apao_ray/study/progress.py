@@ -7,7 +7,7 @@ from typing import Any
 
 from ray import tune
 
-from .mlflow_callback import PRUNED, TERMINAL, describe, is_final_report
+from .outcomes import PRUNED, TERMINAL, describe, is_final_report
 from .scheduler import pruned_epoch
 from .space import trial_choices
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..names import train_run_name
-from .mlflow_callback import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
+from .outcomes import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
 
 TESTED_TAG = "apao.tested_on"
 TEST_TIMEOUT_S = 3600

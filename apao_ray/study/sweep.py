@@ -65,7 +65,7 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Resources
     def apao_trial(config: dict[str, Any]) -> None:
         from ray import tune
 
-        from .mlflow_callback import describe
+        from .outcomes import describe
         from .trial import run_in_tune_actor
 
         choices = trial_choices(config)
@@ -104,7 +104,7 @@ def study_state_exists(options: StudyOptions) -> bool:
 
 def parent_tags(study_name: str) -> dict[str, str]:
     """The tags that identify a study's MLflow parent run."""
-    from .mlflow_callback import STUDY_TAG
+    from .outcomes import STUDY_TAG
 
     return {STUDY_TAG: study_name, PARENT_ROLE_TAG: "study"}
 
@@ -164,7 +164,7 @@ def seeds_param(options: StudyOptions) -> str:
 
 def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict[str, str]) -> str:
     """The study's MLflow parent run: reopened when the study resumes, else created with its space."""
-    from .mlflow_callback import STUDY_TAG
+    from .outcomes import STUDY_TAG
 
     tags = parent_tags(options.study_name)
     parent_id = tracker.find_run(tags)
@@ -203,7 +203,7 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
     """Runs (or resumes) the study. On SIGINT or SIGTERM it saves its state, records the unfinished
     trials and the parent run as interrupted, and returns ``interrupted=True`` with the signal."""
     from ..tracking import Tracker, experiment_name
-    from .mlflow_callback import INTERRUPTED, OUTCOME_TAG
+    from .outcomes import INTERRUPTED, OUTCOME_TAG
     from .runner import init_ray
 
     study_dir = options.output_dir / options.study_name
@@ -231,7 +231,8 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
 
     from ..tracking import experiment_name
     from . import optuna_storage
-    from .mlflow_callback import OUTCOME_TAG, MlflowStudyCallback, log_study_summary
+    from .mlflow_callback import MlflowStudyCallback, log_study_summary
+    from .outcomes import OUTCOME_TAG
     from .progress import ProgressCallback
 
     study_dir = options.output_dir / options.study_name

@@ -1,0 +1,54 @@
+"""What a study records of each trial: its MLflow tag names and outcome texts, its run name, and how a Tune
+result is read (the trial's final report, a failure's kind).
+
+Plain names and functions, no Ray, MLflow or torch: the driver's callbacks (MLflow, progress), the pruned-trial
+tests and the trial actor (its progress label) read them alike.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+TRIAL_TAG = "apao.trial_id"
+STUDY_TAG = "apao.study"
+OUTCOME_TAG = "apao.outcome"
+NODE_TAG = "apao.node_id"
+ENERGY_TAG = "apao.energy_method"  # how cost/energy_kwh was obtained (measured, estimated, or not at all)
+ALLOCATOR_TAG = "apao.allocator"  # the worker's memory allocator (tcmalloc/glibc-cached/system)
+PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its worker (fp32/bf16)
+INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
+PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (pruned.py)
+PRUNED_EPOCH_TAG = "apao.pruned_epoch"
+ERROR_TAG = "apao.error"  # a failed trial's error; on a retry it moves to PREVIOUS_ERROR_TAG
+PREVIOUS_OUTCOME_TAG, PREVIOUS_ERROR_TAG = "apao.previous_outcome", "apao.previous_error"
+STOPPED_BY_TUNE = ("stopped before its end by Tune, not by the scheduler's pruning (the time budget ran out, "
+                   "or it was pruned in a driver that was lost)")
+TERMINAL = ("TERMINATED", "ERROR")
+
+
+def is_final_report(result: dict[str, Any]) -> bool:
+    """The trial's own last report (best weights tested), not an epoch's. Tune also sets ``done`` on
+    the epoch report that the scheduler answered with STOP, so ``done`` alone cannot tell them apart."""
+    return bool(result.get("done")) and "epochs_trained" in result
+
+
+def failure_outcome(reason: str) -> str:
+    """What the MLflow outcome tag says of a failed trial, from its error text."""
+    if "OutOfMemoryError" in reason or "out of memory" in reason.lower():
+        return "out of memory"
+    if "NonFiniteLossError" in reason:
+        return "non-finite loss"
+    if "TrialStartError" in reason:
+        return "could not start its workers"
+    return "failed"
+
+
+def describe(choices: dict[str, Any]) -> str:
+    """Run name that says backbone/loss/beta/eta/N, e.g. ``tiger/apao_pairwise b=0.2 eta=3e-05 N=100``."""
+    parts = [f"{choices['backbone']}/{choices['loss']}"]
+    if "beta" in choices:
+        parts.append(f"b={choices['beta']:.3g}")
+    if "eta" in choices:
+        parts.append(f"eta={choices['eta']:.2g}")
+    if "num_negatives" in choices:
+        parts.append(f"N={int(choices['num_negatives'])}")
+    return " ".join(parts)
