@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..data.catalog import CatalogTensors
+from ..models.base import label_log_probs
 from .scoring import VOCABULARY_SCORING, StepScoring
 
 
@@ -31,11 +32,15 @@ class BeamResult:
             K_m = min(K, K_{m-1} * S_{m-1}): the trie node ids (depth m) of the prefixes kept
             after step m, best first, -1 in slots beyond the min(K, P_m) length-m prefixes
             that exist.
+        label_log_probs: (B, T) float32 teacher-forced log-probability of each code of the ``labels``
+            given to the search, from the same encoding of the history (the validation CE without a
+            second pass over the histories); None when no labels were given.
     """
 
     sem_ids: torch.Tensor
     scores: torch.Tensor
     prefix_nodes: tuple[torch.Tensor, ...]
+    label_log_probs: torch.Tensor | None = None
 
 
 def check_beam_size(beam_size: int, num_semantic_ids: int) -> None:
@@ -57,7 +62,7 @@ CPU_ROW_CHUNK = 64
 @torch.inference_mode()
 def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
                 catalog: CatalogTensors, beam_size: int = 20, row_chunk_size: int | None = None,
-                scoring: StepScoring = VOCABULARY_SCORING) -> BeamResult:
+                scoring: StepScoring = VOCABULARY_SCORING, labels: torch.Tensor | None = None) -> BeamResult:
     """Constrained beam search (SPEC §4): keep the K best valid prefixes by S^t at every step.
 
     At step t every kept prefix is extended by every code of level t that is a child of its
@@ -81,6 +86,8 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
         row_chunk_size: rows per search; default ``CPU_ROW_CHUNK`` on CPU, all rows elsewhere.
         scoring: how step scores are normalised (the trained loss's rule); with an end token
             the K items are re-ranked by S^T + log p(end | item).
+        labels: (B, T) code tokens (e.g. ``Batch.labels``) whose teacher-forced log-probabilities to
+            return as ``label_log_probs``, decoded from the histories' encoding that the search uses.
 
     Returns:
         :class:`BeamResult` with (B, K) items ordered by score, best first.
@@ -92,22 +99,23 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
     if scoring.end_token is not None:  # finished items add log p(end | item), then re-rank
         from .full_sort import add_end_scores
         result = beam_search(model, history_ids, history_mask, catalog, beam_size, row_chunk_size,
-                             replace(scoring, end_token=None))
-        return add_end_scores(model, history_ids, history_mask, catalog, result, scoring)
+                             replace(scoring, end_token=None), labels)
+        return replace(add_end_scores(model, history_ids, history_mask, catalog, result, scoring),
+                       label_log_probs=result.label_log_probs)
     num_rows = history_ids.shape[0]
     if row_chunk_size is None:
         row_chunk_size = CPU_ROW_CHUNK if history_ids.device.type == "cpu" else max(1, num_rows)
     if row_chunk_size < 1:
         raise ValueError(f"row_chunk_size must be >= 1, got {row_chunk_size}")
     if num_rows <= row_chunk_size:
-        return _search(model, *_trim_padding(history_ids, history_mask), catalog, beam_size, scoring)
+        return _search(model, *_trim_padding(history_ids, history_mask), catalog, beam_size, scoring, labels)
     # chunks of rows of similar history length pad less; results go back to the input order
     order = history_mask.sum(dim=1).argsort(stable=True)                       # (B,)
     parts = []
     for start in range(0, num_rows, row_chunk_size):
         rows = order[start:start + row_chunk_size]
         parts.append(_search(model, *_trim_padding(history_ids[rows], history_mask[rows]), catalog, beam_size,
-                             scoring))
+                             scoring, None if labels is None else labels[rows]))
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(num_rows, device=order.device)
 
@@ -115,7 +123,8 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
         return torch.cat(tensors)[inverse]
 
     return BeamResult(sem_ids=gather([p.sem_ids for p in parts]), scores=gather([p.scores for p in parts]),
-                      prefix_nodes=tuple(gather(list(nodes)) for nodes in zip(*(p.prefix_nodes for p in parts))))
+                      prefix_nodes=tuple(gather(list(nodes)) for nodes in zip(*(p.prefix_nodes for p in parts))),
+                      label_log_probs=None if labels is None else gather([p.label_log_probs for p in parts]))
 
 
 def _trim_padding(history_ids: torch.Tensor, history_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,12 +134,18 @@ def _trim_padding(history_ids: torch.Tensor, history_mask: torch.Tensor) -> tupl
 
 
 def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
-            catalog: CatalogTensors, beam_size: int, scoring: StepScoring = VOCABULARY_SCORING) -> BeamResult:
+            catalog: CatalogTensors, beam_size: int, scoring: StepScoring = VOCABULARY_SCORING,
+            labels: torch.Tensor | None = None) -> BeamResult:
     """The beam search of :func:`beam_search` on one chunk of rows; a loop over the T steps."""
     num_rows = history_ids.shape[0]
     device = history_ids.device
     offsets = catalog.token_offsets.tolist()  # T small ints; one host copy per call
     context = model.encode(history_ids, history_mask)  # the only pass over the history
+    label_logp = None
+    if labels is not None:  # teacher forcing: one candidate per row, the labels themselves
+        logits = model.decode(context, labels[:, None, :-1])                    # (B, 1, T, V)
+        with torch.autocast(device.type, enabled=False):  # normalised in float32 (or wider)
+            label_logp = label_log_probs(logits, labels[:, None, :])[:, 0]     # (B, T)
 
     nodes = torch.zeros(num_rows, 1, dtype=torch.long, device=device)          # (B, 1) root
     scores = torch.zeros(num_rows, 1, device=device)                           # (B, 1)
@@ -155,4 +170,4 @@ def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Ten
 
     # K <= U leaves: every depth keeps min(K, nodes at that depth) real beams, so the last
     # step has K slots and K real items (only prefix_nodes of narrow depths hold -1)
-    return BeamResult(sem_ids=nodes, scores=scores, prefix_nodes=tuple(kept_nodes))
+    return BeamResult(sem_ids=nodes, scores=scores, prefix_nodes=tuple(kept_nodes), label_log_probs=label_logp)

@@ -26,12 +26,15 @@ class PerUser(NamedTuple):
         ranks: (U,) 1-based rank of the target's semantic ID in the beam, 0 when absent.
         prefix_hits: (U, T) bool, the target's length-m prefix survived step m of the beam.
         retention: (U,) beam retention per user, or None without ``with_full_sort``.
+        label_log_probs: (U, T) float32 log-probability of each code of the user's target, teacher
+            forced, or None without ``with_label_log_probs``.
     """
 
     sample_index: torch.Tensor
     ranks: torch.Tensor
     prefix_hits: torch.Tensor
     retention: torch.Tensor | None
+    label_log_probs: torch.Tensor | None = None
 
 
 def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors,
@@ -75,9 +78,11 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors
 def evaluate_per_user(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors,
                       topk: tuple[int, ...] = (5, 10, 20), beam_size: int = 20, with_full_sort: bool = False,
                       device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None,
-                      scoring: StepScoring = VOCABULARY_SCORING) -> PerUser:
+                      scoring: StepScoring = VOCABULARY_SCORING, with_label_log_probs: bool = False) -> PerUser:
     """What :func:`evaluate` averages, per user (same arguments and errors): the paired tests of
-    ``apao_ray.analysis.stats`` compare two models on these, user by user."""
+    ``apao_ray.analysis.stats`` compare two models on these, user by user. ``with_label_log_probs``
+    adds each target's teacher-forced code log-probabilities, decoded from the beam's own encoding of
+    the history (the split's CE at the cost of one short decode, not a second pass)."""
     check_beam_size(beam_size, catalog.leaf_prefix_nodes.shape[0])
     bad = [k for k in topk if not isinstance(k, int) or not 1 <= k <= beam_size]
     if bad:
@@ -89,7 +94,7 @@ def evaluate_per_user(model: nn.Module, batches: Iterable[Batch], catalog: Catal
     def precision() -> torch.autocast:
         return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
-    samples, ranks, prefix_hits, retention = [], [], [], []
+    samples, ranks, prefix_hits, retention, label_logp = [], [], [], [], []
     was_training = model.training
     model.eval()
     try:
@@ -97,8 +102,10 @@ def evaluate_per_user(model: nn.Module, batches: Iterable[Batch], catalog: Catal
             batch = batch.to(device)
             with precision():
                 result = beam_search(model, batch.history_ids, batch.history_mask, catalog, beam_size,
-                                     scoring=scoring)
+                                     scoring=scoring, labels=batch.labels if with_label_log_probs else None)
             samples.append(batch.sample_index.cpu())
+            if with_label_log_probs:
+                label_logp.append(result.label_log_probs.float().cpu())
             ranks.append(metrics.target_ranks(result.sem_ids, batch.target_sem).cpu())
             target_nodes = catalog.leaf_prefix_nodes[batch.target_sem]          # (B, T+1)
             prefix_hits.append(metrics.prefix_hits(result.prefix_nodes, target_nodes).cpu())
@@ -112,7 +119,8 @@ def evaluate_per_user(model: nn.Module, batches: Iterable[Batch], catalog: Catal
     if not ranks:
         raise ValueError("evaluate got no batches")
     return PerUser(torch.cat(samples), torch.cat(ranks), torch.cat(prefix_hits),
-                   torch.cat(retention) if with_full_sort else None)
+                   torch.cat(retention) if with_full_sort else None,
+                   torch.cat(label_logp) if with_label_log_probs else None)
 
 
 def summarize(ranks: torch.Tensor, prefix_hits: torch.Tensor, retention: torch.Tensor | None,

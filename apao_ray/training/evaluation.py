@@ -17,8 +17,7 @@ from .. import metrics as metric_fns
 from ..decoding import PerUser, evaluate_per_user
 from ..decoding.evaluate import summarize
 from ..decoding.scoring import VOCABULARY_SCORING, StepScoring
-from ..models.base import label_log_probs
-from .precision import autocast, autocast_dtype
+from .precision import autocast_dtype
 
 
 def select_users(num_samples: int, max_samples: int | None, seed: int) -> np.ndarray | None:
@@ -26,25 +25,6 @@ def select_users(num_samples: int, max_samples: int | None, seed: int) -> np.nda
     if max_samples is None or max_samples >= num_samples:
         return None
     return np.sort(np.random.default_rng([seed, 7919]).choice(num_samples, size=max_samples, replace=False))
-
-
-@torch.inference_mode()
-def split_ce_loss(model: nn.Module, dataset: Dataset, split_name: str, batch_size: int, device: torch.device,
-                  indices: np.ndarray | None, precision: str = "fp32") -> float:
-    """Mean token cross-entropy of the targets (the validation loss), normalised in float32."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    for batch in iter_batches(dataset.catalog, dataset.splits[split_name], batch_size, indices=indices):
-        batch = batch.to(device)
-        labels = batch.labels[:, None, :]                                                  # (B, 1, T)
-        with autocast(precision, device):
-            logits = model(batch.history_ids, batch.history_mask, labels)
-        logp = label_log_probs(logits, labels)  # normalised in float32
-        total += float(-logp.sum())
-        count += logp.numel()
-    model.train(was_training)
-    return total / max(count, 1)
 
 
 PER_USER_CUTOFFS = (10, 20)
@@ -72,7 +52,7 @@ def evaluate_split_per_user(model: nn.Module, dataset: Dataset, split_name: str,
     batches = iter_batches(dataset.catalog, split, train.eval_batch_size, indices=order)
     amp_dtype = autocast_dtype(train.precision)  # evaluation runs in the training precision
     per_user = evaluate_per_user(model, batches, tensors, topk=topk, beam_size=train.beam_size, device=device,
-                                 amp_dtype=amp_dtype, scoring=scoring)
+                                 amp_dtype=amp_dtype, scoring=scoring, with_label_log_probs=True)
     metrics = summarize(per_user.ranks, per_user.prefix_hits, None, topk, train.beam_size)
     if train.retention_users and (split_name != "valid" or train.validate_retention):
         subset = select_users(len(split), train.retention_users, train.seed + 1)
@@ -80,8 +60,7 @@ def evaluate_split_per_user(model: nn.Module, dataset: Dataset, split_name: str,
         retained = evaluate_per_user(model, retention_batches, tensors, topk=topk, beam_size=train.beam_size,
                                      with_full_sort=True, device=device, amp_dtype=amp_dtype, scoring=scoring)
         metrics[metric_fns.metric_name("beam_retention", train.beam_size)] = float(retained.retention.mean())
-    metrics["loss_ce"] = split_ce_loss(model, dataset, split_name, train.eval_batch_size, device, order,
-                                       train.precision)
+    metrics["loss_ce"] = float(-per_user.label_log_probs.double().mean())  # the targets' mean token CE
     named = {f"{prefix}/{name}": float(value) for name, value in metrics.items()}
     return named, per_user_table(per_user, dataset.user_ids, split.users)
 
