@@ -266,3 +266,26 @@ def test_attention_dropout_on_cpu_is_sdpa_with_dropout_on_the_probabilities(p):
     assert torch.allclose(attention(q, k, v, bias, p, training=False), sdpa, atol=1e-12, rtol=0)
     if not p:
         assert torch.allclose(out, sdpa, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("queries, keys", [(1, 4), (20, 81)])  # a beam's cached self-attention; cross-attention
+def test_bf16_attention_in_evaluation_is_sdpa_about_as_accurately(queries, keys):
+    """In evaluation on a CPU in bf16 the attention is the unfused products (SDPA's kernel is slower for a
+    beam's small problems): the same function, within 1.5x of SDPA's own bf16 distance from float64."""
+    import torch.nn.functional as F
+
+    from apao_ray.models.dropout import attention
+
+    generator = torch.Generator().manual_seed(2)
+    q = torch.randn(64, 6, queries, 64, generator=generator, dtype=torch.float64) / 8
+    k, v = (torch.randn(64, 6, keys, 64, generator=generator, dtype=torch.float64) for _ in range(2))
+    bias = torch.randn(1, 6, 1, keys, generator=generator, dtype=torch.float64)
+    bias[..., :1] = float("-inf")  # a masked key
+    dtype = torch.bfloat16
+    q, k, v, bias = (t.to(dtype) for t in (q, k, v, bias))
+    exact = F.scaled_dot_product_attention(*(t.double() for t in (q, k, v)), attn_mask=bias.double(), scale=1.0)
+    out = attention(q, k, v, bias, 0.1, training=False)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+    assert out.dtype == dtype and out.shape == exact.shape
+    error, sdpa_error = ((x.double() - exact).abs().max().item() for x in (out, sdpa))
+    assert error <= max(1.5 * sdpa_error, 1e-3), (error, sdpa_error)

@@ -65,11 +65,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 
     With dropout on a CPU, SDPA falls back to its unfused path and draws the attention dropout with
     ``bernoulli_`` (10% of a TIGER pairwise decoder step): there the same unfused attention is computed
-    here with :func:`dropout` on the probabilities. Elsewhere, and without dropout, SDPA itself.
+    here with :func:`dropout` on the probabilities. In evaluation on a CPU in bf16, the unfused products
+    too (faster than SDPA's kernel for these small problems); elsewhere SDPA itself.
     Every query row must see at least one key (SDPA would give a fully masked row zeros, this NaN).
     """
-    if not training or p == 0.0 or q.device.type != "cpu":
+    if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, dropout_p=p if training else 0.0)
+    if not training and q.dtype == torch.bfloat16:
+        # in bf16 SDPA's fused CPU kernel pays a fixed cost per (row, head): on a beam's decoder steps (one
+        # query per beam over <= 5 cached keys, 20 queries over the history) 2-4x the work itself (RESULTS.md,
+        # session 14; in float32 it is the faster). q k^T in the inputs' dtype, the softmax and its product with v
+        # in float32: within 1.5x of SDPA's own bf16 error (tests/test_models.py).
+        with torch.autocast("cpu", enabled=False):
+            scores = torch.matmul(q, k.transpose(-2, -1))                                  # (..., S, L)
+            wide = torch.promote_types(scores.dtype, torch.float32)
+            probs = torch.softmax(scores.to(wide) + bias.to(wide), dim=-1)
+            return torch.matmul(probs, v.to(wide)).to(v.dtype)
+    if not training or p == 0.0:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
     dtype = q.dtype  # like SDPA's unfused path, in at least float32 whatever the inputs' precision
     with torch.autocast("cpu", enabled=False):
         q, k, v, bias = (t.to(torch.promote_types(t.dtype, torch.float32)) for t in (q, k, v, bias))
