@@ -46,22 +46,32 @@ def worker_facts(node_id: str) -> dict[str, Any]:
             WORKER_NODE_KEY: node_id, ALLOCATOR_KEY: allocator_in_use()}
 
 
-class TuneTrialHooks(TrainingHooks):
-    """A trial trained in Ray Tune's trial actor: checkpoints under ``output_dir/checkpoints`` (written in a
-    scratch directory, then moved there whole), every report to Tune. A restarted trial (Tune's retry after a
-    crash, a resumed study) continues from the newest checkpoint there."""
+class ScratchCheckpoints:
+    """Hooks of a trial run in Ray: new checkpoints are written in a scratch directory of this node's system temp
+    directory (named from ``scratch_prefix``, so the driver can remove what a killed worker left) and moved or
+    uploaded from there; ``close`` removes it."""
 
-    def __init__(self, output_dir: str | Path, device: torch.device, verbose: bool = True,
-                 scratch_prefix: str = SCRATCH_PREFIX) -> None:
-        super().__init__(output_dir, device=device, keep_checkpoints=2, resume=True, verbose=verbose)
-        self._scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix))  # removed by close()
-        self.node_id = ray.get_runtime_context().get_node_id()
+    def _open_scratch(self, scratch_prefix: str) -> None:
+        self._scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix))
+        self.node_id = ray.get_runtime_context().get_node_id()  # where the trial trained, for the record
 
     def close(self) -> None:
+        """Removes the scratch directory (restored checkpoint, checkpoints before upload)."""
         shutil.rmtree(self._scratch, ignore_errors=True)
 
     def new_checkpoint_dir(self, epoch: int) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"epoch_{epoch:04d}-", dir=self._scratch))
+
+
+class TuneTrialHooks(ScratchCheckpoints, TrainingHooks):
+    """A trial trained in Ray Tune's trial actor: checkpoints under ``output_dir/checkpoints`` (moved there whole
+    from the scratch directory), every report to Tune. A restarted trial (Tune's retry after a crash, a resumed
+    study) continues from the newest checkpoint there."""
+
+    def __init__(self, output_dir: str | Path, device: torch.device, verbose: bool = True,
+                 scratch_prefix: str = SCRATCH_PREFIX) -> None:
+        super().__init__(output_dir, device=device, keep_checkpoints=2, resume=True, verbose=verbose)
+        self._open_scratch(scratch_prefix)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         from ray import tune
@@ -70,7 +80,7 @@ class TuneTrialHooks(TrainingHooks):
         tune.report({**metrics, **worker_facts(self.node_id)})
 
 
-class RayTrainHooks(TrainingHooks):
+class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
     """Rank, device and DDP from Ray Train; checkpoints go to the run's storage via report."""
 
     def __init__(self, verbose: bool = True, scratch_prefix: str = SCRATCH_PREFIX) -> None:
@@ -82,12 +92,7 @@ class RayTrainHooks(TrainingHooks):
         self.device = ray.train.torch.get_device()
         self.verbose = verbose
         self.reports: list[dict[str, Any]] = []
-        self._scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix))  # removed by close()
-        self.node_id = ray.get_runtime_context().get_node_id()  # where the trial trained, for the record
-
-    def close(self) -> None:
-        """Removes the scratch directory (restored checkpoint, checkpoints before upload)."""
-        shutil.rmtree(self._scratch, ignore_errors=True)
+        self._open_scratch(scratch_prefix)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         import ray.train.torch
@@ -99,9 +104,6 @@ class RayTrainHooks(TrainingHooks):
         if checkpoint is None:
             return None
         return Path(checkpoint.to_directory(str(self._scratch / "restored")))
-
-    def new_checkpoint_dir(self, epoch: int) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"epoch_{epoch:04d}-", dir=self._scratch))
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         self.reports.append(dict(metrics))
