@@ -209,14 +209,13 @@ class Tracker:
     def set_tags(self, run_id: str, tags: dict[str, Any]) -> None:
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
 
-    def log_metrics(self, run_id: str, metrics: dict[str, Any], step: int) -> int:
-        """Logs every finite numeric value; returns how many were logged."""
+    def log_metrics(self, run_id: str, metrics: dict[str, Any], step: int) -> None:
+        """Logs every finite numeric value of ``metrics`` at ``step``."""
         now = int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in metrics.items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")]
         for start in range(0, len(items), _MAX_BATCH):
             self.client.log_batch(run_id, metrics=items[start:start + _MAX_BATCH])
-        return len(items)
 
     def log_dataset(self, run_id: str, record: dict[str, Any], context: str = "training") -> None:
         """Logs a dataset (see ``dataset_record``) as the run's input: the runs table's Dataset column."""

@@ -39,7 +39,6 @@ class MlflowStudyCallback(tune.Callback):
         self.run_tags = dict(run_tags or {})  # on every child run (apao.protocol, apao.schedule)
         self.dataset_record = dataset_record  # each new child run's dataset input (the UI's Dataset column)
         self.run_ids: dict[str, str] = {}
-        self.logged_metrics = 0
         self.interrupted: list[str] = []  # trial ids left unfinished when the experiment ended
         self._nodes_tagged: set[str] = set()
         self._tracker: Tracker | None = None
@@ -97,7 +96,7 @@ class MlflowStudyCallback(tune.Callback):
         present = {step for step, _ in self.tracker.metric_history(run_id, "perf/epoch_seconds")}
         for entry in history:
             if int(entry.get("epoch", 0)) not in present:
-                self.logged_metrics += self.tracker.log_metrics(
+                self.tracker.log_metrics(
                     run_id, {k: v for k, v in entry.items() if "/" in k}, int(entry["epoch"]))
 
     def on_trial_result(self, iteration: int, trials: list, trial: Any, result: dict, **info: Any) -> None:
@@ -110,7 +109,7 @@ class MlflowStudyCallback(tune.Callback):
             if result.get(ENERGY_METHOD_KEY):
                 self.tracker.set_tags(run_id, {ENERGY_TAG: result[ENERGY_METHOD_KEY]})
         step = int(result.get("epoch", result.get("training_iteration", 0)))
-        self.logged_metrics += self.tracker.log_metrics(run_id, metrics, step)
+        self.tracker.log_metrics(run_id, metrics, step)
         if result.get(WORKER_NODE_KEY) and trial.trial_id not in self._nodes_tagged:
             self.tracker.set_tags(run_id, {NODE_TAG: result[WORKER_NODE_KEY], "apao.node_ip": result.get("node_ip", ""),
                                            PRECISION_TAG: result.get(PRECISION_KEY, ""),

@@ -48,13 +48,13 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
 
     from . import interrupt
     from .report import best_rows
-    from .sweep import summarize
+    from .sweep import run_callbacks, summarize
 
     directory = options.output_dir / options.study_name / REPEATS_DIR
     if tune.Tuner.can_restore(str(directory)):  # the configurations were chosen when the phase started
+        run_callbacks(str(directory), callbacks)  # the restored run's callbacks forward to this session's
         tuner = tune.Tuner.restore(str(directory), trainable, resume_unfinished=True,
                                    resume_errored=options.retry_failed)
-        tuner._local_tuner.get_run_config().callbacks = callbacks  # this session's recorder (see sweep.py)
     else:
         configs = repeat_configs(best_rows(tracker, metric, options.study_name), options.repeat_seeds)
         if not configs:
@@ -67,7 +67,8 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
         searcher = BasicVariantGenerator(points_to_evaluate=configs, max_concurrent=options.max_concurrent)
         tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=len(configs), time_budget_s=time_budget_s),
-            run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=str(directory.parent), callbacks=callbacks,
+            run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=str(directory.parent),
+                                      callbacks=run_callbacks(str(directory), callbacks),
                                       verbose=0, failure_config=tune.FailureConfig(max_failures=options.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()

@@ -20,7 +20,6 @@ from .space import REPEATS_KEY, SEED_KEY, SearchSpec, trial_choices
 from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
-METRICS_LOGGED_TAG = "apao.metric_values_logged"
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,9 @@ def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums:
 
 
 def space_param(spec: SearchSpec) -> str:
-    return json.dumps(spec.__dict__, default=list)
+    """The searched space as the parent run records it; not the start order, which a resume may plan
+    anew (the restored searcher keeps its own)."""
+    return json.dumps({k: v for k, v in spec.__dict__.items() if k != "first"}, default=list)
 
 
 def seeds_param(options: StudyOptions) -> str:
@@ -237,7 +238,6 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
 
     study_dir = options.output_dir / options.study_name
     started = time.monotonic()
-    logged_before = int(tracker.client.get_run(parent_id).data.tags.get(METRICS_LOGGED_TAG, 0))
     metric = f"best/val/{options.base.train.metric}"
     train_root = str(study_dir / "train_runs")
 
@@ -245,9 +245,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
         recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
                                        options.study_name, train_root, {"base": options.base.to_dict()},
                                        example_history, run_tags(options.base), options.dataset_record)
-        from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
-
-        return [recorder, ProgressCallback(metric, num_trials), CSVLoggerCallback(), JsonLoggerCallback()]
+        return [recorder, ProgressCallback(metric, num_trials)]
 
     callbacks = make_callbacks(options.spec.num_trials)
     recorder = callbacks[0]
@@ -267,11 +265,9 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
             storage_url = None
         elif "***" not in recorded:  # the tag is the URL unless it held a password
             storage_url = recorded
+        run_callbacks(str(study_dir), callbacks)  # the restored run's callbacks forward to this session's
         tuner = tune.Tuner.restore(str(study_dir), trainable, resume_unfinished=True,
                                    resume_errored=options.retry_failed)
-        # the restored run config carries the callbacks pickled at the first start; use this run's
-        # (current tracking URI and parent run, a fresh progress clock)
-        tuner._local_tuner.get_run_config().callbacks = callbacks
     else:
         tracker.set_tags(parent_id, {optuna_storage.STORAGE_TAG: redact(storage_url),
                                      optuna_storage.OPTUNA_STUDY_TAG: optuna_name})
@@ -287,7 +283,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
             search_alg=searcher, scheduler=scheduler, num_samples=options.spec.num_trials,
             max_concurrent_trials=options.max_concurrent, time_budget_s=options.time_budget_s),
             run_config=tune.RunConfig(name=options.study_name, storage_path=str(options.output_dir),
-                                      callbacks=callbacks, verbose=0,
+                                      callbacks=run_callbacks(str(study_dir), callbacks), verbose=0,
                                       # a crashed trial restarts from its last checkpoint (trial.py)
                                       failure_config=tune.FailureConfig(max_failures=options.max_failures)))
     with interrupt.tune_running():
@@ -295,8 +291,6 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     rows = summarize(results, options.base.train.seed)
     interrupted = (bool(recorder.interrupted) or interrupt.received() is not None
                    or (options.time_budget_s is None and len(rows) < options.spec.num_trials))
-    # how many metric values the driver sent to MLflow (exact unless a session was SIGKILLed)
-    tracker.set_tags(parent_id, {METRICS_LOGGED_TAG: logged_before + recorder.logged_metrics})
     if interrupted:
         return StudyOutcome(rows, interrupted=True)
     from .pruned import evaluate_pruned_trials
@@ -315,8 +309,6 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
             repeat_callbacks = make_callbacks(methods * len(options.repeat_seeds))
             repeated, interrupted = run_repeats(options, tracker, trainable, repeat_callbacks, metric, remaining)
             rows += repeated
-            logged_before += recorder.logged_metrics
-            tracker.set_tags(parent_id, {METRICS_LOGGED_TAG: logged_before + repeat_callbacks[0].logged_metrics})
             if interrupted:
                 return StudyOutcome(rows, interrupted=True)
 
@@ -327,6 +319,16 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})
     tracker.end_run(parent_id, "FINISHED")
     return StudyOutcome(rows, optuna_summary=optuna_summary)
+
+
+def run_callbacks(key: str, callbacks: list[Any]) -> list[Any]:
+    """A Tune run config's callbacks: ``callbacks`` behind a ``LiveCallbacks`` (so that a restored run
+    calls this session's, see live_callbacks.py), and Tune's CSV and JSON result files."""
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
+    from .live_callbacks import LiveCallbacks
+
+    return [LiveCallbacks(key, callbacks), CSVLoggerCallback(), JsonLoggerCallback()]
 
 
 def summarize(results: Any, search_seed: int) -> list[dict[str, Any]]:
