@@ -220,3 +220,49 @@ def test_finished_trials_rates_replace_the_probes_in_the_next_plan(tmp_path, mon
     assert plan.cost_estimates()[("tiger", "ce")]["cost/energy_kwh"] == pytest.approx(220 * 2 * 2e-5)
     assert "0.0088 / 0.01" in cost_summary(plan, {("tiger", "ce"): {"cost/energy_kwh": 0.01}})
     assert not record_observed(config, 1, trials)  # another thread count is another entry
+
+
+def test_the_slowest_methods_trials_start_first_with_their_paper_points():
+    from apao_ray.study.space import SearchSpec, param_name
+
+    asked = SearchSpec(("tiger",), ("ce", "apao_pointwise", "apao_pairwise"), trials_per_tuned=2)
+    assert [a[1] for a in asked.allocation()] == ["ce", "apao_pointwise", "apao_pairwise", "apao_pointwise",
+                                                  "apao_pairwise"]  # as given, baselines first
+    spec = SearchSpec(("tiger",), ("ce", "apao_pointwise", "apao_pairwise"), trials_per_tuned=2,
+                      first=(("tiger", "apao_pairwise"), ("tiger", "ce"), ("tiger", "apao_pointwise")))
+    assert spec.allocation() == [("tiger", "apao_pairwise", True), ("tiger", "ce", False),
+                                 ("tiger", "apao_pointwise", True), ("tiger", "apao_pairwise", False),
+                                 ("tiger", "apao_pointwise", False)]
+    points = spec.points_to_evaluate()  # one per trial number of the first round, each its method's
+    assert [sorted(p) for p in points] == [sorted(param_name("tiger", "apao_pairwise", k) for k in
+                                                  ("beta", "eta", "num_negatives")), [],
+                                           sorted(param_name("tiger", "apao_pointwise", k) for k in ("beta", "eta"))]
+    # without the paper points, the empty points still hold the trial numbers up to the baseline's
+    assert spec.points_to_evaluate(enqueue_paper_setting=False) == [{}, {}]
+
+
+def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_by_side(tmp_path, monkeypatch):
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    import apao_ray
+    from apao_ray.study.plan import SIDE_BY_SIDE_SLOWDOWN, make_plan, method_config, trial_threads
+
+    def spec(max_concurrent):
+        return apao_ray.StudySpec.quick(losses=("ce", "apao_pointwise"), num_samples=1, epochs=2,
+                                        max_concurrent=max_concurrent, output_dir=str(tmp_path / "runs"))
+
+    base, threads = spec(1).resolved["base"], trial_threads(spec(1).cpus_per_trial)
+    rates = {"ce": 1 / 100, "apao_pointwise": 1 / 10}  # the tuned method is the slow one
+    (tmp_path / "probes.json").write_text(json.dumps({probe_key(method_config(base, "tiger", loss), threads): {
+        "train_s_per_sample": rate, "eval_s_per_user": 0.001, "peak_bytes": 2**30, "precision": "fp32", "threads":
+        threads, "device": "cpu", "timed_samples": 1024} for loss, rate in rates.items()}))
+    alone, side_by_side = make_plan(spec(1), slots=1), make_plan(spec(2), slots=2)
+    assert alone.probes_cached == side_by_side.probes_cached == 2
+    assert alone.start_order == side_by_side.start_order == (("tiger", "apao_pointwise"), ("tiger", "ce"))
+    assert "trials start slowest method first: tiger/apao_pointwise, tiger/ce" in side_by_side.text()
+    for one, two in zip(alone.methods, side_by_side.methods):
+        assert two.epoch_s == pytest.approx(SIDE_BY_SIDE_SLOWDOWN * one.epoch_s)
+    assert alone.side_by_side == 1.0 and f"probed rates x{SIDE_BY_SIDE_SLOWDOWN:g}" in side_by_side.text()
+    # the study runs that order: its options' searcher allocates the slow method's trial first
+    options = spec(2).options(start_order=side_by_side.start_order)
+    assert [a[1] for a in options.spec.allocation()] == ["apao_pointwise", "ce"]

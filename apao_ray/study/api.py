@@ -85,7 +85,8 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     fit = plan.fit
     options = spec.options(epochs=fit.epochs, trials_per_tuned=fit.trials_per_tuned,
                            asha_grace_period=fit.asha_grace_period, max_concurrent=plan.slots,
-                           command_line=command_line, max_train_samples=fit.train_samples)
+                           command_line=command_line, max_train_samples=fit.train_samples,
+                           start_order=plan.start_order)
     dataset = spec.dataset_loaded
     check_resumable(options.tracking_uri, options, dataset.checksums)  # with the fitted schedule
     train_split = dataset.splits["train"]

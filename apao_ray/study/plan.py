@@ -29,6 +29,11 @@ PROBE_MAX_STEPS = 50      # ... but no more steps than this (nor more than one e
 PROBE_VERSION = 2         # in the cache key: probes measured another way are not reused
 PROBE_CACHE_FILE = "probes.json"
 PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
+# a probe trains alone; trials side by side on one machine share its caches and memory bandwidth. Measured
+# (benchmarks/RESULTS.md, session 15): two Grocery trials at once trained at 105 samples/s each against their
+# probe's 125 (Intel Xeon, 2 vCPUs, 1 thread per trial), 1.19x. Applied to probed (not observed) rates when
+# a study runs more than one trial at a time on this machine.
+SIDE_BY_SIDE_SLOWDOWN = 1.2
 MEMORY_WARNING_FRACTION = 0.8  # of the machine's memory, for the plan's peak (Ray's monitor kills at 0.95)
 
 
@@ -179,6 +184,8 @@ class Plan:
     repeat_seeds: tuple[int, ...] = ()  # --seeds after the first: each method's best configuration again
     threads: int = 1  # torch threads per trial (the CPU-seconds estimate)
     machine_bytes: int = 0  # this machine's memory when the study runs on it (0: a cluster, not checked)
+    start_order: tuple[tuple[str, str], ...] = ()  # (backbone, loss) by decreasing epoch time: trials start so
+    side_by_side: float = 1.0  # the factor on probed rates for trials running side by side (SIDE_BY_SIDE_SLOWDOWN)
 
     @property
     def num_trials(self) -> int:
@@ -231,15 +238,19 @@ class Plan:
         rungs = asha_rungs(fit.asha_grace_period, fit.epochs)
         lines.append(f"  ASHA compares each tuned method's trials at epochs {rungs}" if rungs else
                      f"  ASHA prunes nothing (grace {fit.asha_grace_period} epochs >= {fit.epochs} epochs)")
+        if len(self.start_order) > 1:
+            lines.append(f"  trials start slowest method first: {', '.join(f'{b}/{l}' for b, l in self.start_order)}")
         lines.append(f"  study ~{format_duration(fit.estimate_s)} wall, peak memory ~{self.peak_bytes / gib:.1f} GiB "
                      f"({self.slots} trials at once), for full-length trials; ASHA pruning and early stopping "
-                     "shorten it, whole epochs in a Ray worker run slower than the short probe (up to 1.4x measured)")
+                     "shorten it")
         source = "cached" if self.probes_cached == len(self.methods) else "measured now"
         if self.probes_observed:
             source += (f"; training and validation rates of {self.probes_observed} of {len(self.methods)} methods from "
                        "finished trials of earlier studies here")
+        side = (f"; probed rates x{self.side_by_side:g} for trials running side by side"
+                if self.side_by_side != 1.0 else "")
         lines.append(f"  (from a probe of ~{PROBE_SECONDS:.0f} s of training + 1 validation batch per method on this "
-                     f"machine, {source}; cache {probe_cache_path()})")
+                     f"machine, {source}{side}; cache {probe_cache_path()})")
         if self.budget_s is not None:
             if fit.changes:
                 asked = study_seconds(self.methods, self.asked_epochs, self.asked_trials_per_tuned, self.slots,
@@ -287,6 +298,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     valid_users = validation_users(base, splits)
     threads = trial_threads(spec.cpus_per_trial)
     methods, cached, observed, precisions, devices, allocators = [], 0, 0, set(), set(), set()
+    side_by_side = SIDE_BY_SIDE_SLOWDOWN if slots > 1 and not spec.address else 1.0
     for backbone, loss, _ in search.allocation():
         if any((m.backbone, m.loss) == (backbone, loss) for m in methods):
             continue
@@ -296,13 +308,18 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
         precisions.add(measured.precision)
         devices.add(measured.device)
         allocators.add(measured.allocator)
-        train_s = train_samples * measured.train_s_per_sample
+        # rates that finished trials measured here already ran beside others; a probe ran alone
+        slowdown = 1.0 if measured.observed_trials else side_by_side
+        train_s, eval_s_per_user = train_samples * measured.train_s_per_sample * slowdown, measured.eval_s_per_user * slowdown
         methods.append(MethodCost(
-            backbone, loss, is_baseline(loss), epoch_s=train_s + valid_users * measured.eval_s_per_user,
-            fixed_s=TRIAL_START_S + len(splits["test"]) * measured.eval_s_per_user, peak_bytes=measured.peak_bytes,
+            backbone, loss, is_baseline(loss), epoch_s=train_s + valid_users * eval_s_per_user,
+            fixed_s=TRIAL_START_S + len(splits["test"]) * eval_s_per_user, peak_bytes=measured.peak_bytes,
             train_samples=train_samples, train_epoch_s=train_s, energy_kwh_per_cpu_s=measured.energy_kwh_per_cpu_s))
     fit = fit_budget(methods, base.train.epochs, search.trials_per_tuned, spec.asha_grace_period, slots,
                      spec.budget_s, len(spec.repeat_seeds))
+    # the slowest method's trials start first: the makespan estimate (longest first) is then what Tune does,
+    # and the longest trials never start last to overrun a budget
+    start_order = tuple((m.backbone, m.loss) for m in sorted(methods, key=lambda m: -m.epoch_s))
     notes = []
     if spec.gpus_per_trial > 0 and "cuda" not in devices:
         notes.append("  note: probed on this machine's CPU (no GPU here): trials on GPUs will be faster")
@@ -313,7 +330,9 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
                 methods=methods, asked_epochs=base.train.epochs, asked_trials_per_tuned=search.trials_per_tuned,
                 fit=fit, budget_s=spec.budget_s, probes_cached=cached, probes_observed=observed, notes=notes,
                 repeat_seeds=spec.repeat_seeds, allocator="/".join(sorted(a for a in allocators if a)),
-                threads=threads, machine_bytes=0 if spec.address else machine_memory_bytes())
+                threads=threads, machine_bytes=0 if spec.address else machine_memory_bytes(),
+                start_order=start_order,
+                side_by_side=side_by_side if observed < len(methods) else 1.0)
 
 
 def cost_summary(plan: Plan, actual: dict[tuple[str, str], dict[str, float]]) -> str:

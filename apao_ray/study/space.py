@@ -43,6 +43,10 @@ class SearchSpec:
     eta: tuple[float, float] = (5e-6, 5e-4)
     num_negatives: tuple[int, int] = (10, 200)
     trials_per_tuned: int = 8
+    # (backbone, loss) pairs whose trials start first, in this order (the plan's slowest methods first, so
+    # that the longest trials do not start last and overrun a budget); methods not named follow, baselines
+    # first. Only a new study's order: a resumed study keeps the allocation its searcher was pickled with.
+    first: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name, (low, high) in (("beta", self.beta), ("eta", self.eta), ("num_negatives", self.num_negatives)):
@@ -58,28 +62,33 @@ class SearchSpec:
             raise ValueError(f"trials_per_tuned={self.trials_per_tuned} must be >= 1")
 
     def allocation(self) -> list[tuple[str, str, bool]]:
-        """(backbone, loss, is_paper_point) for every trial number, in order."""
-        baselines = [(b, l, False) for b in self.backbones for l in self.losses if l not in TUNED_KNOBS]
-        tuned = [(b, l) for b in self.backbones for l in self.losses if l in TUNED_KNOBS]
-        firsts = [(b, l, True) for b, l in tuned]
+        """(backbone, loss, is_paper_point) for every trial number, in order: one trial of every method
+        (a tuned method's first is its paper point), then the tuned methods take turns."""
+        methods = [(b, l) for b in self.backbones for l in self.losses]
+        order = {method: i for i, method in enumerate(self.first)}
+        methods.sort(key=lambda m: (order.get(m, len(order)), m[1] in TUNED_KNOBS))  # stable: as given otherwise
+        tuned = [(b, l) for b, l in methods if l in TUNED_KNOBS]
         rest = [(b, l, False) for _ in range(self.trials_per_tuned - 1) for b, l in tuned]
-        return baselines + firsts + rest
+        return [(b, l, l in TUNED_KNOBS) for b, l in methods] + rest
 
     @property
     def num_trials(self) -> int:
         return len(self.allocation())
 
     def points_to_evaluate(self, enqueue_paper_setting: bool = True) -> list[dict[str, Any]]:
-        """Enqueued first trials (Optuna numbers them first): baselines (an empty point holds their
-        trial numbers), then, when asked, the paper settings clipped to the ranges searched."""
+        """Enqueued first trials (Optuna numbers them first), one per method: a tuned method's paper
+        setting clipped to the ranges searched when asked, else an empty point that only holds the trial
+        number (its knobs are then drawn as in any other trial)."""
         points: list[dict[str, Any]] = []
+        needed = 0  # points up to the last baseline or paper setting; a tuned method's empty point after it is moot
         for backbone, loss, is_paper in self.allocation():
-            if loss not in TUNED_KNOBS:
-                points.append({})
-            elif is_paper and enqueue_paper_setting:
+            if is_paper and enqueue_paper_setting:
                 setting = {**DEFAULT_SETTING, **PAPER_SETTINGS.get((backbone, loss), {})}
                 points.append({param_name(backbone, loss, k): self._clip(k, setting[k]) for k in TUNED_KNOBS[loss]})
-        return points
+            elif is_paper or loss not in TUNED_KNOBS:
+                points.append({})
+            needed = len(points) if points and (points[-1] or loss not in TUNED_KNOBS) else needed
+        return points[:needed]
 
     def _clip(self, knob: str, value: float) -> float:
         low, high = getattr(self, knob)

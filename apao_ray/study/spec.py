@@ -255,8 +255,10 @@ class StudySpec:
 
     def options(self, epochs: int | None = None, trials_per_tuned: int | None = None,
                 asha_grace_period: int | None = None, max_concurrent: int | None = None,
-                command_line: list[str] | None = None, max_train_samples: int | None = None) -> Any:
-        """The driver's ``StudyOptions``, with a fitted schedule (and training subset) where given."""
+                command_line: list[str] | None = None, max_train_samples: int | None = None,
+                start_order: tuple[tuple[str, str], ...] = ()) -> Any:
+        """The driver's ``StudyOptions``, with a fitted schedule (and training subset) and the plan's
+        order of methods (``start_order``, slowest first) where given."""
         from .sweep import StudyOptions
 
         base, search = self.resolved["base"], self.resolved["search"]
@@ -267,6 +269,8 @@ class StudySpec:
             base = base.replace(train=base.train.replace(max_train_samples=max_train_samples))
         if trials_per_tuned is not None:
             search = replace(search, trials_per_tuned=trials_per_tuned)
+        if start_order:
+            search = replace(search, first=tuple(start_order))
         budget = self.budget_s
         extra = {} if command_line is None else {"command_line": command_line}
         return StudyOptions(
