@@ -268,6 +268,42 @@ def test_attention_dropout_on_cpu_is_sdpa_with_dropout_on_the_probabilities(p):
         assert torch.allclose(out, sdpa, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("scale", [1.0, 16.0])  # the attention scores' spread: T5 does not scale them
+def test_bf16_attention_in_training_keeps_float32_scores_and_about_their_accuracy(scale):
+    """In bf16 training on a CPU the attention's v product runs in bf16 (no float32 copies of the padded
+    values, forward and backward), the scores, softmax and dropout in float32: output and gradients within
+    2x of the distance from float64 of the attention computed all in float32 between bf16 input and output
+    (as before; bf16 scores would be ~10x off at scale 16)."""
+    from apao_ray.models.dropout import attention, drop_mask
+
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(16, 6, 5, 64, generator=generator, dtype=torch.float64) * scale / 8
+    k, v = (torch.randn(16, 6, 81, 64, generator=generator, dtype=torch.float64) for _ in range(2))
+    bias = torch.zeros(16, 1, 1, 81, dtype=torch.float64)
+    bias[:8, ..., :40] = float("-inf")  # left padding of half the rows
+    weights = torch.randn(16, 6, 5, 64, generator=generator, dtype=torch.float64)
+    inputs = [t.bfloat16() for t in (q, k, v)]
+
+    def run(function, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in inputs]
+        torch.manual_seed(0)
+        out = function(*leaves, bias.to(dtype))
+        return [out.double(), *(g.double() for g in torch.autograd.grad((out.double() * weights).sum(), leaves))]
+
+    def exact(q, k, v, bias):  # the same function (and dropout mask) in whatever dtype the inputs have
+        probs = torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1)
+        dropped = drop_mask(probs.shape, 0.1)
+        return (probs / (1 - round(0.1 * 65536) / 65536)).masked_fill(dropped, 0) @ v
+
+    reference = run(exact, torch.float64)
+    bf16 = run(lambda *a: attention(*a, 0.1, training=True), torch.bfloat16)
+    # what bf16 training ran before: bf16 in, everything in float32, bf16 out
+    float32 = run(lambda *a: exact(*(t.float() for t in a)).bfloat16(), torch.bfloat16)
+    for got, wide, want in zip(bf16, float32, reference):
+        error, float32_error = ((x - want).abs().max().item() / want.abs().max().item() for x in (got, wide))
+        assert error <= 2 * float32_error, (error, float32_error)
+
+
 @pytest.mark.parametrize("queries, keys", [(1, 4), (20, 81)])  # a beam's cached self-attention; cross-attention
 def test_bf16_attention_in_evaluation_is_sdpa_about_as_accurately(queries, keys):
     """In evaluation on a CPU in bf16 the attention is the unfused products (SDPA's kernel is slower for a

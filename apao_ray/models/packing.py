@@ -47,8 +47,8 @@ class Bucket:
 
     def unpack(self, part: torch.Tensor) -> torch.Tensor:
         """The bucket's (end - start, ...) packed rows -> (num_rows, length, ...) with zeros on padding."""
-        padded = part.new_zeros((self.num_rows * self.length, *part.shape[1:]))
-        padded = padded.index_copy(0, self.scatter, part)
+        # in place into fresh zeros: the out-of-place index_copy would clone them first
+        padded = part.new_zeros((self.num_rows * self.length, *part.shape[1:])).index_copy_(0, self.scatter, part)
         return padded.view(self.num_rows, self.length, *part.shape[1:])
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
@@ -127,8 +127,7 @@ class PackedHistory:
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """(N, ...) -> (B, L, ...) in the batch's padded layout, zeros on PAD."""
-        padded = packed.new_zeros((self.num_rows * self.length, *packed.shape[1:]))
-        padded = padded.index_copy(0, self.token_index, packed)
+        padded = packed.new_zeros((self.num_rows * self.length, *packed.shape[1:])).index_copy_(0, self.token_index, packed)
         return padded.view(self.num_rows, self.length, *packed.shape[1:])
 
 
