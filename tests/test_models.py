@@ -304,16 +304,18 @@ def test_bf16_attention_in_training_keeps_float32_scores_and_about_their_accurac
         assert error <= 2 * float32_error, (error, float32_error)
 
 
+@pytest.mark.parametrize("scale", [1.0, 16.0])  # the scores' spread: T5 does not scale them
 @pytest.mark.parametrize("queries, keys", [(1, 4), (20, 81)])  # a beam's cached self-attention; cross-attention
-def test_bf16_attention_in_evaluation_is_sdpa_about_as_accurately(queries, keys):
+def test_bf16_attention_in_evaluation_is_sdpa_about_as_accurately(queries, keys, scale):
     """In evaluation on a CPU in bf16 the attention is the unfused products (SDPA's kernel is slower for a
-    beam's small problems): the same function, within 1.5x of SDPA's own bf16 distance from float64."""
+    beam's small problems): the same function, within 2x of SDPA's own bf16 distance from float64, also
+    when the scores spread widely (scores rounded to bf16 were 15x SDPA's error at spread 16)."""
     import torch.nn.functional as F
 
     from apao_ray.models.dropout import attention
 
     generator = torch.Generator().manual_seed(2)
-    q = torch.randn(64, 6, queries, 64, generator=generator, dtype=torch.float64) / 8
+    q = torch.randn(64, 6, queries, 64, generator=generator, dtype=torch.float64) * scale / 8
     k, v = (torch.randn(64, 6, keys, 64, generator=generator, dtype=torch.float64) for _ in range(2))
     bias = torch.randn(1, 6, 1, keys, generator=generator, dtype=torch.float64)
     bias[..., :1] = float("-inf")  # a masked key
@@ -324,4 +326,4 @@ def test_bf16_attention_in_evaluation_is_sdpa_about_as_accurately(queries, keys)
     sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
     assert out.dtype == dtype and out.shape == exact.shape
     error, sdpa_error = ((x.double() - exact).abs().max().item() for x in (out, sdpa))
-    assert error <= max(1.5 * sdpa_error, 1e-3), (error, sdpa_error)
+    assert error <= 2 * sdpa_error, (error, sdpa_error)

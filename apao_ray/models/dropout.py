@@ -71,26 +71,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     """
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, dropout_p=p if training else 0.0)
-    if not training and q.dtype == torch.bfloat16:
-        # in bf16 SDPA's fused CPU kernel pays a fixed cost per (row, head): on a beam's decoder steps (one
-        # query per beam over <= 5 cached keys, 20 queries over the history) 2-4x the work itself (RESULTS.md,
-        # session 14; in float32 it is the faster). q k^T in the inputs' dtype, the softmax and its product with v
-        # in float32: within 1.5x of SDPA's own bf16 error (tests/test_models.py).
-        with torch.autocast("cpu", enabled=False):
-            scores = torch.matmul(q, k.transpose(-2, -1))                                  # (..., S, L)
-            wide = torch.promote_types(scores.dtype, torch.float32)
-            probs = torch.softmax(scores.to(wide) + bias.to(wide), dim=-1)
-            return torch.matmul(probs, v.to(wide)).to(v.dtype)
-    if not training or p == 0.0:
+    dropping = training and p > 0.0
+    if not dropping and q.dtype != torch.bfloat16:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
-    # the scores, softmax and dropout in at least float32 (bf16 scores of T5's unscaled attention lose ~10x
-    # more); the product with v in v's dtype: in bf16 no float32 copy of the padded cross-attention values,
-    # forward or backward (training 1.08x, tests/test_models.py bounds the error)
+    # Unfused. In bf16 evaluation too: SDPA's fused CPU kernel pays a fixed cost per (row, head), on a
+    # beam's decoder steps (one query per beam over <= 5 cached keys, 20 over the history) 2-4x the work
+    # itself (RESULTS.md, session 14). The scores, softmax and dropout in at least float32 (T5 does not scale
+    # its scores: rounded to bf16 they were 6-15x SDPA's error at spreads 4-16, session 15), the product with
+    # v in v's dtype: in bf16 no float32 copy of the padded cross-attention values (or, in training, of
+    # their gradients). tests/test_models.py bounds the error against float64.
     with torch.autocast("cpu", enabled=False):
         wide = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1))                 # (..., S, L)
         probs = torch.softmax(scores + bias.to(wide), dim=-1)
-        return torch.matmul(dropout(probs, p).to(v.dtype), v)
+        return torch.matmul((dropout(probs, p) if dropping else probs).to(v.dtype), v)
 
 
 class Dropout(nn.Module):

@@ -287,8 +287,8 @@ class TigerBackbone(Backbone):
                                 for w in (layer.cross_attn.k.weight, layer.cross_attn.v.weight)])
             projected = packing.unpack(F.linear(x, weight)).chunk(2 * len(self.decoder_layers), dim=-1)
             split = self.decoder_layers[0].cross_attn.split_heads
-            return TigerContext(key_bias, tuple(split(p) for p in projected[0::2]),
-                                tuple(split(p) for p in projected[1::2]))    # K/V: (B, H, L, dh)
+            return self._evaluated(TigerContext(key_bias, tuple(split(p) for p in projected[0::2]),
+                                                tuple(split(p) for p in projected[1::2])))  # K/V: (B, H, L, dh)
         length = history_ids.shape[1]
         # relative offsets are unchanged by left padding, so column indices serve as positions
         bias = self.encoder_bias(length, length) + key_bias                     # (B, H, L, L)
@@ -298,7 +298,15 @@ class TigerBackbone(Backbone):
         x = self.dropout(self.encoder_norm(x))
         keys = tuple(layer.cross_attn.split_heads(layer.cross_attn.k(x)) for layer in self.decoder_layers)
         values = tuple(layer.cross_attn.split_heads(layer.cross_attn.v(x)) for layer in self.decoder_layers)
-        return TigerContext(key_bias, keys, values)                            # K/V: (B, H, L, dh)
+        return self._evaluated(TigerContext(key_bias, keys, values))            # K/V: (B, H, L, dh)
+
+    def _evaluated(self, context: TigerContext) -> TigerContext:
+        """In bf16 evaluation on a CPU, the cross-attention keys in float32, once per batch: the attention
+        takes its scores in float32 (models/dropout.attention), and a beam's every decoder step reads them."""
+        keys = context.cross_keys
+        if self.training or keys[0].device.type != "cpu" or keys[0].dtype != torch.bfloat16:
+            return context
+        return TigerContext(context.key_bias, tuple(k.float() for k in keys), context.cross_values)
 
     def decode(self, context: TigerContext, prefix: torch.Tensor) -> torch.Tensor:
         """Logits of [BOS] + prefix for C candidates per row sharing the row's context.
