@@ -18,16 +18,18 @@ from .plan import parse_duration
 from .spec import QUICK_SETTINGS, StudySpec, quick_negatives
 
 SWEEP_EPILOG = """\
-defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to
-20 epochs each (patience 5), ASHA stopping APAO trials weaker than others of their method after 5 epochs (CE
-runs to the end). Before the first trial the study prints its plan: trials per method, epochs, and the wall
-time and peak memory estimated from ~8 s of optimizer steps of the real model on this machine (--dry-run stops
-there). A paper-size study on a full dataset takes days on 2 CPUs: give --budget (e.g. 3h) and the study is
-fitted to it (fewer epochs, then fewer trials), or run it on GPUs (--gpus-per-trial 0.25 runs four trials per
-GPU). --quick finishes in a few minutes on 2 CPUs (tiny model, 2048-sample subset, 2 epochs, 4 trials): a
-check, not a result. These schedules are not the paper's (200 epochs, patience 20; --epochs 200 --patience 20):
-the results table says whether its test columns compare with paper Table 1. --protocol reference trains as the
-authors' released code does (docs/PROTOCOLS.md); eta stays searched under both protocols.
+defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to 20
+epochs each (patience 5), ASHA stopping APAO trials weaker than others of their method after 5 epochs (CE runs
+to the end). Before the first trial the study prints its plan: trials per method, epochs, and the wall time and
+peak memory estimated from ~8 s of optimizer steps of the real model on this machine (--dry-run stops there). A
+paper-size study on a full dataset takes days on 2 CPUs: give --budget (e.g. 3h) and the study is fitted to it
+(fewer epochs, then fewer trials), or run it on GPUs (--gpus-per-trial 0.25 runs four trials per GPU). Measured
+on 2 vCPUs: --dataset grocery --budget 2h gave each method 1 epoch on a 48,128-sample subset and took 66.5 min
+(a check of the pipeline, not a result: APAO-pairwise costs ~12x a CE epoch). --quick finishes in a few minutes
+on 2 CPUs (tiny model, 2048-sample subset, 2 epochs, 4 trials): a check, not a result. These schedules are not
+the paper's (200 epochs, patience 20; --epochs 200 --patience 20): the results table says whether its test
+columns compare with paper Table 1. --protocol reference trains as the authors' released code does
+(docs/PROTOCOLS.md); eta stays searched under both protocols.
 
 examples:
   python -m apao_ray sweep --dataset grocery --dry-run    # the plan and its cost, then exit
