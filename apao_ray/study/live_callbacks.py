@@ -4,8 +4,8 @@ Tune pickles a run's callbacks when the run first starts, and ``Tuner.restore`` 
 Ray 2.60 has no public way to hand a restored run new ones (ray-project/ray#41364). The study's callbacks
 hold a live MLflow client, the parent run, the tracking URI and a progress clock, which must be this
 session's. So the run config holds a ``LiveCallbacks`` that pickles nothing but a key and forwards every
-hook to the callbacks registered under that key in this process by ``LiveCallbacks(key, callbacks)``:
-the driver registers its fresh callbacks before it creates or restores the Tuner.
+hook to the callbacks registered under that key in this process (``register``): the driver registers its
+fresh callbacks before it creates or restores the Tuner.
 """
 from __future__ import annotations
 
@@ -16,14 +16,18 @@ from ray.tune import Callback
 _LIVE: dict[str, list[Callback]] = {}
 
 
+def register(key: str, callbacks: list[Callback]) -> None:
+    """This process's callbacks for the run known by ``key`` (its directory): what its LiveCallbacks call."""
+    _LIVE[key] = list(callbacks)
+
+
 class LiveCallbacks(Callback):
     # Tune's metaclass then checks that every hook below is defined: a hook added in a later Ray is an
     # error at import, not a silently dropped event
     IS_CALLBACK_CONTAINER = True
 
-    def __init__(self, key: str, callbacks: list[Callback]):
+    def __init__(self, key: str):
         self.key = key
-        _LIVE[key] = list(callbacks)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"key": self.key}
@@ -37,7 +41,7 @@ class LiveCallbacks(Callback):
             return _LIVE[self.key]
         except KeyError:
             raise RuntimeError(f"no callbacks registered for study {self.key!r} in this process: the driver "
-                               "creates LiveCallbacks(key, callbacks) before it restores the Tuner") from None
+                               "calls register(key, callbacks) before it creates or restores the Tuner") from None
 
     def _each(self, hook: str, info: dict[str, Any]) -> None:
         for callback in self.callbacks:

@@ -46,13 +46,13 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
     from ray import tune
     from ray.tune.search import BasicVariantGenerator
 
-    from . import interrupt
+    from . import interrupt, live_callbacks
     from .report import best_rows
     from .sweep import run_callbacks, summarize
 
     directory = options.output_dir / options.study_name / REPEATS_DIR
+    live_callbacks.register(str(directory), callbacks)  # what the run's LiveCallbacks call, also after a restore
     if tune.Tuner.can_restore(str(directory)):  # the configurations were chosen when the phase started
-        run_callbacks(str(directory), callbacks)  # the restored run's callbacks forward to this session's
         tuner = tune.Tuner.restore(str(directory), trainable, resume_unfinished=True,
                                    resume_errored=options.retry_failed)
     else:
@@ -68,7 +68,7 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
         tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=len(configs), time_budget_s=time_budget_s),
             run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=str(directory.parent),
-                                      callbacks=run_callbacks(str(directory), callbacks),
+                                      callbacks=run_callbacks(str(directory)),
                                       verbose=0, failure_config=tune.FailureConfig(max_failures=options.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()

@@ -79,16 +79,17 @@ class SearchSpec:
         """Enqueued first trials (Optuna numbers them first), one per method: a tuned method's paper
         setting clipped to the ranges searched when asked, else an empty point that only holds the trial
         number (its knobs are then drawn as in any other trial)."""
-        points: list[dict[str, Any]] = []
-        needed = 0  # points up to the last baseline or paper setting; a tuned method's empty point after it is moot
-        for backbone, loss, is_paper in self.allocation():
-            if is_paper and enqueue_paper_setting:
-                setting = {**DEFAULT_SETTING, **PAPER_SETTINGS.get((backbone, loss), {})}
-                points.append({param_name(backbone, loss, k): self._clip(k, setting[k]) for k in TUNED_KNOBS[loss]})
-            elif is_paper or loss not in TUNED_KNOBS:
-                points.append({})
-            needed = len(points) if points and (points[-1] or loss not in TUNED_KNOBS) else needed
-        return points[:needed]
+        first_round = [(b, l) for b, l, is_paper in self.allocation() if is_paper or l not in TUNED_KNOBS]
+        points = [self._paper_point(b, l) if l in TUNED_KNOBS and enqueue_paper_setting else {}
+                  for b, l in first_round]
+        # up to the last baseline or paper setting: a tuned method's empty point after them holds nothing
+        needed = [i + 1 for i, (point, (_, loss)) in enumerate(zip(points, first_round))
+                  if point or loss not in TUNED_KNOBS]
+        return points[:max(needed, default=0)]
+
+    def _paper_point(self, backbone: str, loss: str) -> dict[str, Any]:
+        setting = {**DEFAULT_SETTING, **PAPER_SETTINGS.get((backbone, loss), {})}
+        return {param_name(backbone, loss, k): self._clip(k, setting[k]) for k in TUNED_KNOBS[loss]}
 
     def _clip(self, knob: str, value: float) -> float:
         low, high = getattr(self, knob)

@@ -231,7 +231,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     from ray import tune
 
     from ..tracking import experiment_name
-    from . import optuna_storage
+    from . import live_callbacks, optuna_storage
     from .mlflow_callback import MlflowStudyCallback, log_study_summary
     from .outcomes import OUTCOME_TAG
     from .progress import ProgressCallback
@@ -259,13 +259,13 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
         from .trial import forget_failures
 
         forget_failures(train_root)
+    live_callbacks.register(str(study_dir), callbacks)  # what the run's LiveCallbacks call, also after a restore
     if study_state_exists(options):  # the restored searcher keeps the storage it was started with
         recorded = tracker.client.get_run(parent_id).data.tags.get(optuna_storage.STORAGE_TAG)
         if recorded is None:  # started before studies had an Optuna storage: its searcher has none
             storage_url = None
         elif "***" not in recorded:  # the tag is the URL unless it held a password
             storage_url = recorded
-        run_callbacks(str(study_dir), callbacks)  # the restored run's callbacks forward to this session's
         tuner = tune.Tuner.restore(str(study_dir), trainable, resume_unfinished=True,
                                    resume_errored=options.retry_failed)
     else:
@@ -283,7 +283,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
             search_alg=searcher, scheduler=scheduler, num_samples=options.spec.num_trials,
             max_concurrent_trials=options.max_concurrent, time_budget_s=options.time_budget_s),
             run_config=tune.RunConfig(name=options.study_name, storage_path=str(options.output_dir),
-                                      callbacks=run_callbacks(str(study_dir), callbacks), verbose=0,
+                                      callbacks=run_callbacks(str(study_dir)), verbose=0,
                                       # a crashed trial restarts from its last checkpoint (trial.py)
                                       failure_config=tune.FailureConfig(max_failures=options.max_failures)))
     with interrupt.tune_running():
@@ -321,14 +321,14 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     return StudyOutcome(rows, optuna_summary=optuna_summary)
 
 
-def run_callbacks(key: str, callbacks: list[Any]) -> list[Any]:
-    """A Tune run config's callbacks: ``callbacks`` behind a ``LiveCallbacks`` (so that a restored run
-    calls this session's, see live_callbacks.py), and Tune's CSV and JSON result files."""
+def run_callbacks(key: str) -> list[Any]:
+    """A Tune run config's callbacks: the ones registered under ``key`` behind a ``LiveCallbacks`` (so that
+    a restored run calls this session's, see live_callbacks.py), and Tune's CSV and JSON result files."""
     from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
 
     from .live_callbacks import LiveCallbacks
 
-    return [LiveCallbacks(key, callbacks), CSVLoggerCallback(), JsonLoggerCallback()]
+    return [LiveCallbacks(key), CSVLoggerCallback(), JsonLoggerCallback()]
 
 
 def summarize(results: Any, search_seed: int) -> list[dict[str, Any]]:
