@@ -91,3 +91,23 @@ def run_script(args: list[str], cwd: Path, timeout: float = 600, env: dict | Non
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def descendant_pids(root: int, command: str) -> list[int]:
+    """PIDs under process ``root`` (children, their children, ...) whose command line starts with ``command``:
+    the Ray processes of the study a test started, never those of another Ray on the machine (a long study
+    training beside the suite)."""
+    import subprocess
+
+    listing = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+    parent, args = {}, {}
+    for line in listing.splitlines():
+        pid, ppid, *rest = line.split(None, 2)
+        parent[int(pid)], args[int(pid)] = int(ppid), rest[0] if rest else ""
+
+    def under_root(pid: int) -> bool:
+        while pid in parent and pid != root:
+            pid = parent[pid]
+        return pid == root
+
+    return [pid for pid in args if pid != root and args[pid].startswith(command) and under_root(pid)]

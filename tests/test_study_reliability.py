@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from apao_ray.study.runner import stable_free_port
-from conftest import ROOT, run_script
+from conftest import ROOT, descendant_pids, run_script
 
 SWEEP = str(ROOT / "studies" / "sweep.py")
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -382,12 +382,6 @@ def test_ray_dashboard_port_is_free_and_outside_the_range_the_os_hands_out(tmp_p
             sock.close()
 
 
-def _trial_actor_pids() -> list[int]:
-    """Tune's trial actors (a function trainable runs as ``ImplicitFunc``), where a study's trials train."""
-    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in listing.splitlines() if line.split()[1:2] == ["ray::ImplicitFunc.train"]]
-
-
 @pytest.mark.e2e
 def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path):
     """SIGKILL the process training a study's trial after its epoch-2 checkpoint: Tune retries the trial
@@ -403,7 +397,8 @@ def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path
         assert process.poll() is None, process.communicate()[1][-3000:]
         assert time.time() < deadline, "no epoch-2 checkpoint in 400 s"
         time.sleep(0.3)
-    pids = _trial_actor_pids()
+    # Tune's trial actor (a function trainable runs as ``ImplicitFunc``), where the trial trains
+    pids = descendant_pids(process.pid, "ray::ImplicitFunc.train")
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
     _, stderr = process.communicate(timeout=400)

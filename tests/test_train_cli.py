@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, run_script
+from conftest import ROOT, descendant_pids, run_script
 
 TRAIN = str(ROOT / "studies" / "train.py")
 COMMON = ["--dataset", "synthetic", "--model-size", "tiny", "--batch-size", "128", "--effective-batch-size", "128",
@@ -88,11 +88,6 @@ def _wait_for(path_glob: Path, process: subprocess.Popen, timeout: float = 300) 
         time.sleep(0.5)
 
 
-def _ray_train_worker_pids() -> list[int]:
-    listing = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in listing.splitlines() if "ray::RayTrainWorker" in line]
-
-
 @pytest.mark.e2e
 def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
     """SIGKILL the Ray Train worker mid-run: Ray restarts it from its last checkpoint (FailureConfig)."""
@@ -104,7 +99,7 @@ def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # once epoch 2's checkpoint directory appears, epoch 1's is surely registered with Ray
     _wait_for(tmp_path / "runs" / "killed" / "epoch_0002", process)
-    pids = _ray_train_worker_pids()
+    pids = descendant_pids(process.pid, "ray::RayTrainWorker")
     assert pids, "no Ray Train worker process found"
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
