@@ -105,6 +105,18 @@ def test_each_method_is_searched_from_its_own_trials():
     assert max(per_method) < 0.06 and statistics.mean(per_method) < 0.5 * statistics.mean(pooled), (per_method, pooled)
 
 
+def test_the_startup_note_speaks_only_where_tpe_has_a_knob_to_search():
+    """Few trials per tuned method: the note says TPE never proposes; every knob fixed: nothing to say."""
+    few = SearchSpec(("tiger",), ("ce", "apao_pointwise"), trials_per_tuned=1)
+    assert "TPE proposes" in optuna_storage.startup_note(few)
+    fixed = SearchSpec(("tiger",), ("ce", "apao_pointwise"), beta=(0.3, 0.3), eta=(1e-4, 1e-4), trials_per_tuned=1)
+    assert optuna_storage.startup_note(fixed) is None
+    # pairwise still searches its negatives when only beta and eta are fixed
+    negatives = SearchSpec(("tiger",), ("apao_pairwise",), beta=(0.2, 0.2), eta=(3e-5, 3e-5), trials_per_tuned=1)
+    assert "TPE proposes" in optuna_storage.startup_note(negatives)
+    assert optuna_storage.startup_note(SearchSpec(("tiger",), ("apao_pointwise",), trials_per_tuned=9)) is None
+
+
 def _finished_study(values_by_params, tmp_path):
     url = f"sqlite:///{tmp_path}/optuna.db"
     study = optuna.create_study(storage=url, study_name="apao-x/s", direction="maximize")

@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 from ray.tune.search.optuna import OptunaSearch
 
 from ..tracking import redact
-from .space import SEPARATOR, TUNED_KNOBS, SearchSpec
+from .space import SEPARATOR, SearchSpec
 
 OPTUNA_DB_NAME = "optuna.db"
 STORAGE_TAG = "apao.optuna_storage"  # on the parent run: where the study's Optuna trials are
@@ -183,8 +183,9 @@ def make_searcher(spec: SearchSpec, metric: str, storage_url: str, study_name: s
 
 
 def startup_note(spec: SearchSpec) -> str | None:
-    """Says so when the budget leaves TPE nothing to do (every tuned trial a startup trial)."""
-    if spec.num_trials and any(loss in TUNED_KNOBS for loss in spec.losses) \
+    """Says so when the budget leaves TPE nothing to do (every tuned trial a startup trial); silent when
+    every tuned knob is fixed (nothing to search)."""
+    if spec.num_trials and any(spec.searches(loss) for loss in spec.losses) \
             and spec.trials_per_tuned <= STARTUP_TRIALS_PER_METHOD:
         return (f"note: TPE proposes a method's knobs once it has {STARTUP_TRIALS_PER_METHOD} finished trials; with "
                 f"{spec.trials_per_tuned} trials per tuned method this study is the paper setting plus random draws "

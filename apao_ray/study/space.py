@@ -71,6 +71,10 @@ class SearchSpec:
         rest = [(b, l, False) for _ in range(self.trials_per_tuned - 1) for b, l in tuned]
         return [(b, l, l in TUNED_KNOBS) for b, l in methods] + rest
 
+    def searches(self, loss: str) -> bool:
+        """Whether ``loss`` has a knob left to search (a range wider than one value)."""
+        return any(getattr(self, knob)[0] < getattr(self, knob)[1] for knob in TUNED_KNOBS.get(loss, ()))
+
     @property
     def num_trials(self) -> int:
         return len(self.allocation())
