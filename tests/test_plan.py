@@ -186,11 +186,37 @@ def test_the_probe_times_a_sustained_rate_not_the_first_steps(one_torch_thread):
     config = json.loads(json.dumps(config.to_dict()))
     burst = run_probe(config, 1, steps=3, min_seconds=0.0)
     assert burst["timed_samples"] == 3 * 16
-    sustained = run_probe(config, 1, steps=3, min_seconds=0.2)  # ~10 ms a step: the floor ends it
+    # a floor of ~4x the burst's 3 steps (~10 ms a step when idle, a few times that on a loaded machine) ends it
+    floor = 4 * burst["train_s_per_sample"] * burst["timed_samples"]
+    sustained = run_probe(config, 1, steps=3, min_seconds=floor)
     assert 3 * 16 < sustained["timed_samples"] < PROBE_MAX_STEPS * 16
-    assert sustained["train_s_per_sample"] * sustained["timed_samples"] >= 0.2
+    assert sustained["train_s_per_sample"] * sustained["timed_samples"] >= floor
     capped = run_probe(config, 1, steps=3, min_seconds=1e6)  # 4,262 training samples: the step cap ends it
     assert capped["timed_samples"] == PROBE_MAX_STEPS * 16
+
+
+def test_a_probe_costs_a_short_trial_little_and_is_not_reused_for_a_longer_one(tmp_path, monkeypatch, one_torch_thread):
+    """A trial of 1 epoch on 320 samples: 5% is 16 samples, one step of 16 after the warm-up (however long the
+    time floor). Its cache entry serves a trial no longer than that; a longer trial is probed again."""
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
+    from apao_ray.config import DataConfig, ModelConfig, TrainConfig, TrialConfig
+    from apao_ray.study.probe import run_probe
+
+    def config(epochs: int, samples: int | None) -> dict:
+        return json.loads(json.dumps(TrialConfig(
+            DataConfig(dataset="synthetic"), ModelConfig(d_model=32, num_layers=1, num_heads=2, head_dim=16, d_ff=64),
+            train=TrainConfig(batch_size=16, eval_batch_size=8, precision="fp32", epochs=epochs,
+                              max_train_samples=samples)).to_dict()))
+
+    short = run_probe(config(1, 320), 1, steps=3, min_seconds=1e6)
+    assert short["timed_samples"] == 16 and short["cut_for"] == [1, 320]
+    assert run_probe(config(200, None), 1, steps=3, min_seconds=0.0)["cut_for"] is None
+    key = probe_key(config(1, 320), 1)
+    assert key == probe_key(config(4, None), 1)  # one cache entry for both trials
+    (tmp_path / "probes.json").write_text(json.dumps({key: {**short, "train_s_per_sample": 123.0}}))
+    assert probe(config(1, 320), 1)[1] and probe(config(1, 160), 1)[1]  # cached: as short or shorter
+    remeasured, was_cached = probe(config(4, None), 1)
+    assert not was_cached and remeasured.train_s_per_sample != 123.0 and remeasured.timed_samples > 16
 
 
 def test_finished_trials_rates_replace_the_probes_in_the_next_plan(tmp_path, monkeypatch):

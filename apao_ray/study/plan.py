@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import statistics
@@ -26,6 +27,7 @@ from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Fit, MethodC
 PROBE_STEPS = 3           # timed optimizer steps at least (after one warm-up step)
 PROBE_SECONDS = 8.0       # ... and timed training for at least this long (a sustained rate: 3 steps read ~5% fast)
 PROBE_MAX_STEPS = 50      # ... but no more steps than this (nor more than one epoch): tiny models stop early
+PROBE_TRIAL_SHARE = 0.05  # ... nor, once one step is timed, more samples than this share of the trial's training
 PROBE_VERSION = 2         # in the cache key: probes measured another way are not reused
 PROBE_CACHE_FILE = "probes.json"
 PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
@@ -51,6 +53,8 @@ class Probe:
     observed_trials: int = 0  # finished study trials whose measured rates replaced the probe's (record_observed)
     energy_kwh_per_cpu_s: float | None = None  # CodeCarbon's energy per CPU-second in those trials
     allocator: str = ""  # the memory allocator the probe ran on (training/memory.py)
+    # ended by PROBE_TRIAL_SHARE: the (epochs, max_train_samples) of the short trial it was cut for, else None
+    cut_for: list | None = None
 
 
 def cpu_model() -> str:
@@ -89,7 +93,7 @@ def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> 
     """The probe of one trial config, from the cache or a fresh subprocess; returns (probe, was_cached)."""
     path, key = probe_cache_path(), probe_key(config_dict, threads)
     cache = _read_cache(path)
-    if use_cache and key in cache:
+    if use_cache and key in cache and _long_enough(cache[key], config_dict["train"]):
         return _with_observed(cache[key]), True
     env = {**os.environ, **allocator_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
            + os.environ.get("PYTHONPATH", "")}  # the allocator a trial's worker gets (runner.init_ray)
@@ -102,6 +106,15 @@ def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> 
     cache[key] = result.__dict__
     _write_cache(path, cache)
     return result, False
+
+
+def _long_enough(entry: dict[str, Any], train: dict[str, Any]) -> bool:
+    """Whether a cached probe was timed long enough for this trial: one cut short for a smaller trial (fewer
+    epochs or training samples) is measured again."""
+    if not entry.get("cut_for"):
+        return True
+    epochs, samples = entry["cut_for"]
+    return train["epochs"] <= epochs and (train.get("max_train_samples") or math.inf) <= (samples or math.inf)
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
@@ -249,7 +262,8 @@ class Plan:
                        "finished trials of earlier studies here")
         side = (f"; probed rates x{self.side_by_side:g} for trials running side by side"
                 if self.side_by_side != 1.0 else "")
-        lines.append(f"  (from a probe of ~{PROBE_SECONDS:.0f} s of training + 1 validation batch per method on this "
+        lines.append(f"  (from a probe of ~{PROBE_SECONDS:.0f} s of training (<= {PROBE_TRIAL_SHARE:.0%} of a trial's) + 1 "
+                     "validation batch per method on this "
                      f"machine, {source}{side}; cache {probe_cache_path()})")
         if self.budget_s is not None:
             if fit.changes:

@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..training.memory import allocator_in_use
-from .plan import PROBE_MAX_STEPS, PROBE_SECONDS, PROBE_STEPS
+from .plan import PROBE_MAX_STEPS, PROBE_SECONDS, PROBE_STEPS, PROBE_TRIAL_SHARE
 
 
 class _Enough(Exception):
@@ -20,10 +20,11 @@ class _Enough(Exception):
 
 
 def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_seconds: float = PROBE_SECONDS,
-              max_seconds: float = 30.0) -> dict:
+              max_seconds: float = 30.0, trial_share: float = PROBE_TRIAL_SHARE) -> dict:
     """Trains at least ``steps`` timed optimizer steps and until ``min_seconds`` of them have passed
-    (at most PROBE_MAX_STEPS, one epoch, or ``max_seconds`` once two steps are timed), then times one
-    validation batch."""
+    (at most PROBE_MAX_STEPS, one epoch, or, once one step is timed, ``max_seconds`` or ``trial_share`` of
+    the samples the trial trains on in all its epochs: a probe never costs a small trial much of its own
+    time), then times one validation batch."""
     import numpy as np
     import torch
 
@@ -37,14 +38,16 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
 
     torch.set_num_threads(max(1, threads))
     config = TrialConfig.from_dict(config_dict)
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
+                           config.data.synthetic_seed)
+    trial_samples = config.train.epochs * min(len(dataset.splits["train"]),
+                                              config.train.max_train_samples or len(dataset.splits["train"]))
     device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
     train = config.train.replace(precision=resolve_precision(config.train.precision, device),
                                  effective_batch_size=config.train.batch_size,  # one optimizer step per micro-batch
                                  max_train_samples=(max(steps, PROBE_MAX_STEPS) + 1) * config.train.batch_size,
                                  retention_users=0)
     config = config.replace(train=train, loss=config.loss.replace(pretrain_ce_epochs=0).to_dict())
-    dataset = load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
-                           config.data.synthetic_seed)
     tensors = dataset.catalog.tensors(device)
     torch.manual_seed(0)
     model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels).to(device)
@@ -58,6 +61,7 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     stamps: list[float] = []
+    cut_for = []
 
     def synced_now() -> float:
         if device.type == "cuda":
@@ -69,6 +73,9 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
         timed = stamps[-1] - stamps[0]
         if len(stamps) >= 2 and timed > max_seconds:
             raise _Enough  # a slow config (pairwise, many negatives): one timed step is enough
+        if len(stamps) >= 2 and (len(stamps) - 1) * train.batch_size >= trial_share * trial_samples:
+            cut_for.extend([config_dict["train"]["epochs"], config_dict["train"].get("max_train_samples")])
+            raise _Enough  # a short trial: its plan needs no more precision than this
         if len(stamps) > steps and timed >= min_seconds:
             raise _Enough  # a sustained rate, not the first steps' burst
 
@@ -92,7 +99,7 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
         peak = torch.cuda.max_memory_allocated(device)
     return {"train_s_per_sample": train_s_per_sample, "eval_s_per_user": eval_s_per_user, "peak_bytes": int(peak),
             "precision": train.precision, "threads": threads, "device": device.type, "timed_samples": samples,
-            "allocator": allocator_in_use()}
+            "allocator": allocator_in_use(), "cut_for": cut_for or None}
 
 
 if __name__ == "__main__":
