@@ -17,28 +17,30 @@ from test_sweep import SWEEP, _launch_until, _mid_trial
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_stop_signal_to_the_driver_alone_is_recorded_as_an_interruption_and_resumed(tmp_path, signum, exit_code):
+def test_stop_signals_to_the_driver_alone_are_recorded_as_interruptions_and_resumed(tmp_path):
+    """SIGINT to the driver's PID mid-trial, re-run, SIGTERM mid-trial, re-run to the end: each stop exits
+    130 / 143 naming the signal and the command that resumes, leaves the parent and the unfinished trials
+    interrupted (never pruned, none RUNNING), and the study ends with one child run per trial."""
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     command = [sys.executable, SWEEP, "--smoke", "--num-samples", "1", "--epochs", "3", "--output-dir",
                str(tmp_path / "runs"), "--tracking-uri", uri]
-    process, _ = _launch_until(command, tmp_path, _mid_trial)
-    os.kill(process.pid, signum)  # the driver only: Ray's processes and the trials' workers get nothing
-    _, stderr = process.communicate(timeout=240)
-    assert process.returncode == exit_code, stderr[-4000:]
-    assert f"stopped by {signal.Signals(signum).name}" in stderr and shlex.join(command) in stderr, stderr[-3000:]
-
     from apao_ray.tracking import Tracker
 
     tracker = Tracker(uri, "apao-synthetic")
-    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
-    assert parent.info.status == "KILLED" and parent.data.tags["apao.outcome"].startswith("interrupted")
-    children = tracker.child_runs(parent.info.run_id)
-    assert children and all(run.info.status in ("FINISHED", "KILLED") for run in children)  # none left RUNNING
-    unfinished = [run for run in children if run.info.status == "KILLED"]
-    assert unfinished, "the signal came mid-trial, yet no trial was left unfinished"
-    for run in unfinished:  # never told as pruned: nothing pruned them
-        assert run.data.tags["apao.outcome"].startswith("interrupted"), run.data.tags["apao.outcome"]
+    for signum, exit_code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
+        process, _ = _launch_until(command, tmp_path, _mid_trial)
+        os.kill(process.pid, signum)  # the driver only: Ray's processes and the trials' workers get nothing
+        _, stderr = process.communicate(timeout=240)
+        assert process.returncode == exit_code, stderr[-4000:]
+        assert f"stopped by {signal.Signals(signum).name}" in stderr and shlex.join(command) in stderr, stderr[-3000:]
+        (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+        assert parent.info.status == "KILLED" and parent.data.tags["apao.outcome"].startswith("interrupted")
+        children = tracker.child_runs(parent.info.run_id)
+        assert children and all(run.info.status in ("FINISHED", "KILLED") for run in children)  # none left RUNNING
+        unfinished = [run for run in children if run.info.status == "KILLED"]
+        assert unfinished, f"{signum!r} came mid-trial, yet no trial was left unfinished"
+        for run in unfinished:  # never told as pruned: nothing pruned them
+            assert run.data.tags["apao.outcome"].startswith("interrupted"), run.data.tags["apao.outcome"]
 
     resumed = run_script(command[1:], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
