@@ -61,6 +61,21 @@ def test_a_spec_refuses_bad_input_at_construction_naming_it(isolated, changes, p
     assert not (isolated / "runs").exists() and not (isolated / "mlflow.db").exists()
 
 
+def test_cpus_per_trial_defaults_to_this_machines_cpus_shared_by_the_trials_at_once(isolated):
+    """A lone trial gets every CPU, trials that run at once share them (at least 1 each); a given value wins."""
+    from apao_ray import StudySpec
+    from apao_ray.study.cli_train import available_cpus
+
+    cpus = available_cpus()
+    lone = StudySpec(losses=("ce",), output_dir=str(isolated / "runs"))
+    assert lone.cpus_per_trial is None and lone.trial_cpus == cpus and lone.options().cpus_per_trial == cpus
+    four = StudySpec(losses=("ce", "apao_pointwise"), num_samples=3, output_dir=str(isolated / "runs"))
+    assert four.resolved["search"].num_trials == 4 and four.trial_cpus == max(1, cpus // min(4, cpus))
+    assert StudySpec(losses=("ce", "apao_pointwise"), num_samples=3, max_concurrent=1,
+                     output_dir=str(isolated / "runs")).trial_cpus == cpus
+    assert StudySpec(losses=("ce",), cpus_per_trial=0.5, output_dir=str(isolated / "runs")).trial_cpus == 0.5
+
+
 def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
     from apao_ray import StudySpec
 

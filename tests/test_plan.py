@@ -275,9 +275,10 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
 
     def spec(max_concurrent):
         return apao_ray.StudySpec.quick(losses=("ce", "apao_pointwise"), num_samples=1, epochs=2,
-                                        max_concurrent=max_concurrent, output_dir=str(tmp_path / "runs"))
+                                        max_concurrent=max_concurrent, cpus_per_trial=1,  # one probe for both
+                                        output_dir=str(tmp_path / "runs"))
 
-    base, threads = spec(1).resolved["base"], trial_threads(spec(1).cpus_per_trial)
+    base, threads = spec(1).resolved["base"], trial_threads(spec(1).trial_cpus)
     rates = {"ce": 1 / 100, "apao_pointwise": 1 / 10}  # the tuned method is the slow one
     (tmp_path / "probes.json").write_text(json.dumps({probe_key(method_config(base, "tiger", loss), threads): {
         "train_s_per_sample": rate, "eval_s_per_user": 0.001, "peak_bytes": 2**30, "precision": "fp32", "threads":

@@ -51,7 +51,7 @@ def study_slots(spec: StudySpec, start_ray: bool) -> int:
         from .cli_train import available_cpus
 
         cpus = available_cpus()
-    return max(1, int(cpus // spec.cpus_per_trial))
+    return max(1, int(cpus // spec.trial_cpus))
 
 
 def plan_study(spec: StudySpec, start_ray: bool = False, use_cache: bool = True) -> Plan:

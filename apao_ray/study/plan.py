@@ -235,7 +235,8 @@ class Plan:
         fit, gib = self.fit, 2 ** 30
         allocator = f", allocator {self.allocator}" if self.allocator else ""
         lines = [f"plan: {self.num_trials} trials on {self.dataset}, protocol {self.protocol}, precision "
-                 f"{self.precision}{allocator}, {self.slots} at a time"]
+                 f"{self.precision}{allocator}, {self.slots} at a time, {self.threads} thread"
+                 f"{'s' if self.threads > 1 else ''} each"]
         estimates = self.cost_estimates()
         for m in self.fitted_methods:
             count = 1 if m.is_baseline else fit.trials_per_tuned
@@ -310,7 +311,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     splits = dataset.splits
     train_samples = min(len(splits["train"]), base.train.max_train_samples or len(splits["train"]))
     valid_users = validation_users(base, splits)
-    threads = trial_threads(spec.cpus_per_trial)
+    threads = trial_threads(spec.trial_cpus)
     methods, cached, observed, precisions, devices, allocators = [], 0, 0, set(), set(), set()
     side_by_side = SIDE_BY_SIDE_SLOWDOWN if slots > 1 and not spec.address else 1.0
     for backbone, loss, _ in search.allocation():

@@ -48,6 +48,9 @@ class StudySpec:
             stopped at it. None: no budget.
         protocol, protocol_knobs: the training protocol preset and knob overrides (docs/PROTOCOLS.md).
         max_concurrent: trials at once (None: the cluster's CPUs // cpus_per_trial).
+        cpus_per_trial: CPUs (and torch threads) per trial. None: on this machine, its CPUs shared by the
+            trials that can run at once (min of the trials, max_concurrent and the CPUs), at least 1 each, so
+            a lone trial on 2 CPUs trains on both; 1 on a cluster.
         tracking_uri: MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db).
         output_dir: Ray Tune state and checkpoints.
         resume, overwrite: continue the study of this name (refused if none) / start it again.
@@ -87,7 +90,7 @@ class StudySpec:
     protocol_knobs: dict[str, Any] = field(default_factory=dict)
     budget: str | float | None = None
     max_concurrent: int | None = None
-    cpus_per_trial: float = 1.0
+    cpus_per_trial: float | None = None
     gpus_per_trial: float = 0.0
     memory_per_trial_gib: float | None = None
     max_failures: int = 1
@@ -148,8 +151,8 @@ class StudySpec:
         check("lr", 0)
         check("gpus_per_trial", 0)
         check("memory_per_trial_gib", 0, optional=True, above=True)
-        check("cpus_per_trial", 0, above=True)
-        if self.cpus_per_trial <= 0.05:
+        check("cpus_per_trial", 0, above=True, optional=True)
+        if self.cpus_per_trial is not None and self.cpus_per_trial <= 0.05:
             raise ValueError(f"--cpus-per-trial {self.cpus_per_trial} leaves the trial's worker nothing; give more "
                              "than 0.05")
         for name, allowed in (("model_size", ("paper", "tiny")), ("precision", PRECISIONS),
@@ -231,7 +234,14 @@ class StudySpec:
         from .optuna_storage import resolve_storage_url
 
         output_dir = Path(self.output_dir).resolve()
-        self.resolved.update(dataset=dataset, base=base, search=search, study_name=study_name,
+        cpus_per_trial = self.cpus_per_trial
+        if cpus_per_trial is None:
+            from .cli_train import available_cpus
+
+            cpus = available_cpus()
+            at_once = min(search.num_trials, self.max_concurrent or cpus, cpus)
+            cpus_per_trial = 1.0 if self.address else float(max(1, cpus // at_once))
+        self.resolved.update(dataset=dataset, cpus_per_trial=cpus_per_trial, base=base, search=search, study_name=study_name,
                              tracking_uri=tracking_uri, output_dir=output_dir,
                              optuna_storage=resolve_storage_url(self.optuna_storage, tracking_uri, output_dir),
                              dataset_record=dataset_record_of(dataset, self.data_dir))
@@ -248,6 +258,11 @@ class StudySpec:
             check_resumable(tracking_uri, options, dataset.checksums)
         # after the checks on the data: a changed dataset is the first thing to say on a resume
         check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are
+
+    @property
+    def trial_cpus(self) -> float:
+        """CPUs per trial: ``cpus_per_trial``, or what None resolved to on this machine."""
+        return self.resolved["cpus_per_trial"]
 
     @property
     def dataset_loaded(self) -> Any:
@@ -276,7 +291,7 @@ class StudySpec:
         return StudyOptions(
             base=base, spec=search, study_name=self.resolved["study_name"], output_dir=self.resolved["output_dir"],
             tracking_uri=self.resolved["tracking_uri"], address=self.address,
-            max_concurrent=max_concurrent or self.max_concurrent or 1, cpus_per_trial=self.cpus_per_trial,
+            max_concurrent=max_concurrent or self.max_concurrent or 1, cpus_per_trial=self.trial_cpus,
             gpus_per_trial=self.gpus_per_trial, time_budget_s=budget, max_failures=self.max_failures,
             memory_per_trial_bytes=int(self.memory_per_trial_gib * 2**30) if self.memory_per_trial_gib else None,
             asha_grace_period=asha_grace_period or self.asha_grace_period, seed=self.search_seed,
