@@ -61,12 +61,18 @@ def test_a_spec_refuses_bad_input_at_construction_naming_it(isolated, changes, p
     assert not (isolated / "runs").exists() and not (isolated / "mlflow.db").exists()
 
 
-def test_cpus_per_trial_defaults_to_this_machines_cpus_shared_by_the_trials_at_once(isolated):
-    """A lone trial gets every CPU, trials that run at once share them (at least 1 each); a given value wins."""
+def test_cpus_per_trial_defaults_to_this_machines_cpus_shared_by_the_trials_at_once(isolated, monkeypatch):
+    """A lone trial gets every idle CPU, trials that run at once share them (at least 1 each), CPUs busy with
+    other work are left to it; a given value wins."""
+    import os
+
     from apao_ray import StudySpec
     from apao_ray.study.cli_train import available_cpus
 
     cpus = available_cpus()
+    monkeypatch.setattr(os, "getloadavg", lambda: (cpus - 0.7, 0.0, 0.0))  # all but one CPU busy
+    assert StudySpec(losses=("ce",), output_dir=str(isolated / "runs")).trial_cpus == 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.0, 0.0))  # idle
     lone = StudySpec(losses=("ce",), output_dir=str(isolated / "runs"))
     assert lone.cpus_per_trial is None and lone.trial_cpus == cpus and lone.options().cpus_per_trial == cpus
     four = StudySpec(losses=("ce", "apao_pointwise"), num_samples=3, output_dir=str(isolated / "runs"))

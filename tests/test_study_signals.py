@@ -114,7 +114,8 @@ def test_beside_a_busy_ray_process_pruned_trials_free_their_cpus_and_are_tested_
         assert busy.stdout.readline().strip() == "ready"
         uri = f"sqlite:///{tmp_path}/mlflow.db"
         result = run_script([SWEEP, "--smoke", "--losses", "apao_pointwise", "--num-samples", "3", "--epochs", "3",
-                             "--asha-grace-period", "1", "--max-concurrent", "1", "--output-dir", str(tmp_path / "runs"),
+                             "--asha-grace-period", "1", "--max-concurrent", "1", "--cpus-per-trial", "1",
+                             "--output-dir", str(tmp_path / "runs"),
                              # the paper's beta (0.3) runs first; the others draw beta up to 1000, which the
                              # epoch-1 rung must cut (a prefix loss 1000x CE swamps the next-item signal)
                              "--beta", "0.3:1000", "--tracking-uri", uri], cwd=tmp_path, timeout=540)

@@ -104,8 +104,9 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
     parser.add_argument("--max-concurrent", type=positive_int, default=None, help="trials at once (default: the cluster's CPUs // cpus-per-trial)")
     parser.add_argument("--cpus-per-trial", type=positive_float, default=DEFAULTS["cpus_per_trial"],
                         help="CPUs (and torch threads) per trial; 0.5 packs two trials per CPU, each on 1 thread "
-                             "(default: this machine's CPUs shared by the trials that run at once, at least 1 each: "
-                             "a lone trial on 2 CPUs gets 2; 1 on a cluster)")
+                             "(default: this machine's CPUs shared by the trials that run at once, at least 1 each and "
+                             "no more than the CPUs not busy at the start: a lone trial on an idle 2-CPU machine "
+                             "gets 2; 1 on a cluster)")
     parser.add_argument("--gpus-per-trial", type=non_negative_float, default=DEFAULTS["gpus_per_trial"],
                         help="GPUs per trial; fractions share a GPU (0.25) (default %(default)s)")
     parser.add_argument("--budget", type=duration, default=None, metavar="DURATION",

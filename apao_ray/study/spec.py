@@ -9,6 +9,7 @@ The sweep CLI only turns flags into a StudySpec; a notebook builds one directly:
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,9 @@ class StudySpec:
         protocol, protocol_knobs: the training protocol preset and knob overrides (docs/PROTOCOLS.md).
         max_concurrent: trials at once (None: the cluster's CPUs // cpus_per_trial).
         cpus_per_trial: CPUs (and torch threads) per trial. None: on this machine, its CPUs shared by the
-            trials that can run at once (min of the trials, max_concurrent and the CPUs), at least 1 each, so
-            a lone trial on 2 CPUs trains on both; 1 on a cluster.
+            trials that can run at once (min of the trials, max_concurrent and the CPUs), at least 1 each, and
+            no more than the CPUs not busy now (load average), so a lone trial on an idle 2-CPU machine trains
+            on both; 1 on a cluster.
         tracking_uri: MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db).
         output_dir: Ray Tune state and checkpoints.
         resume, overwrite: continue the study of this name (refused if none) / start it again.
@@ -240,7 +242,12 @@ class StudySpec:
 
             cpus = available_cpus()
             at_once = min(search.num_trials, self.max_concurrent or cpus, cpus)
-            cpus_per_trial = 1.0 if self.address else float(max(1, cpus // at_once))
+            # CPUs busy with other work now (the 1-minute load average, this process's start-up included) are
+            # left to it: a 2-thread trial given one core's worth ran 10x slower than alone, 3.6x slower than
+            # on 1 thread (OpenMP threads waiting on each other; benchmarks/RESULTS.md, session 16)
+            busy = int(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0
+            free = max(1, cpus - busy)
+            cpus_per_trial = 1.0 if self.address else float(max(1, min(cpus // at_once, free)))
         self.resolved.update(dataset=dataset, cpus_per_trial=cpus_per_trial, base=base, search=search, study_name=study_name,
                              tracking_uri=tracking_uri, output_dir=output_dir,
                              optuna_storage=resolve_storage_url(self.optuna_storage, tracking_uri, output_dir),
