@@ -238,16 +238,7 @@ class StudySpec:
         output_dir = Path(self.output_dir).resolve()
         cpus_per_trial = self.cpus_per_trial
         if cpus_per_trial is None:
-            from .cli_train import available_cpus
-
-            cpus = available_cpus()
-            at_once = min(search.num_trials, self.max_concurrent or cpus, cpus)
-            # CPUs busy with other work now (the 1-minute load average, this process's start-up included) are
-            # left to it: a 2-thread trial given one core's worth ran 10x slower than alone, 3.6x slower than
-            # on 1 thread (OpenMP threads waiting on each other; benchmarks/RESULTS.md, session 16)
-            busy = int(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0
-            free = max(1, cpus - busy)
-            cpus_per_trial = 1.0 if self.address else float(max(1, min(cpus // at_once, free)))
+            cpus_per_trial = 1.0 if self.address else local_cpus_per_trial(search.num_trials, self.max_concurrent)
         self.resolved.update(dataset=dataset, cpus_per_trial=cpus_per_trial, base=base, search=search, study_name=study_name,
                              tracking_uri=tracking_uri, output_dir=output_dir,
                              optuna_storage=resolve_storage_url(self.optuna_storage, tracking_uri, output_dir),
@@ -306,6 +297,19 @@ class StudySpec:
             retry_failed=self.retry_failed, enqueue_paper_setting=self.enqueue_paper_setting,
             optuna_storage=self.resolved["optuna_storage"], optuna_storage_given=self.optuna_storage is not None,
             dataset_record=self.resolved["dataset_record"], **extra)
+
+
+def local_cpus_per_trial(num_trials: int, max_concurrent: int | None) -> float:
+    """This machine's CPUs shared by the trials that can run at once, but no more than the CPUs not busy now
+    (1-minute load average, this process's start-up included): a 2-thread trial given one core's worth ran
+    10x slower than alone, 3.6x slower than on 1 thread (OpenMP threads waiting on each other;
+    benchmarks/RESULTS.md, session 16)."""
+    from .cli_train import available_cpus
+
+    cpus = available_cpus()
+    at_once = min(num_trials, max_concurrent or cpus, cpus)
+    busy = int(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0
+    return float(max(1, min(cpus // at_once, cpus - busy)))
 
 
 def check_seeds(seeds: Any, seed: int) -> tuple[int, ...]:
