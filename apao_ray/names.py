@@ -6,6 +6,7 @@ One place for each, imported by both sides. It imports neither torch nor Ray, so
 """
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,6 +22,9 @@ WALL, CPU, RSS, GPU_MEMORY, ENERGY = ("cost/wall_seconds", "cost/cpu_seconds", "
                                       "cost/peak_gpu_memory_mb", "cost/energy_kwh")
 SUMMED = (WALL, CPU, ENERGY)
 
+# every report of a trial, one JSON line each, appended across restarts, in its run directory
+REPORTS_FILE = "metrics.jsonl"
+
 # files of a finished trial's final checkpoint
 PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial
 
@@ -30,6 +34,14 @@ SCRATCH_PREFIX = "apao-worker-"  # + the Train run's name: a worker's scratch di
 def train_run_name(trial_id: str) -> str:
     """A trial's Train run name, from the Tune trial id and no timestamp: a restored trial finds its checkpoints."""
     return f"train-trial_id={trial_id}"
+
+
+def read_reports(train_root: str | Path, trial_id: str) -> list[dict]:
+    """The reports a trial's runs have written so far under ``train_root`` (none if it never ran), oldest first."""
+    path = Path(train_root) / train_run_name(trial_id) / REPORTS_FILE
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def scratch_prefix(run_name: str) -> str:

@@ -76,6 +76,22 @@ def test_a_restored_searcher_keeps_its_trials_and_asks_a_lost_trial_again_under_
     assert [t.state.name for t in study.trials] == ["WAITING"]  # only the baseline's enqueued point
 
 
+def test_intermediate_values_are_keyed_by_epoch_across_a_resume(tmp_path):
+    """A trial resumed at epoch 5 reports Tune's training_iteration 1 again: Optuna must hear epoch 5,
+    not a second step 1 (which it ignores with a warning)."""
+    spec = SearchSpec(("tiger",), ("apao_pointwise",), trials_per_tuned=1)
+    url, name = f"sqlite:///{tmp_path}/optuna.db", "apao-synthetic/s"
+    searcher = optuna_storage.make_searcher(spec, METRIC, url, name, seed=0)
+    searcher.suggest("t")
+    for iteration, epoch in [(1, 1), (2, 2), (1, 3), (2, 4)]:  # the driver stopped after epoch 2, then resumed
+        searcher.on_trial_result("t", {"training_iteration": iteration, "epoch": epoch, METRIC: epoch / 10})
+    # the final report repeats epoch 4 with the test metrics: not an intermediate value
+    searcher.on_trial_result("t", {"training_iteration": 3, "epoch": 4, METRIC: 0.4, "done": True})
+    searcher.on_trial_complete("t", {"epoch": 4, METRIC: 0.4})
+    trial, = optuna.load_study(study_name=name, storage=url).trials
+    assert trial.intermediate_values == {1: 0.1, 2: 0.2, 3: 0.3, 4: 0.4} and trial.value == 0.4
+
+
 def test_each_method_is_searched_from_its_own_trials():
     """Method B always scores above method A. Optuna's TPE splits all trials by value, so none of A's
     trials is "good" and its proposals for A are near-random; per-method TPE converges on A's optimum."""

@@ -20,7 +20,7 @@ def _report(scheduler, trial, epoch: int, value: float) -> str:
 def scheduler():
     from apao_ray.study.scheduler import PerMethodASHA
 
-    # 5 epochs + the final report; rungs at report 1 and 4 (reduction factor 4)
+    # 5 epochs (max_t one past the last); rungs at epochs 1 and 4 (reduction factor 4)
     return PerMethodASHA(metric=METRIC, mode="max", max_t=6, grace_period=1)
 
 
@@ -63,11 +63,62 @@ def test_within_a_method_the_weak_trial_is_pruned_and_its_epoch_recorded(schedul
     assert _report(scheduler, other_method, 1, 0.1) == TrialScheduler.CONTINUE
     assert _report(scheduler, weak, 1, 0.1) == TrialScheduler.STOP  # below its method's rung cutoff
     assert pruned_epoch("weak") == 1 and pruned_epoch("pair") is None and pruned_epoch("p0") is None
-    # the final (test) report of a trial that reached the end is not a pruning
+    # the last epoch's report is not taken for the end (max_t is one past it), and the final (test) report
+    # of a trial that reached the end is not a pruning, even where ASHA says stop
     scheduler.on_trial_complete(None, weak, {"training_iteration": 1, METRIC: 0.1})
-    assert scheduler.on_trial_result(None, strong[2], {"training_iteration": 6, "epoch": 5, METRIC: 0.8,
+    assert _report(scheduler, strong[2], 5, 0.8) == TrialScheduler.CONTINUE
+    assert scheduler.on_trial_result(None, strong[2], {"training_iteration": 6, "epoch": 6, METRIC: 0.8,
                                                        "done": True}) == TrialScheduler.STOP
     assert pruned_epoch("p2") is None
+
+
+def test_a_resumed_trial_meets_the_rung_of_its_epoch_not_of_its_reports_since_the_restart(scheduler):
+    """Tune's training_iteration restarts at 1 when a study resumes: the rungs must count epochs."""
+    from ray.tune.schedulers import TrialScheduler
+
+    from apao_ray.study.scheduler import pruned_epoch
+
+    strong = _add(scheduler, *(_trial(f"s{k}", "apao_pointwise") for k in range(3)))
+    for epoch in range(1, 5):  # weak at first (rung 1), strong by rung 4
+        for k, trial in enumerate(strong):
+            _report(scheduler, trial, epoch, (0.1 if epoch == 1 else 0.8) + 0.05 * k)
+    resumed, = _add(scheduler, _trial("resumed", "apao_pointwise"))
+    # its first report after the restart: iteration 1, epoch 4; 0.5 passes rung 1's cutoff, not rung 4's
+    result = {"training_iteration": 1, "epoch": 4, METRIC: 0.5}
+    assert scheduler.on_trial_result(None, resumed, result) == TrialScheduler.STOP
+    assert pruned_epoch("resumed") == 4
+
+
+def test_a_resumed_study_puts_its_trials_back_in_the_rungs_they_had_reached(tmp_path):
+    """Tune saves no scheduler state: the rungs of a resumed study are rebuilt from the trials' reports."""
+    import json
+
+    from ray.tune.schedulers import TrialScheduler
+
+    from apao_ray.names import REPORTS_FILE, train_run_name
+    from apao_ray.study.scheduler import PerMethodASHA
+
+    def write_reports(trial_id: str, values: list[float], final: bool = False) -> None:
+        run_dir = tmp_path / train_run_name(trial_id)
+        run_dir.mkdir()
+        lines = [{"epoch": e, "training_iteration": e, METRIC: v} for e, v in enumerate(values, 1)]
+        lines += [{"epoch": len(values), METRIC: 0.0, "done": True}] if final else []  # not a rung result
+        (run_dir / REPORTS_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    for k in range(3):  # finished before the interruption
+        write_reports(f"s{k}", [0.1, 0.8, 0.8, 0.8 + 0.05 * k, 0.9], final=True)
+    write_reports("resumed", [0.1, 0.3, 0.4])  # stopped by the interruption after epoch 3
+    scheduler = PerMethodASHA(metric=METRIC, mode="max", max_t=6, grace_period=1, train_root=tmp_path)
+    resumed = _trial("resumed", "apao_pointwise")
+    _add(scheduler, *(_trial(f"s{k}", "apao_pointwise") for k in range(3)), resumed)
+    # its first report after the restart: compared with the others' epoch 4, which only their files still hold
+    assert scheduler.on_trial_result(None, resumed, {"training_iteration": 1, "epoch": 4, METRIC: 0.5}) \
+        == TrialScheduler.STOP
+    # a fresh scheduler without the files would have let it through
+    fresh = PerMethodASHA(metric=METRIC, mode="max", max_t=6, grace_period=1)
+    _add(fresh, _trial("resumed", "apao_pointwise"))
+    assert fresh.on_trial_result(None, resumed, {"training_iteration": 1, "epoch": 4, METRIC: 0.5}) \
+        == TrialScheduler.CONTINUE
 
 
 def test_a_pruned_trial_is_tested_on_a_checkpoint_the_scheduler_saw_not_one_saved_after_the_stop(tmp_path):

@@ -25,6 +25,7 @@ from optuna.trial import TrialState
 from ray.tune.search.optuna import OptunaSearch
 
 from ..tracking import redact
+from .scheduler import TIME_ATTR
 from .space import SEPARATOR, SearchSpec
 
 OPTUNA_DB_NAME = "optuna.db"
@@ -148,7 +149,16 @@ class PerMethodTPESampler(BaseSampler):
 
 
 class PersistentOptunaSearch(OptunaSearch):
-    """``OptunaSearch`` whose restore puts back the Optuna trials a killed driver left behind."""
+    """``OptunaSearch`` whose restore puts back the Optuna trials a killed driver left behind, and whose
+    intermediate values are keyed by epoch (Ray's are by ``training_iteration``, which restarts at 1 when a
+    trial resumes: Optuna then ignored the resumed epochs as steps already reported)."""
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        if result.get("done") or TIME_ATTR not in result or self.metric not in result:
+            return  # the final (test) report repeats the last epoch; its value reaches on_trial_complete
+        if trial_id in self._completed_trials:
+            return super().on_trial_result(trial_id, result)  # Ray's own warning
+        self._ot_trials[trial_id].report(result[self.metric], int(result[TIME_ATTR]))
 
     def restore(self, checkpoint_path: str) -> None:
         super().restore(checkpoint_path)

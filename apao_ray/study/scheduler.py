@@ -8,11 +8,16 @@ entering any rung.
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, TrialScheduler
 
+from ..names import read_reports
 from .space import is_baseline
+
+# what the rungs count: every report of a trial (each epoch's and the final test one) carries its epoch
+TIME_ATTR = "epoch"
 
 # trial id -> the epoch at which the scheduler stopped it, for the trials it stopped in this driver
 # process. The MLflow callback reads it to say "pruned at epoch e" only of trials really pruned
@@ -34,12 +39,19 @@ class PerMethodASHA(FIFOScheduler):
 
     Args:
         metric, mode, max_t, grace_period, reduction_factor: as for ``ray.tune.schedulers.ASHAScheduler``;
-            ``max_t`` and ``grace_period`` count reports (one per epoch, plus the final test report).
+            ``max_t`` and ``grace_period`` count epochs (the results' ``epoch``; ``max_t`` one past the last
+            epoch, so that the last epoch's report is not taken for the end and stopped before its test).
+            Not Tune's ``training_iteration``: it counts a trial's reports since it last started, so a trial
+            resumed at epoch 15 reports iteration 1 and would meet the rungs again from the start.
+        train_root: where the trials' runs write their reports (``names.read_reports``); a resumed study's
+            trials are put back in their rungs from it as Tune adds them.
     """
 
-    def __init__(self, metric: str, mode: str, max_t: int, grace_period: int, reduction_factor: float = 4) -> None:
+    def __init__(self, metric: str, mode: str, max_t: int, grace_period: int, reduction_factor: float = 4,
+                 train_root: str | Path | None = None) -> None:
         super().__init__()
         self._metric, self._mode = metric, mode
+        self.train_root = train_root
         self.asha_options = dict(metric=metric, mode=mode, max_t=max_t, grace_period=min(grace_period, max_t),
                                  reduction_factor=reduction_factor)
         self.per_method: dict[tuple[str, str], ASHAScheduler] = {}
@@ -49,13 +61,27 @@ class PerMethodASHA(FIFOScheduler):
             return None
         key = method_of(trial)
         if key not in self.per_method:
-            self.per_method[key] = ASHAScheduler(**self.asha_options)
+            # time_attr here, not in asha_options: a study started before it, restored (Tune unpickles its
+            # scheduler), counts epochs too
+            self.per_method[key] = ASHAScheduler(time_attr=TIME_ATTR, **self.asha_options)
         return self.per_method[key]
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         asha = self._asha(trial)
         if asha is not None:
             asha.on_trial_add(tune_controller, trial)
+            self._replay(asha, tune_controller, trial)
+
+    def _replay(self, asha: ASHAScheduler, tune_controller: Any, trial: Any) -> None:
+        """Puts back in the rungs what a resumed study's trial reported before the interruption (Tune saves
+        no scheduler state): its epochs' results from ``train_root``, the stop decisions ignored (taken then)."""
+        train_root = getattr(self, "train_root", None)  # None in a study pickled before it existed
+        if train_root is None:
+            return
+        by_epoch = {int(r[TIME_ATTR]): r[self._metric] for r in read_reports(train_root, trial.trial_id)
+                    if TIME_ATTR in r and self._metric in r and not r.get("done")}
+        for epoch in sorted(by_epoch):
+            asha.on_trial_result(tune_controller, trial, {TIME_ATTR: epoch, self._metric: by_epoch[epoch]})
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict) -> str:
         asha = self._asha(trial)
@@ -63,7 +89,7 @@ class PerMethodASHA(FIFOScheduler):
             return TrialScheduler.CONTINUE
         decision = asha.on_trial_result(tune_controller, trial, result)
         if decision == TrialScheduler.STOP and not result.get("done"):
-            _pruned_at[trial.trial_id] = int(result.get("epoch", result.get("training_iteration", 0)))
+            _pruned_at[trial.trial_id] = int(result[TIME_ATTR])
         return decision
 
     def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:

@@ -276,9 +276,9 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
         note = optuna_storage.startup_note(options.spec)
         if note:
             print(note, file=sys.stderr)
-        # max_t: one report per epoch plus the final (test) report, which ASHA must not cut off
+        # rungs count epochs; max_t one past the last, so that ASHA never cuts the last epoch off from its test
         scheduler = PerMethodASHA(metric=metric, mode="max", max_t=options.base.train.epochs + 1,
-                                  grace_period=options.asha_grace_period)
+                                  grace_period=options.asha_grace_period, train_root=train_root)
         tuner = tune.Tuner(trainable, tune_config=tune.TuneConfig(
             search_alg=searcher, scheduler=scheduler, num_samples=options.spec.num_trials,
             max_concurrent_trials=options.max_concurrent, time_budget_s=options.time_budget_s),

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..names import REPORTS_FILE
 from .checkpoint import latest_checkpoint_in
 
 
@@ -45,7 +46,7 @@ class TrainingHooks:
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         self.reports.append(dict(metrics))
-        with open(self.output_dir / "metrics.jsonl", "a") as handle:
+        with open(self.output_dir / REPORTS_FILE, "a") as handle:
             handle.write(json.dumps(metrics) + "\n")
         if checkpoint_dir is not None:
             root = self.output_dir / "checkpoints"
