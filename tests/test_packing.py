@@ -33,11 +33,14 @@ def paper_like(backbone: str) -> Backbone:
 
 
 @pytest.mark.parametrize("backbone", sorted(BACKBONES))
-@pytest.mark.parametrize("bucket_rows", [None, 5, 1000])
-def test_packed_equals_padded_in_float64(backbone, bucket_rows, monkeypatch):
-    """Logits and every parameter's gradient agree to 1e-9 on histories of mixed lengths."""
+@pytest.mark.parametrize("bucket_rows, token_multiple", [(None, None), (5, None), (1000, None), (5, 64), (None, 128)])
+def test_packed_equals_padded_in_float64(backbone, bucket_rows, token_multiple, monkeypatch):
+    """Logits and every parameter's gradient agree to 1e-9 on histories of mixed lengths, also with
+    spare packed rows (bf16 autocast's rounding; they must reach no real token)."""
     if bucket_rows is not None:
         monkeypatch.setattr("apao_ray.models.packing.CPU_BUCKET_ROWS", bucket_rows)
+    if token_multiple is not None:
+        monkeypatch.setattr("apao_ray.models.packing.default_token_multiple", lambda device: token_multiple)
     model = paper_like(backbone)
     ids, mask, candidates = mixed_length_batch()
     results = {}
@@ -53,17 +56,35 @@ def test_packed_equals_padded_in_float64(backbone, bucket_rows, monkeypatch):
     assert max(float((a - b).abs().max()) for a, b in zip(padded_grads, packed_grads)) <= 1e-9
 
 
-def test_packing_maps_round_trip_and_buckets_are_tight():
+@pytest.mark.parametrize("token_multiple", [1, 64])
+def test_packing_maps_round_trip_and_buckets_are_tight(token_multiple):
     ids, mask, _ = mixed_length_batch(num_rows=50, length=20)
-    packing = PackedHistory.from_mask(mask, bucket_rows=8)
+    packing = PackedHistory.from_mask(mask, bucket_rows=8, token_multiple=token_multiple)
+    real = int(mask.sum())
+    assert packing.num_tokens == real and (packing.spare == 0) == (token_multiple == 1)
     packed = packing.pack(ids)
-    assert packed.shape == (int(mask.sum()),) and (packed != PAD_TOKEN).all()
+    assert packed.shape == (real + packing.spare,) and packed.shape[0] % token_multiple == 0
+    # a spare row left in the matrix by mistake would overwrite a real token (index 0) on unpack
+    packed[real:] = -1
+    assert (packed[:real] != PAD_TOKEN).all()
     assert torch.equal(packing.unpack(packed), ids.masked_fill(~mask, 0))
     assert torch.equal(packed[packing.last_token], ids[:, -1])               # each row's last real token
     assert [b.num_rows for b in packing.buckets] == [8] * 6 + [2]
     for bucket in packing.buckets:  # every bucket pads only to its own longest row
         assert bucket.length == int(bucket.key_mask.sum(dim=1).max())
         assert torch.equal(bucket.pack(bucket.unpack(packed[bucket.start:bucket.end])), packed[bucket.start:bucket.end])
+
+
+def test_packed_rows_are_rounded_only_under_bf16_autocast_on_a_cpu():
+    """oneDNN's primitive cache (bf16) is what the rounding is for; fp32 would only pay for the spare rows."""
+    from apao_ray.models.packing import CPU_TOKEN_MULTIPLE
+
+    _, mask, _ = mixed_length_batch(num_rows=50, length=20)
+    assert PackedHistory.from_mask(mask).spare == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        packing = PackedHistory.from_mask(mask)
+    assert CPU_TOKEN_MULTIPLE > 1 and packing.spare > 0
+    assert (packing.num_tokens + packing.spare) % CPU_TOKEN_MULTIPLE == 0
 
 
 @pytest.mark.parametrize("backbone", sorted(BACKBONES))

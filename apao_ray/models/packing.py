@@ -24,6 +24,20 @@ import torch
 # Rows per attention bucket on a CPU: 32 rows of a sorted batch of 128-256 pad to within a
 # few tokens of their own length. Accelerators take the batch in one bucket (one kernel).
 CPU_BUCKET_ROWS = 32
+# Under bf16 autocast on a CPU the packed token count is rounded up to a multiple of this with spare
+# rows that no real token sees: oneDNN (torch's bf16 CPU kernels) builds and caches one primitive per
+# op and shape, up to 1024, and every random batch's own token count filled that cache with ~0.5 GiB
+# of primitives never used again. Rounded (<= 3% more token-wise work at micro-batch 128), Office TIGER
+# CE bf16 at 1 thread: peak RSS 1.95 -> 1.27 GiB, an epoch 0.97x the time. In fp32 (no such cache)
+# rounding only cost time (1.02x at 256), so it is not done (RESULTS.md session 17).
+CPU_TOKEN_MULTIPLE = 128
+
+
+def default_token_multiple(device: torch.device) -> int:
+    """``CPU_TOKEN_MULTIPLE`` on a CPU under bf16 autocast, else 1 (no rounding)."""
+    if device.type == "cpu" and torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16:
+        return CPU_TOKEN_MULTIPLE
+    return 1
 
 
 @dataclass(frozen=True)
@@ -60,10 +74,15 @@ class Bucket:
 class PackedHistory:
     """The real tokens of a left-padded (B, L) batch and the maps back to padded layouts.
 
+    The packed matrices may end with ``spare`` rows after the N real tokens (``CPU_TOKEN_MULTIPLE``):
+    token-wise layers run on them, attention leaves them out (their output is zero) and :meth:`unpack`
+    drops them, so no real token depends on them.
+
     Attributes:
-        token_index: (N,) int64 flat index into the (B * L) padded batch of each packed token.
-        positions: (N,) int64 position of each token within its row (0 = the row's first real
-            token), i.e. the RoPE position of the padded layout.
+        token_index: (N + spare,) int64 flat index into the (B * L) padded batch of each packed token
+            (a spare row reads index 0).
+        positions: (N + spare,) int64 position of each token within its row (0 = the row's first real
+            token), i.e. the RoPE position of the padded layout (0 on spare rows).
         last_token: (B,) int64 packed index of each row's last real token (its EOS), in the
             batch's row order.
         buckets: the attention buckets, in packed order.
@@ -76,20 +95,26 @@ class PackedHistory:
     buckets: tuple[Bucket, ...]
     num_rows: int
     length: int
+    spare: int = 0
 
     @classmethod
-    def from_mask(cls, history_mask: torch.Tensor, bucket_rows: int | None = None) -> "PackedHistory":
+    def from_mask(cls, history_mask: torch.Tensor, bucket_rows: int | None = None,
+                  token_multiple: int | None = None) -> "PackedHistory":
         """Builds the packing of a left-padded batch.
 
         Args:
             history_mask: (B, L) bool, True on real tokens; real tokens are right-aligned.
             bucket_rows: rows per attention bucket; default ``CPU_BUCKET_ROWS`` on CPU and
                 the whole batch elsewhere.
+            token_multiple: the packed rows are rounded up to a multiple of it with spare rows;
+                default :func:`default_token_multiple`.
         """
         num_rows, length = history_mask.shape
         device = history_mask.device
         if bucket_rows is None:
             bucket_rows = CPU_BUCKET_ROWS if device.type == "cpu" else max(1, num_rows)
+        if token_multiple is None:
+            token_multiple = default_token_multiple(device)
         lengths = history_mask.sum(dim=1)                                      # (B,)
         order = lengths.argsort(descending=True, stable=True)                  # (B,) longest first
         sorted_lengths = lengths[order]
@@ -115,19 +140,26 @@ class PackedHistory:
             columns = torch.arange(bucket_length, device=device)
             key_mask = columns[None, :] >= bucket_length - sorted_lengths[first:last, None]   # (b, l)
             buckets.append(Bucket(start, end, last - first, bucket_length, scatter, key_mask))
-        return cls(token_index, positions, last_token, tuple(buckets), num_rows, length)
+        spare = -num_tokens % token_multiple
+        if spare:
+            token_index = torch.cat([token_index, token_index.new_zeros(spare)])
+            positions = torch.cat([positions, positions.new_zeros(spare)])
+        return cls(token_index, positions, last_token, tuple(buckets), num_rows, length, spare)
 
     @property
     def num_tokens(self) -> int:
-        return self.token_index.shape[0]
+        """N, the real tokens (the packed matrices have ``spare`` more rows)."""
+        return self.token_index.shape[0] - self.spare
 
     def pack(self, padded: torch.Tensor) -> torch.Tensor:
-        """(B, L, ...) in the batch's padded layout -> (N, ...) real tokens in packed order."""
+        """(B, L, ...) in the batch's padded layout -> (N + spare, ...) real tokens in packed order."""
         return padded.reshape(self.num_rows * self.length, *padded.shape[2:]).index_select(0, self.token_index)
 
     def unpack(self, packed: torch.Tensor) -> torch.Tensor:
-        """(N, ...) -> (B, L, ...) in the batch's padded layout, zeros on PAD."""
-        padded = packed.new_zeros((self.num_rows * self.length, *packed.shape[1:])).index_copy_(0, self.token_index, packed)
+        """(N + spare, ...) -> (B, L, ...) in the batch's padded layout, zeros on PAD (spare rows dropped)."""
+        real = self.num_tokens
+        padded = packed.new_zeros((self.num_rows * self.length, *packed.shape[1:])).index_copy_(
+            0, self.token_index[:real], packed[:real])
         return padded.view(self.num_rows, self.length, *packed.shape[1:])
 
 
@@ -142,16 +174,18 @@ def attend_in_buckets(packing: PackedHistory, qkv: torch.Tensor, num_heads: int,
             bucket's b rows padded to length l; padding queries' outputs are dropped.
 
     Returns:
-        (N, num_heads * head_dim) attention outputs in packed order.
+        (N + spare, num_heads * head_dim) attention outputs in packed order (zeros on spare rows).
     """
     outputs = []
     # one split, not a slice per bucket: a slice's backward writes its gradient into zeros of the whole
     # (N, 3 * inner) input, so k buckets cost k full-size fills and k - 1 full-size additions (~10% of a
     # CE training step with 8 buckets); the split's backward concatenates the buckets' gradients once
-    parts = qkv.split([bucket.end - bucket.start for bucket in packing.buckets])
+    parts = qkv.split([bucket.end - bucket.start for bucket in packing.buckets] + [packing.spare])
     for index, (bucket, part) in enumerate(zip(packing.buckets, parts)):
         shape = (bucket.num_rows, bucket.length, 3, num_heads, head_dim)
         q, k, v = bucket.unpack(part).view(shape).permute(2, 0, 3, 1, 4).unbind(0)   # (b, H, l, dh) each
         out = attend(index, q, k, v)                                                  # (b, H, l, dh)
         outputs.append(bucket.pack(out.transpose(1, 2).reshape(bucket.num_rows, bucket.length, -1)))
-    return torch.cat(outputs)                                                         # (N, H*dh)
+    if packing.spare:
+        outputs.append(outputs[-1].new_zeros((packing.spare, num_heads * head_dim)))
+    return torch.cat(outputs)                                                         # (N + spare, H*dh)
