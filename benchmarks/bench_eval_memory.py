@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import importlib
 import json
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from apao_ray.models import build_model
 from apao_ray.training.evaluation import evaluate_split
 from apao_ray.study.plan import cpu_model
 from apao_ray.training.precision import resolve_precision
+
+full_sort = importlib.import_module("apao_ray.decoding.full_sort")  # the module (the package exports its function)
 
 
 def memory_gib() -> tuple[float, float]:
@@ -46,8 +49,12 @@ def main() -> None:
     parser.add_argument("--data-dir", default=None, help="datasets directory (default: the usual search)")
     parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"), help="(default %(default)s)")
     parser.add_argument("--retention-users", type=int, default=128, help="full-sort users (default %(default)s)")
+    parser.add_argument("--max-logit-elements", type=int, default=full_sort.MAX_LOGIT_ELEMENTS,
+                        help="the full sort's chunk bound, logits per chunk (default %(default)s; 67108864 before "
+                             "session 17)")
     parser.add_argument("--json-out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
+    full_sort.MAX_LOGIT_ELEMENTS = args.max_logit_elements
     torch.set_num_threads(1)
     device = torch.device("cpu")
     dataset = load_dataset("office", args.data_dir)
@@ -63,12 +70,14 @@ def main() -> None:
                        device, None)
         rss, peak = memory_gib()
         rows.append({"phase": phase, "seconds": time.perf_counter() - start, "rss_gib": rss, "peak_gib": peak})
-    print(f"Office, TIGER paper size, precision {precision}, 1 thread, {cpu_model()}")
+    print(f"Office, TIGER paper size, precision {precision}, 1 thread, full-sort chunks of <= "
+          f"{args.max_logit_elements} logits, {cpu_model()}")
     print("| phase | s | RSS after GiB | peak GiB |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['phase']} | {row['seconds']:.0f} | {row['rss_gib']:.2f} | {row['peak_gib']:.2f} |")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"cpu": cpu_model(), "precision": precision, "torch": torch.__version__,
+                                                   "max_logit_elements": args.max_logit_elements,
                                                    "rows": rows}, indent=1))
 
 
