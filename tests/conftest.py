@@ -16,12 +16,61 @@ for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_EN
                    "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}.items():
     os.environ.setdefault(key, value)
 
+
+def _usable_cpus() -> int:
+    """As apao_ray.study.cli_train.available_cpus, which imports torch: here the thread variables come first."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# in a pytest-xdist worker: a share of the CPUs for this process's torch and the subprocesses its tests start
+# (trials set their own from --cpus-per-trial): two workers' full-size OpenMP pools on 2 CPUs spin against
+# each other and every test runs slower
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    _share = str(max(1, _usable_cpus() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    for _name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(_name, _share)
+
 # the studies' timing probes: one cache per test session, shared by its sweep subprocesses (the first
 # sweep of a config measures, later ones read), never the user's ~/.cache/apao_ray/probes.json
 _PROBE_CACHE_DIR = tempfile.TemporaryDirectory(prefix="apao-probes-")  # removed at interpreter exit
 os.environ.setdefault("APAO_PROBE_CACHE", os.path.join(_PROBE_CACHE_DIR.name, "probes.json"))
 
 from apao_ray.training.hooks import TrainingHooks  # noqa: E402 - after the environment above
+
+GIB_PER_WORKER = 8    # a worker's heaviest tests run a 3-trial study under 2.5-8 GiB caps
+MAX_WORKERS = 4       # beyond this the e2e tests' local Rays and MLflow servers contend more than they gain
+
+
+# modules whose module-scoped fixture runs a study or trains a model: each is handed whole to one worker,
+# which builds that fixture once (xdist's own `xdist_group` marks are ignored under pytest 9: pytest-xdist#1386)
+ONE_WORKER_MODULES = frozenset({"test_sweep.py", "test_analysis_e2e.py", "test_api.py", "test_serve.py", "test_export.py"})
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Every test is its own unit of work except in ONE_WORKER_MODULES; the largest units (those modules)
+    are handed out first (xdist's --loadscope-reorder), then the rest in collection order, e2e tests first
+    (pytest_collection_modifyitems) so that the long ones do not end the run on one worker."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return module if module.rsplit("/", 1)[-1] in ONE_WORKER_MODULES else nodeid
+
+    return Scheduling(config, log)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and sorts, the same way
+        items.sort(key=lambda item: item.get_closest_marker("e2e") is None)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): one pytest-xdist worker per usable CPU, at most MAX_WORKERS and one
+    per GIB_PER_WORKER of memory. The suite on its own keeps about one CPU busy (its tests wait on Ray,
+    MLflow servers and subprocess start-ups), so 2 workers on 2 CPUs halve its time."""
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(_usable_cpus(), MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
 
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 

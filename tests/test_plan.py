@@ -293,3 +293,26 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
     # the study runs that order: its options' searcher allocates the slow method's trial first
     options = spec(2).options(start_order=side_by_side.start_order)
     assert [a[1] for a in options.spec.allocation()] == ["apao_pointwise", "ce"]
+
+
+_WRITER = """
+import sys
+from pathlib import Path
+from apao_ray.study.plan import _write_cache
+for n in range(300):
+    _write_cache(Path(sys.argv[1]), {sys.argv[2]: n})
+"""
+
+
+def test_two_studies_writing_the_probe_cache_at_once_never_fail_or_leave_half_a_file(tmp_path):
+    """Two sweeps on one machine (or two test workers) probe and write the shared cache at the same time."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "probes.json"
+    writers = [subprocess.Popen([sys.executable, "-c", _WRITER, str(path), name], stderr=subprocess.PIPE, text=True)
+               for name in ("a", "b")]
+    errors = [writer.communicate(timeout=120)[1] for writer in writers]
+    assert [writer.returncode for writer in writers] == [0, 0], errors
+    assert list(json.loads(path.read_text()).values()) == [299]  # the last write of one of them, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["probes.json"]  # no temporary file left behind

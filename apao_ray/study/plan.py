@@ -126,9 +126,9 @@ def _read_cache(path: Path) -> dict[str, Any]:
 
 def _write_cache(path: Path, cache: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: two studies probing at once
     tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: two studies probing at once never leave half a file
+    tmp.replace(path)  # atomic: never half a file
 
 
 def _with_observed(entry: dict[str, Any]) -> Probe:
