@@ -1,0 +1,98 @@
+"""Resumes that must be refused before anything runs (a dataset changed since the study started, another
+Optuna storage) and --overwrite, which retires the old study's runs: real SQLite MLflow stores, no Ray."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
+                           overwrite: bool = False):
+    """What a first run of the study leaves in MLflow: its parent run with the dataset checksums."""
+    from apao_ray.study.space import SearchSpec
+    from apao_ray.study.sweep import StudyOptions, open_parent_run
+    from apao_ray.config import DataConfig, TrialConfig
+    from apao_ray.tracking import Tracker
+
+    options = StudyOptions(base=TrialConfig(DataConfig(dataset="tiny")), spec=SearchSpec(("tiger",), ("ce",)),
+                           study_name=study, output_dir=output_dir, tracking_uri=tracking_uri, command_line=argv,
+                           overwrite=overwrite)
+    return open_parent_run(Tracker(tracking_uri, "apao-tiny"), options, checksums)
+
+
+def _started_tiny_study(tmp_path: Path, monkeypatch) -> tuple[list[str], str, dict[str, str], str]:
+    """A tiny dataset and the MLflow parent run a first start of study 's' left: (argv, uri, checksums, parent)."""
+    from apao_ray.data import load_dataset
+    from test_data_files import write_dataset
+
+    monkeypatch.chdir(tmp_path)
+    write_dataset(tmp_path / "data", "tiny")
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    argv = ["--dataset", "tiny", "--data-dir", str(tmp_path / "data"), "--losses", "ce", "--beam-size", "2",
+            "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri, "--study-name", "s"]
+    checksums = load_dataset("tiny", str(tmp_path / "data"), allow_download=False).checksums
+    return argv, uri, checksums, _parent_with_checksums(uri, tmp_path / "runs", "s", checksums, argv)
+
+
+def test_resume_refuses_a_dataset_that_changed_since_the_study_started(tmp_path, monkeypatch, capsys):
+    from apao_ray.study.cli_sweep import main
+    from test_data_files import GOOD_INTER
+
+    argv, _, original, _ = _started_tiny_study(tmp_path, monkeypatch)
+    # one more interaction for u1: a different file, still a valid dataset
+    (tmp_path / "data" / "tiny" / "tiny.inter.json").write_text(json.dumps({**GOOD_INTER, "u1": ["i1", "i2", "i3", "i4"]}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2, stderr[-2000:]
+    assert f"dataset files changed since study 's' started (tiny.inter.json: recorded {original['tiny.inter.json'][:12]}" in stderr
+    assert "tiny.index.rq-kmeans.json" not in stderr  # only the changed file is named
+    assert not (tmp_path / "runs").exists()
+
+
+def test_overwrite_retires_the_old_study_runs_under_their_own_name(tmp_path):
+    from apao_ray.study.report import best_rows
+    from apao_ray.tracking import Tracker
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    argv = ["--dataset", "tiny", "--study-name", "s"]
+    old_parent = _parent_with_checksums(uri, tmp_path / "runs", "s", {}, argv)
+    tracker = Tracker(uri, "apao-tiny")
+    child = tracker.start_run("tiger/ce", {"apao.study": "s", "apao.trial_id": "t1", "loss": "ce", "backbone": "tiger"},
+                              parent_run_id=old_parent)
+    tracker.log_metrics(child, {"best/val/ndcg_at_10": 0.5, "test/ndcg_at_10": 0.4}, 1)
+    tracker.end_run(child)
+    assert len(best_rows(tracker, study="s")) == 1
+    new_parent = _parent_with_checksums(uri, tmp_path / "runs", "s", {}, [*argv, "--overwrite"], overwrite=True)
+    assert new_parent != old_parent
+    retired = f"s.overwritten-{old_parent[:8]}"
+    assert {tracker.client.get_run(r).data.tags["apao.study"] for r in (old_parent, child)} == {retired}
+    assert best_rows(tracker, study="s") == []  # the new study does not inherit the old trials
+    assert len(best_rows(tracker, study=retired)) == 1
+
+
+def test_resume_refuses_an_optuna_storage_other_than_the_one_the_study_started_with(tmp_path, monkeypatch, capsys):
+    """The restored searcher keeps writing to its first storage: a different --optuna-storage is an error, not ignored."""
+    from apao_ray.study.cli_sweep import main
+    from apao_ray.study.optuna_storage import STORAGE_TAG
+    from apao_ray.tracking import Tracker
+
+    argv, uri, _, parent_id = _started_tiny_study(tmp_path, monkeypatch)
+    first = f"sqlite:///{tmp_path}/optuna.db"
+    Tracker(uri, "apao-tiny").set_tags(parent_id, {STORAGE_TAG: first})
+    (tmp_path / "runs" / "s").mkdir(parents=True)
+    (tmp_path / "runs" / "s" / "tuner.pkl").write_bytes(b"")  # what Tune saves: the study can be resumed
+    other = tmp_path / "elsewhere.db"
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--optuna-storage", str(other), "--dry-run"])
+    stderr = capsys.readouterr().err
+    assert exit_info.value.code == 2, stderr[-2000:]
+    assert f"study 's' was started with Optuna storage '{first}'; --optuna-storage now gives 'sqlite:///{other}'" in stderr
+    # the recorded storage itself (or none named) passes this check
+    for given in (["--optuna-storage", first], []):
+        try:
+            main([*argv, *given, "--dry-run"])
+        except SystemExit as error:
+            assert "Optuna storage" not in capsys.readouterr().err, given
