@@ -61,31 +61,39 @@ def measure(args: argparse.Namespace) -> dict:
     from apao_ray.training.steps import EpochRunner
 
     torch.set_num_threads(args.threads)
+    device = torch.device(getattr(args, "device", "cpu"))
     precision, grouped = VARIANTS[args.variant]
     dataset = load_dataset(args.dataset, args.data_dir)
     config = TrialConfig(DataConfig(dataset=args.dataset), ModelConfig(backbone=args.backbone),
                          LossConfig(name=args.loss, num_negatives=args.num_negatives, beta=0.2, eta=3e-5),
                          TrainConfig(batch_size=args.batch_size, effective_batch_size=args.effective_batch_size,
                                      seed=args.seed, max_train_samples=args.effective_batch_size * args.steps,
-                                     precision=resolve_precision(precision, "cpu"), group_by_length=grouped))
-    model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels)
-    tensors = dataset.catalog.tensors()
+                                     precision=resolve_precision(precision, device), group_by_length=grouped))
+    model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels).to(device)
+    tensors = dataset.catalog.tensors(device)
     loss = build_loss(config.loss, tensors)
     optimizer = _optimizer(model, 5e-4, 0.01)
     scheduler = _schedule(optimizer, 10 * args.steps, 0.01)
     warmup = config.train.replace(max_train_samples=args.batch_size, effective_batch_size=args.batch_size)
-    EpochRunner(config.replace(train=warmup), dataset, tensors, torch.device("cpu")).train_epoch(
+    EpochRunner(config.replace(train=warmup), dataset, tensors, device).train_epoch(
         1, model, loss, optimizer, scheduler, None)
-    runner = EpochRunner(config, dataset, tensors, torch.device("cpu"))
+    runner = EpochRunner(config, dataset, tensors, device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
     start = time.perf_counter()
     with profiler or contextlib.nullcontext():
         metrics = runner.train_epoch(2, model, loss, optimizer, scheduler, None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     result = {"samples_per_second": metrics["train/num_samples"] / seconds, "seconds": seconds,
               "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
               "precision": config.train.precision, "num_train_samples": len(dataset.splits["train"]),
               "allocator": allocator_in_use()}
+    if device.type == "cuda":
+        result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if profiler:
         events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in events) or 1
