@@ -17,6 +17,14 @@ BACKBONE_NAMES = ("tiger", "llama")
 PRECISIONS = ("auto", "fp32", "bf16")  # resolved per device by training.precision.resolve_precision
 WEIGHTING_MODES = ("mirror", "per_batch", "uniform", "exp_decay", "hard_max")
 PROTOCOL_NAMES = ("paper", "reference")  # see apao_ray/protocol.py and docs/PROTOCOLS.md
+# the fastest micro-batch at effective batch 1024 (benchmarks/RESULTS.md): 128 on 2 CPUs (1.08x 256),
+# 1024 on one H200 (5.6x 128, session 19); gradient accumulation keeps the optimizer step the same
+MICRO_BATCH_CPU, MICRO_BATCH_GPU = 128, 1024
+
+
+def default_micro_batch(use_gpu: bool) -> int:
+    """The micro-batch a trial gets when none is given: the fastest measured on its kind of device."""
+    return MICRO_BATCH_GPU if use_gpu else MICRO_BATCH_CPU
 
 
 class _Config:
@@ -148,7 +156,7 @@ class TrainConfig(_Config):
     """Optimisation and evaluation schedule (SPEC §5 defaults)."""
 
     epochs: int = 200
-    batch_size: int = 128              # per optimizer micro-step (fastest of 128/256 on 2 CPUs, RESULTS.md)
+    batch_size: int | None = None      # per optimizer micro-step; None: default_micro_batch(use_gpu)
     effective_batch_size: int = 1024   # reached by gradient accumulation
     lr: float = 5e-4
     weight_decay: float = 0.01
@@ -178,6 +186,8 @@ class TrainConfig(_Config):
         return super().from_dict(values)
 
     def __post_init__(self) -> None:
+        if self.batch_size is None:
+            object.__setattr__(self, "batch_size", default_micro_batch(self.use_gpu))
         _check_choice("TrainConfig", "precision", self.precision, PRECISIONS)
         for name in ("epochs", "batch_size", "effective_batch_size", "patience", "num_workers",
                      "beam_size", "eval_batch_size"):

@@ -82,6 +82,23 @@ def test_cpus_per_trial_defaults_to_this_machines_cpus_shared_by_the_trials_at_o
     assert StudySpec(losses=("ce",), cpus_per_trial=0.5, output_dir=str(isolated / "runs")).trial_cpus == 0.5
 
 
+def test_the_micro_batch_defaults_to_the_fastest_for_the_trials_device_and_a_given_one_wins(isolated):
+    """128 on CPU, 1024 with a GPU (benchmarks/RESULTS.md, session 19); the optimizer step stays 1024 either way."""
+    from apao_ray import StudySpec
+    from apao_ray.config import TrainConfig
+
+    assert TrainConfig().batch_size == 128 and TrainConfig(use_gpu=True).batch_size == 1024
+    assert TrainConfig(use_gpu=True, batch_size=256).batch_size == 256
+    assert TrainConfig.from_dict(TrainConfig(use_gpu=True).to_dict()).batch_size == 1024  # a checkpoint keeps it
+    trains = {gpus: StudySpec(losses=("ce",), gpus_per_trial=gpus, output_dir="runs").resolved["base"].train
+              for gpus in (0, 0.5)}
+    assert [(t.batch_size, t.effective_batch_size) for t in trains.values()] == [(128, 1024), (1024, 1024)]
+    given = StudySpec(losses=("ce",), gpus_per_trial=1, batch_size=512, output_dir="runs").resolved["base"].train
+    assert given.batch_size == 512
+    with pytest.raises(ValueError, match="batch_size=0 must be an integer >= 1"):
+        StudySpec(losses=("ce",), batch_size=0, output_dir="runs")
+
+
 def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
     from apao_ray import StudySpec
 

@@ -48,6 +48,15 @@ def test_bad_flags_are_refused_before_any_work(tmp_path, monkeypatch, capsys, fl
     assert not (tmp_path / "runs").exists()  # nothing started
 
 
+@pytest.mark.parametrize("flags, micro_batch", [([], 128), (["--use-gpu"], 1024), (["--use-gpu", "--batch-size", "64"], 64)])
+def test_the_micro_batch_is_the_devices_fastest_unless_given(tmp_path, capsys, flags, micro_batch):
+    from apao_ray.study.cli_train import main
+
+    assert main(["--output-dir", str(tmp_path / "runs"), "--print-config", *flags]) == 0
+    train = json.loads(capsys.readouterr().out)["config"]["train"]
+    assert (train["batch_size"], train["effective_batch_size"]) == (micro_batch, 1024)
+
+
 @pytest.mark.e2e
 def test_train_llama_pairwise_beats_popularity(tmp_path, popularity_recall_at_10):
     out = tmp_path / "r.json"

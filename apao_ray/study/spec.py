@@ -77,7 +77,7 @@ class StudySpec:
     pretrain_ce_epochs: int | None = None
     epochs: int = 20
     patience: int = 5
-    batch_size: int = 128
+    batch_size: int | None = None  # None: 128 on CPU, 1024 with a GPU (config.default_micro_batch)
     effective_batch_size: int = 1024
     lr: float = 5e-4
     beam_size: int = 20
@@ -142,9 +142,9 @@ class StudySpec:
             if not ok:
                 raise ValueError(f"{name}={value!r} must be {kind} {'>' if above else '>='} {low:g}")
 
-        for name in ("num_samples", "epochs", "patience", "batch_size", "effective_batch_size", "beam_size",
-                     "asha_grace_period"):
+        for name in ("num_samples", "epochs", "patience", "effective_batch_size", "beam_size", "asha_grace_period"):
             check(name, 1, integer=True)
+        check("batch_size", 1, integer=True, optional=True)
         for name in ("seed", "max_failures", "retention_users"):
             check(name, 0, integer=True)
         for name in ("max_train_samples", "eval_max_users", "max_concurrent"):
@@ -217,7 +217,7 @@ class StudySpec:
             ModelConfig(**(TINY_MODEL if self.model_size == "tiny" else {})),
             LossConfig(num_negatives=negatives[1]),
             TrainConfig(epochs=self.epochs, patience=self.patience, batch_size=self.batch_size,
-                        effective_batch_size=max(self.effective_batch_size, self.batch_size), lr=self.lr,
+                        effective_batch_size=max(self.effective_batch_size, self.batch_size or 0), lr=self.lr,
                         beam_size=self.beam_size, seed=self.search_seed, max_train_samples=self.max_train_samples,
                         eval_max_users=self.eval_max_users, precision=self.precision,
                         group_by_length=self.group_by_length, use_gpu=self.gpus_per_trial > 0,
