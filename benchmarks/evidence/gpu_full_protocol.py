@@ -1,0 +1,121 @@
+"""Issue #17 part 2 on one CUDA GPU: Office TIGER, CE vs APAO-pointwise (paper Table 5: beta 0.3, eta 1e-4) at
+the paper's full protocol, several seeds at once, through the product's own trial (``run_trial``, the
+config built by ``apao train``'s own parser with ``--protocol paper``), without Ray, MLflow or Optuna (a
+lent GPU machine has none of them: ``office_full.sh`` is the same study through ``apao sweep`` where they are).
+
+Each (loss, seed) trains in its own process on the one GPU (a trial leaves the GPU mostly idle between
+its small kernels: measured in benchmarks/RESULTS.md). Every trial's result goes to ``--out`` as one JSON
+file, ``<loss>-seed<seed>.json``: the resolved config, every epoch's report, the final (test) metrics and the
+per-user test table (what the paired significance tests read). A trial still running at ``--deadline``
+is stopped and its file keeps the epochs it finished, marked ``"finished": false``.
+
+    python benchmarks/evidence/gpu_full_protocol.py --data-dir ../shared/datasets --out /tmp/office-gpu \
+        --seeds 0,1 --deadline 500
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
+    """``apao train`` flags of one trial (the same knobs as office_full.sh's sweep)."""
+    return ["--dataset", "office", "--data-dir", args.data_dir, "--backbone", "tiger", "--loss", loss,
+            "--beta", "0.3", "--eta", "1e-4", "--protocol", "paper", "--epochs", "200", "--patience", "20",
+            "--seed", str(seed), "--batch-size", str(args.batch_size),
+            *(["--use-gpu"] if args.device == "cuda" else []), *args.train_flags.split()]
+
+
+def one(loss: str, seed: int, args: argparse.Namespace) -> None:
+    import gzip
+
+    import torch
+
+    from apao_ray.names import PER_USER_FILE
+    from apao_ray.study.cli_train import build_parser, trial_config_from_args
+    from apao_ray.training.hooks import TrainingHooks
+    from apao_ray.training.loop import run_trial
+
+    torch.set_num_threads(args.threads)
+    config = trial_config_from_args(build_parser("apao train").parse_args(train_args(loss, seed, args)))
+    work = Path(args.work) / f"{loss}-seed{seed}"
+    hooks = TrainingHooks(work, device=args.device, verbose=True)
+    final = run_trial(config, hooks)
+    per_user = sorted(work.glob(f"checkpoints/*_final/{PER_USER_FILE}"))
+    result = {"loss": loss, "seed": seed, "finished": True, "config": config.to_dict(), "final": final,
+              "epochs": [r for r in hooks.reports if not r.get("done")],
+              "per_user_test_csv": gzip.decompress(per_user[0].read_bytes()).decode() if per_user else None}
+    (Path(args.out) / f"{loss}-seed{seed}.json").write_text(json.dumps(result))
+
+
+def partial(name: str, loss: str, seed: int, args: argparse.Namespace) -> None:
+    """A stopped trial's file: the epochs it reported (hooks' metrics.jsonl), marked unfinished."""
+    from apao_ray.names import REPORTS_FILE
+
+    reports = Path(args.work) / name / REPORTS_FILE
+    epochs = [json.loads(line) for line in reports.read_text().splitlines()] if reports.exists() else []
+    (Path(args.out) / f"{name}.json").write_text(json.dumps({"loss": loss, "seed": seed, "finished": False,
+                                                              "epochs": epochs}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default=os.environ.get("APAO_DATA_DIR", str(ROOT.parent / "shared" / "datasets")))
+    parser.add_argument("--out", required=True, help="folder for one JSON file per trial")
+    parser.add_argument("--losses", default="ce,apao_pointwise", help="comma list (default %(default)s)")
+    parser.add_argument("--seeds", default="0,1", help="comma list (default %(default)s)")
+    parser.add_argument("--batch-size", type=int, default=1024,
+                        help="micro-batch (default %(default)s: the fastest on an H200, benchmarks/bench_gpu.py)")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads per trial (default %(default)s)")
+    parser.add_argument("--deadline", type=float, default=None, help="seconds; trials still running are stopped")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu to try the script (default %(default)s)")
+    parser.add_argument("--train-flags", default="", help="more `apao train` flags, e.g. to try the script")
+    parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "apao-gpu-full"),
+                        help="trials' checkpoints (default %(default)s)")
+    parser.add_argument("--one", nargs=2, metavar=("LOSS", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.one:
+        one(args.one[0], int(args.one[1]), args)
+        return 0
+    started = time.perf_counter()
+    jobs = {}
+    for loss in args.losses.split(","):
+        for seed in (int(s) for s in args.seeds.split(",")):
+            name = f"{loss}-seed{seed}"
+            Path(args.work, name).mkdir(parents=True, exist_ok=True)
+            log = open(Path(args.work, name, "trial.log"), "w")
+            command = [sys.executable, __file__, "--one", loss, str(seed), "--out", args.out, "--work", args.work,
+                       "--data-dir", args.data_dir, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
+                       "--device", args.device, f"--train-flags={args.train_flags}"]
+            jobs[name] = (loss, seed, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
+    while any(job[2].poll() is None for job in jobs.values()):
+        if args.deadline and time.perf_counter() - started > args.deadline:
+            for job in jobs.values():
+                if job[2].poll() is None:
+                    job[2].terminate()
+            break
+        time.sleep(5)
+    with open(Path(args.out) / "trials.log", "w") as combined:
+        for name, (loss, seed, process, log) in jobs.items():
+            process.wait()
+            log.close()
+            if not (Path(args.out) / f"{name}.json").exists():
+                partial(name, loss, seed, args)
+            line = f"{name}: exit {process.returncode} after {time.perf_counter() - started:.0f} s"
+            print(line, flush=True)
+            combined.write(f"===== {line}\n" + Path(args.work, name, "trial.log").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
