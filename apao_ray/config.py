@@ -20,11 +20,19 @@ PROTOCOL_NAMES = ("paper", "reference")  # see apao_ray/protocol.py and docs/PRO
 # the fastest micro-batch at effective batch 1024 (benchmarks/RESULTS.md): 128 on 2 CPUs (1.08x 256),
 # 1024 on one H200 (5.6x 128, session 19); gradient accumulation keeps the optimizer step the same
 MICRO_BATCH_CPU, MICRO_BATCH_GPU = 128, 1024
+# evaluation (beam search) batches: 256 on a CPU keeps a worker's peak memory low; on one H200 1024 decoded
+# 3.0x (TIGER) and 4.0x (Llama) the users/s of 256 (session 19)
+EVAL_BATCH_CPU, EVAL_BATCH_GPU = 256, 1024
 
 
 def default_micro_batch(use_gpu: bool) -> int:
     """The micro-batch a trial gets when none is given: the fastest measured on its kind of device."""
     return MICRO_BATCH_GPU if use_gpu else MICRO_BATCH_CPU
+
+
+def default_eval_batch(use_gpu: bool) -> int:
+    """The evaluation batch a trial gets when none is given."""
+    return EVAL_BATCH_GPU if use_gpu else EVAL_BATCH_CPU
 
 
 class _Config:
@@ -171,7 +179,7 @@ class TrainConfig(_Config):
     group_by_length: bool = False      # batches of similar history lengths (less padding, faster)
     grad_clip: float = 1.0
     beam_size: int = 20
-    eval_batch_size: int = 256
+    eval_batch_size: int | None = None  # None: default_eval_batch(use_gpu)
     eval_max_users: int | None = None  # validate on a fixed random subset of users (recorded)
     retention_users: int = 128         # test users whose full-sort top-K gives beam retention (0 = off)
     validate_retention: bool = False   # also measure retention on validation every epoch (costly)
@@ -188,6 +196,8 @@ class TrainConfig(_Config):
     def __post_init__(self) -> None:
         if self.batch_size is None:
             object.__setattr__(self, "batch_size", default_micro_batch(self.use_gpu))
+        if self.eval_batch_size is None:
+            object.__setattr__(self, "eval_batch_size", default_eval_batch(self.use_gpu))
         _check_choice("TrainConfig", "precision", self.precision, PRECISIONS)
         for name in ("epochs", "batch_size", "effective_batch_size", "patience", "num_workers",
                      "beam_size", "eval_batch_size"):

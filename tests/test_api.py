@@ -83,11 +83,13 @@ def test_cpus_per_trial_defaults_to_this_machines_cpus_shared_by_the_trials_at_o
 
 
 def test_the_micro_batch_defaults_to_the_fastest_for_the_trials_device_and_a_given_one_wins(isolated):
-    """128 on CPU, 1024 with a GPU (benchmarks/RESULTS.md, session 19); the optimizer step stays 1024 either way."""
+    """128 on CPU, 1024 with a GPU (benchmarks/RESULTS.md, session 19); the optimizer step stays 1024 either way.
+    The evaluation batch likewise: 256 on CPU, 1024 with a GPU."""
     from apao_ray import StudySpec
     from apao_ray.config import TrainConfig
 
     assert TrainConfig().batch_size == 128 and TrainConfig(use_gpu=True).batch_size == 1024
+    assert TrainConfig().eval_batch_size == 256 and TrainConfig(use_gpu=True).eval_batch_size == 1024
     assert TrainConfig(use_gpu=True, batch_size=256).batch_size == 256
     assert TrainConfig.from_dict(TrainConfig(use_gpu=True).to_dict()).batch_size == 1024  # a checkpoint keeps it
     trains = {gpus: StudySpec(losses=("ce",), gpus_per_trial=gpus, output_dir="runs").resolved["base"].train
