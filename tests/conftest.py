@@ -31,9 +31,12 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
         os.environ.setdefault(_name, _share)
 
 # the studies' timing probes: one cache per test session, shared by its sweep subprocesses (the first
-# sweep of a config measures, later ones read), never the user's ~/.cache/apao_ray/probes.json
-_PROBE_CACHE_DIR = tempfile.TemporaryDirectory(prefix="apao-probes-")  # removed at interpreter exit
-os.environ.setdefault("APAO_PROBE_CACHE", os.path.join(_PROBE_CACHE_DIR.name, "probes.json"))
+# sweep of a config measures, later ones read), never the user's ~/.cache/apao_ray/probes.json. Made by the
+# process that imports this first: under pytest-xdist the controller, whose environment its workers inherit,
+# so all workers share one cache, and it outlives them (removed when the controller exits)
+if "APAO_PROBE_CACHE" not in os.environ:
+    _PROBE_CACHE_DIR = tempfile.TemporaryDirectory(prefix="apao-probes-")
+    os.environ["APAO_PROBE_CACHE"] = os.path.join(_PROBE_CACHE_DIR.name, "probes.json")
 
 from apao_ray.training.hooks import TrainingHooks  # noqa: E402 - after the environment above
 

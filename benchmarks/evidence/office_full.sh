@@ -10,6 +10,8 @@
 #   SEED=1 bash benchmarks/evidence/office_full.sh
 #   TRIAL_FLAGS="--gpus-per-trial 0.5 --cpus-per-trial 4" bash benchmarks/evidence/office_full.sh   # a GPU machine
 #   SWEEP_FLAGS=--retry-failed bash benchmarks/evidence/office_full.sh   # trials that failed (e.g. OOM) again
+# A GPU machine without Ray/MLflow (the lent ones here): benchmarks/evidence/gpu_full_protocol.py runs the same
+# trials through run_trial, one seed's two trials at a time (an Office epoch there: 2.1 s alone).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$HOME/apao_evidence}
