@@ -3,14 +3,16 @@ the paper's full protocol, several seeds at once, through the product's own tria
 config built by ``apao train``'s own parser with ``--protocol paper``), without Ray, MLflow or Optuna (a
 lent GPU machine has none of them: ``office_full.sh`` is the same study through ``apao sweep`` where they are).
 
-Each (loss, seed) trains in its own process on the one GPU (a trial leaves the GPU mostly idle between
-its small kernels: measured in benchmarks/RESULTS.md). Every trial's result goes to ``--out`` as one JSON
+Each (loss, seed) trains in its own process on the one GPU, all at once. One trial alone already keeps an
+H200 mostly busy (an Office epoch 2.1 s; four at once 6.7 s each, benchmarks/RESULTS.md session 19), so
+give one seed per call: its two trials should reach early stopping (~85-100 epochs) within a 10-minute call
+(an estimate: two at once were not timed). Every trial's result goes to ``--out`` as one JSON
 file, ``<loss>-seed<seed>.json``: the resolved config, every epoch's report, the final (test) metrics and the
 per-user test table (what the paired significance tests read). A trial still running at ``--deadline``
 is stopped and its file keeps the epochs it finished, marked ``"finished": false``.
 
     python benchmarks/evidence/gpu_full_protocol.py --data-dir ../shared/datasets --out /tmp/office-gpu \
-        --seeds 0,1 --deadline 500
+        --seeds 0 --deadline 540
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def main() -> int:
     parser.add_argument("--data-dir", default=os.environ.get("APAO_DATA_DIR", str(ROOT.parent / "shared" / "datasets")))
     parser.add_argument("--out", required=True, help="folder for one JSON file per trial")
     parser.add_argument("--losses", default="ce,apao_pointwise", help="comma list (default %(default)s)")
-    parser.add_argument("--seeds", default="0,1", help="comma list (default %(default)s)")
+    parser.add_argument("--seeds", default="0", help="comma list, all at once (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=1024,
                         help="micro-batch (default %(default)s: the fastest on an H200, benchmarks/bench_gpu.py)")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads per trial (default %(default)s)")
