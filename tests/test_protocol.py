@@ -250,6 +250,43 @@ def test_grad_norm_is_of_the_summed_or_mean_gradient(short, protocol):
     assert metrics["train/grad_norm"] == pytest.approx(expected, rel=1e-4)
 
 
+def test_on_a_gpu_a_micro_batch_with_negatives_is_chunked_by_its_candidates():
+    from apao_ray.training.steps import GPU_CANDIDATES_PER_CHUNK, chunk_size
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert chunk_size(1024, 0, cuda) == 1024 and chunk_size(1024, 200, cpu) == 1024
+    assert chunk_size(1024, 100, cuda) == 256 and chunk_size(1024, 200, cuda) == 128
+    assert chunk_size(64, 100, cuda) == 64 and chunk_size(1024, GPU_CANDIDATES_PER_CHUNK, cuda) == 1
+
+
+def test_chunks_of_a_micro_batch_train_as_the_whole_micro_batch(short, monkeypatch):
+    """What the GPU's chunking does (run here on the CPU by shrinking the chunk): one optimizer step of a micro-batch
+    of 8 in chunks of 3, 3 and 2 gives the same weights and adaptive prefix weights as in one piece."""
+    from apao_ray.training import steps
+
+    config = tiny_config("paper", loss="apao_pairwise", batch_size=8, effective_batch_size=8, max_train_samples=8,
+                         precision="fp32")
+    tensors = short.catalog.tensors()
+    results = []
+    for size in (None, 3):
+        if size:
+            monkeypatch.setattr(steps, "chunk_size", lambda batch_size, num_negatives, device: size)
+        torch.manual_seed(0)
+        model = build_model(config.model, short.catalog.vocab_size, short.catalog.num_levels)
+        loss_fn = build_loss(config.loss, tensors)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # the step is the (clipped) gradient itself
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        metrics = EpochRunner(config, short, tensors, torch.device("cpu")).train_epoch(
+            1, model, loss_fn, optimizer, scheduler, None)
+        results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics))
+    (whole, whole_metrics), (chunked, chunked_metrics) = results
+    assert (whole - chunked).abs().max() < 1e-5 and not torch.equal(whole, torch.cat(
+        [p.detach().flatten() for p in build_model(config.model, short.catalog.vocab_size,
+                                                   short.catalog.num_levels).parameters()]))
+    for key in ("train/loss", "train/grad_norm", *(f"train/apao_weight_m{m}" for m in range(1, 5))):
+        assert chunked_metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5), key
+
+
 # --- 5. Llama input -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("history_eos", [True, False])

@@ -22,6 +22,21 @@ from .evaluation import select_users
 from .precision import autocast
 
 
+# On a GPU a micro-batch defaults to 1024 samples (config.default_micro_batch), but a loss with negatives scores
+# 1+N candidates per sample: there a micro-batch is run in chunks of at most this many candidates. 256 samples x
+# 101 candidates peaked at 7.7 GiB (TIGER) and 11.6 GiB (Llama) of an H200 (benchmarks/RESULTS.md, session 19);
+# 1024 x 201 would need ~8x that. On a CPU the micro-batch is the chunk (a worker's memory cap decides there).
+GPU_CANDIDATES_PER_CHUNK = 256 * 101
+
+
+def chunk_size(batch_size: int, num_negatives: int, device: torch.device) -> int:
+    """Samples per forward/backward within a micro-batch: all of it, except on a GPU where its candidates
+    would exceed ``GPU_CANDIDATES_PER_CHUNK`` (the gradients are the same: chunks accumulate)."""
+    if device.type != "cuda" or not num_negatives:
+        return batch_size
+    return max(1, min(batch_size, GPU_CANDIDATES_PER_CHUNK // (1 + num_negatives)))
+
+
 class EpochRunner:
     """Holds what every epoch reuses (sample indices, token tables) and runs one epoch."""
 
@@ -72,9 +87,10 @@ class EpochRunner:
         sums: dict[str, float] = defaultdict(float)
         grad_norm_sum, num_steps = None, 0
         step_size = train.batch_size * self.accumulation
+        size = chunk_size(train.batch_size, loss_fn.num_negatives, self.device)
         for start in range(0, len(local), step_size):
             step_indices = local[start:start + step_size]
-            chunks = [step_indices[i:i + train.batch_size] for i in range(0, len(step_indices), train.batch_size)]
+            chunks = [step_indices[i:i + size] for i in range(0, len(step_indices), size)]
             optimizer.zero_grad(set_to_none=True)
             prefix_sum = None
             for position, chunk in enumerate(chunks):
