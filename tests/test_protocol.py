@@ -280,9 +280,10 @@ def test_chunks_of_a_micro_batch_train_as_the_whole_micro_batch(short, monkeypat
             1, model, loss_fn, optimizer, scheduler, None)
         results.append((torch.cat([p.detach().flatten() for p in model.parameters()]), metrics))
     (whole, whole_metrics), (chunked, chunked_metrics) = results
-    assert (whole - chunked).abs().max() < 1e-5 and not torch.equal(whole, torch.cat(
-        [p.detach().flatten() for p in build_model(config.model, short.catalog.vocab_size,
-                                                   short.catalog.num_levels).parameters()]))
+    torch.manual_seed(0)  # the same initial weights: the step moved them
+    initial = build_model(config.model, short.catalog.vocab_size, short.catalog.num_levels)
+    assert (whole - chunked).abs().max() < 1e-5
+    assert (whole - torch.cat([p.detach().flatten() for p in initial.parameters()])).abs().max() > 1e-3
     for key in ("train/loss", "train/grad_norm", *(f"train/apao_weight_m{m}" for m in range(1, 5))):
         assert chunked_metrics[key] == pytest.approx(whole_metrics[key], rel=1e-5), key
 
