@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT, mlflow_sqlite, run_script
 
 pytestmark = pytest.mark.e2e
 SWEEP = str(ROOT / "studies" / "sweep.py")
@@ -19,7 +19,7 @@ def studies(tmp_path_factory):
     """Two --smoke studies (tiger CE and APAO-pointwise at the paper's Office knobs, 2 epochs), one per seed,
     in one MLflow store: how seeds are run today (a study flag)."""
     workdir = tmp_path_factory.mktemp("seeds")
-    uri = f"sqlite:///{workdir}/mlflow.db"
+    uri = mlflow_sqlite(workdir)
     for seed, study in enumerate(STUDIES):
         # RAY_ADDRESS=local: a Ray of its own, never one already running on the machine (a long study beside)
         result = run_script([SWEEP, "--smoke", "--num-samples", "1", "--beta", "0.3", "--eta", "1e-4", "--seed", str(seed),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from apao_ray.training.cost import CPU, ENERGY, ENERGY_METHOD_KEY, RSS, WALL, CostMeter
+from conftest import mlflow_sqlite
 
 
 def _busy(seconds: float) -> None:
@@ -43,7 +44,7 @@ def test_parent_run_sums_the_cost_of_its_children_per_method(tmp_path):
     from apao_ray.study.mlflow_callback import log_cost_per_method
     from apao_ray.tracking import Tracker
 
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "apao-test")
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-test")
     parent = tracker.start_run("study", {"apao.role": "study"})
     for loss, cpu, rss in (("ce", 10.0, 300.0), ("ce", 5.0, 500.0), ("apao_pointwise", 7.0, 400.0)):
         child = tracker.start_run(loss, {"backbone": "tiger", "loss": loss}, parent_run_id=parent)

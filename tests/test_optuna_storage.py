@@ -14,6 +14,7 @@ import pytest
 from apao_ray.study import optuna_storage
 from apao_ray.study.space import SearchSpec, param_name
 from apao_ray.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, dataset_record
+from conftest import mlflow_sqlite
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 METRIC = "best/val/ndcg_at_10"
@@ -22,7 +23,7 @@ METRIC = "best/val/ndcg_at_10"
 @pytest.fixture(scope="module")
 def mlflow_uri(tmp_path_factory) -> str:
     """One MLflow SQLite store for the module (creating its schema takes seconds); each test its experiment."""
-    return f"sqlite:///{tmp_path_factory.mktemp('mlflow')}/mlflow.db"
+    return mlflow_sqlite(tmp_path_factory.mktemp('mlflow'))
 
 
 def test_storage_url_defaults_beside_the_mlflow_database_and_refuses_a_bad_url(tmp_path, monkeypatch):

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import json
 
+from conftest import mlflow_sqlite
+
 
 def _study(tmp_path):
     """A study of tiger x {ce, apao_pointwise, apao_pairwise}: CE finished; both APAO-pointwise trials
     were pruned (one tested on its best checkpoint); the APAO-pairwise trial failed."""
     from apao_ray.tracking import Tracker
 
-    tracker = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "apao-tiny")
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
     space = {"backbones": ["tiger"], "losses": ["ce", "apao_pointwise", "apao_pairwise"]}
     parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study"}, {"space": json.dumps(space)})
 

@@ -14,7 +14,7 @@ import urllib.request
 import pytest
 
 from apao_ray.study.runner import stable_free_port
-from conftest import ROOT, run_script, train_tiny
+from conftest import ROOT, mlflow_sqlite, run_script, train_tiny
 
 pytestmark = pytest.mark.e2e  # trains a tiny model and starts MLflow's scoring server: ~1 minute on 2 CPUs
 MODEL_NAME = "apao-synthetic-tiger-ce"
@@ -27,7 +27,7 @@ def registered(synthetic, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("serve")
     checkpoint = train_tiny("tiger", root / "trial", synthetic)
-    tracker = Tracker(f"sqlite:///{root}/mlflow.db", "apao-synthetic")
+    tracker = Tracker(mlflow_sqlite(root), "apao-synthetic")
     run_id = tracker.start_run("tiger/ce", {})
     model_uri = tracker.log_recommender(run_id, checkpoint, list(synthetic.catalog.item_ids[:3]))
     tracker.end_run(run_id)

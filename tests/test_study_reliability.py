@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from apao_ray.study.runner import stable_free_port
-from conftest import ROOT, descendant_pids, run_script
+from conftest import ROOT, descendant_pids, mlflow_sqlite, run_script
 
 SWEEP = str(ROOT / "studies" / "sweep.py")
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -133,6 +133,7 @@ def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_pa
     0.9 CPU per trial on 2-CPU nodes: a node holds at most two trials, so both nodes must train."""
     address, node_ids = two_node_cluster
     db = tmp_path / "mlflow.db"
+    mlflow_sqlite(tmp_path)
     result = run_script([SWEEP, "--smoke", "--num-samples", "3", "--max-concurrent", "4", "--cpus-per-trial", "0.9",
                          "--address", address, "--output-dir", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{db}"],
                         cwd=tmp_path)
@@ -178,7 +179,7 @@ def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_pa
 def mlflow_server(tmp_path):
     """`mlflow server` on a loopback port with a SQLite backend and a local artifact root."""
     port = stable_free_port()
-    server = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+    server = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", mlflow_sqlite(tmp_path, "server.db"),
                                "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
                                "--port", str(port), "--workers", "1"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -304,7 +305,7 @@ def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path
     # smoke epochs take ~1 s: with 4 the trial had once finished before the kill landed (CI, session 19), so
     # there are 10, and the kill comes with ~8 s of training still to go
     epochs = 10
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_sqlite(tmp_path)
     process = subprocess.Popen([sys.executable, SWEEP, "--smoke", "--losses", "ce", "--num-samples", "1", "--epochs", str(epochs),
                                 "--max-failures", "1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
                                cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import mlflow_sqlite
+
 
 def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
                            overwrite: bool = False):
@@ -29,7 +31,7 @@ def _started_tiny_study(tmp_path: Path, monkeypatch) -> tuple[list[str], str, di
 
     monkeypatch.chdir(tmp_path)
     write_dataset(tmp_path / "data", "tiny")
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_sqlite(tmp_path)
     argv = ["--dataset", "tiny", "--data-dir", str(tmp_path / "data"), "--losses", "ce", "--beam-size", "2",
             "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri, "--study-name", "s"]
     checksums = load_dataset("tiny", str(tmp_path / "data"), allow_download=False).checksums
@@ -56,7 +58,7 @@ def test_overwrite_retires_the_old_study_runs_under_their_own_name(tmp_path):
     from apao_ray.study.report import best_rows
     from apao_ray.tracking import Tracker
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_sqlite(tmp_path)
     argv = ["--dataset", "tiny", "--study-name", "s"]
     old_parent = _parent_with_checksums(uri, tmp_path / "runs", "s", {}, argv)
     tracker = Tracker(uri, "apao-tiny")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_script
+from conftest import mlflow_sqlite, run_script
 from test_sweep import SWEEP, _launch_until, _mid_trial
 
 
@@ -21,7 +21,7 @@ def test_stop_signals_to_the_driver_alone_are_recorded_as_interruptions_and_resu
     """SIGINT to the driver's PID mid-trial, re-run, SIGTERM mid-trial, re-run to the end: each stop exits
     130 / 143 naming the signal and the command that resumes, leaves the parent and the unfinished trials
     interrupted (never pruned, none RUNNING), and the study ends with one child run per trial."""
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_sqlite(tmp_path)
     command = [sys.executable, SWEEP, "--smoke", "--num-samples", "1", "--epochs", "3", "--output-dir",
                str(tmp_path / "runs"), "--tracking-uri", uri]
     from apao_ray.tracking import Tracker
@@ -112,7 +112,7 @@ def test_beside_a_busy_ray_process_pruned_trials_free_their_cpus_and_are_tested_
     busy = subprocess.Popen([sys.executable, "-c", BUSY_RAY, "500"], stdout=subprocess.PIPE, text=True)
     try:
         assert busy.stdout.readline().strip() == "ready"
-        uri = f"sqlite:///{tmp_path}/mlflow.db"
+        uri = mlflow_sqlite(tmp_path)
         result = run_script([SWEEP, "--smoke", "--losses", "apao_pointwise", "--num-samples", "3", "--epochs", "3",
                              "--asha-grace-period", "1", "--max-concurrent", "1", "--cpus-per-trial", "1",
                              "--output-dir", str(tmp_path / "runs"),

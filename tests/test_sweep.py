@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import ROOT, mlflow_sqlite, run_script
 
 SWEEP, BEST = str(ROOT / "studies" / "sweep.py"), str(ROOT / "studies" / "best.py")
 
@@ -56,7 +56,7 @@ def study(tmp_path_factory):
     whole process group once a trial has finished and another is mid-way, resumed by re-running the
     same command. Every test of this module checks the resumed study."""
     workdir = tmp_path_factory.mktemp("study")
-    uri = f"sqlite:///{workdir}/mlflow.db"
+    uri = mlflow_sqlite(workdir)
     command = [sys.executable, SWEEP, "--smoke", "--epochs", "3", "--output-dir", str(workdir / "runs"),
                "--tracking-uri", uri, "--lr", "2e-3"]
     process, at_sigint = _launch_until(command, workdir, _mid_trial)
@@ -328,7 +328,7 @@ def test_a_study_interrupted_in_its_repeat_phase_resumes_it_without_duplicates(t
     """Ctrl-C while the best configurations are re-trained on the other seed; re-running the command
     finishes the repeat phase with exactly one child run per (method, seed) and the search untouched."""
     command = [sys.executable, SWEEP, "--smoke", "--losses", "ce,apao_pointwise", "--num-samples", "1", "--epochs", "2",
-               "--seeds", "0,1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db"]
+               "--seeds", "0,1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", mlflow_sqlite(tmp_path)]
     process, _ = _launch_until(command, tmp_path, lambda state: any(
         status == "RUNNING" for _, status in _repeat_runs(tmp_path / "mlflow.db")), timeout=600)
     searched = {trial for trial, _, _ in _runs_state(tmp_path / "mlflow.db")}

@@ -1,6 +1,8 @@
 """tracking.py against a real SQLite MLflow store: where a study's artifacts land."""
 from __future__ import annotations
 
+from conftest import mlflow_sqlite
+
 
 def test_artifacts_and_models_go_beside_the_sqlite_database_not_into_the_working_directory(tmp_path, monkeypatch):
     from apao_ray.tracking import Tracker
@@ -10,7 +12,7 @@ def test_artifacts_and_models_go_beside_the_sqlite_database_not_into_the_working
         directory.mkdir()
     (checkpoint / "final_metrics.json").write_text("{}")
     monkeypatch.chdir(elsewhere)  # MLflow's own default would be ./mlruns here
-    tracker = Tracker(f"sqlite:///{store}/mlflow.db", "apao-tiny")
+    tracker = Tracker(mlflow_sqlite(store), "apao-tiny")
     run_id = tracker.start_run("tiger/ce", {})
     tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
     tracker.log_recommender(run_id, checkpoint, ["i1"])
@@ -41,7 +43,7 @@ def test_a_trial_run_again_keeps_its_last_attempts_end_as_history_not_as_its_sta
     from apao_ray.study.mlflow_callback import MlflowStudyCallback
     from apao_ray.tracking import Tracker
 
-    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    uri = mlflow_sqlite(tmp_path)
     tracker = Tracker(uri, "apao-retry")
     parent = tracker.start_run("study", {"apao.role": "study"})
     child = tracker.start_run("tiger/apao_pairwise", {"apao.trial_id": "t1", "apao.study": "s"}, parent_run_id=parent)
