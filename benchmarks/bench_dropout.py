@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from apao_ray.models.dropout import Dropout
-from apao_ray.study.plan import cpu_model
+from apao_ray.hardware import cpu_model
 
 
 def timed(fn, x: torch.Tensor) -> tuple[float, float]:

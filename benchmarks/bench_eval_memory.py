@@ -25,7 +25,7 @@ from apao_ray.config import ModelConfig, TrainConfig
 from apao_ray.data import load_dataset
 from apao_ray.models import build_model
 from apao_ray.training.evaluation import evaluate_split
-from apao_ray.study.plan import cpu_model
+from apao_ray.hardware import cpu_model
 from apao_ray.training.precision import resolve_precision
 
 full_sort = importlib.import_module("apao_ray.decoding.full_sort")  # the module (the package exports its function)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from apao_ray.models.base import label_log_probs
-from apao_ray.study.plan import cpu_model
+from apao_ray.hardware import cpu_model
 
 
 def plain(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

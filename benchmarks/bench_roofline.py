@@ -33,7 +33,7 @@ from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, Tr
 from apao_ray.data import load_dataset  # noqa: E402
 from apao_ray.losses import build_loss  # noqa: E402
 from apao_ray.models import build_model  # noqa: E402
-from apao_ray.study.plan import cpu_model  # noqa: E402
+from apao_ray.hardware import cpu_model  # noqa: E402
 from apao_ray.training.loop import _optimizer, _schedule  # noqa: E402
 from apao_ray.training.precision import autocast, cpu_has_native_bf16  # noqa: E402
 from apao_ray.training.steps import EpochRunner  # noqa: E402

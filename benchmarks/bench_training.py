@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from apao_ray.study.plan import cpu_model
+from apao_ray.hardware import cpu_model
 from apao_ray.training.memory import ALLOCATORS, allocator_env, allocator_in_use
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -94,7 +94,7 @@ def main() -> int:
     if args.one:  # a study in a process of its own: Ray starts fresh each time
         print(json.dumps({"seconds": run_study(args.one, args)}))
         return 0
-    from apao_ray.study.plan import cpu_model
+    from apao_ray.hardware import cpu_model
 
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("one", "json_out", "repeats")]
     runs: dict[str, list[float]] = {kind: [] for kind in KINDS}

@@ -79,7 +79,7 @@ def main() -> int:
         print(json.dumps(measure(args)))
         return 0
     sys.path.insert(0, str(ROOT))
-    from apao_ray.study.plan import cpu_model
+    from apao_ray.hardware import cpu_model
     from apao_ray.training.memory import allocator_env
 
     forwarded = ["--data-dir", args.data_dir, "--dataset", args.dataset, "--split", args.split,

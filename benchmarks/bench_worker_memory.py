@@ -151,7 +151,7 @@ def main() -> int:
     if args.one:
         print(json.dumps(measure(args)))
         return 0
-    from apao_ray.study.plan import cpu_model
+    from apao_ray.hardware import cpu_model
 
     configs = [(c.strip(), int(m)) for c in args.capacities.split(",") if c.strip()
                for m in args.token_multiples.split(",")]

@@ -40,6 +40,43 @@ def test_energy_from_codecarbon_says_how_it_was_obtained():
     assert "estimated" in totals[ENERGY_METHOD_KEY] or "read from its counters" in totals[ENERGY_METHOD_KEY]
 
 
+CODECARBON_START = """
+import json, subprocess, sys, torch
+started = []
+popen_init = subprocess.Popen.__init__
+def recording_init(self, args, *rest, **options):
+    started.append(args if isinstance(args, str) else " ".join(map(str, args)))
+    popen_init(self, args, *rest, **options)
+subprocess.Popen.__init__ = recording_init
+import cpuinfo
+original = cpuinfo.get_cpu_info
+from apao_ray.training.cost import CostMeter
+totals = CostMeter(torch.device("cpu")).stop()
+print(json.dumps({"started": started, "method": totals["energy_method"], "restored": cpuinfo.get_cpu_info is original}))
+"""
+
+
+def test_codecarbon_starts_without_a_second_python_for_the_cpu_name():
+    """In a fresh process (CodeCarbon asks once per process): the name comes from /proc/cpuinfo, not from
+    py-cpuinfo's subprocess, and py-cpuinfo is left as it was."""
+    import json
+    import subprocess
+    import sys
+
+    from apao_ray.hardware import proc_cpu_model
+    from conftest import ROOT
+
+    pytest.importorskip("codecarbon")
+    if proc_cpu_model() is None:
+        pytest.skip("no model name in /proc/cpuinfo: CodeCarbon asks py-cpuinfo as it would")
+    result = subprocess.run([sys.executable, "-c", CODECARBON_START], capture_output=True, text=True, timeout=120,
+                            cwd=ROOT, check=True)
+    seen = json.loads(result.stdout.splitlines()[-1])
+    assert not [command for command in seen["started"] if "cpuinfo" in command], seen["started"]
+    assert f"from the CPU model ({proc_cpu_model()})" in seen["method"] or "read from its counters" in seen["method"]
+    assert seen["restored"]
+
+
 def test_parent_run_sums_the_cost_of_its_children_per_method(tmp_path):
     from apao_ray.study.mlflow_callback import log_cost_per_method
     from apao_ray.tracking import Tracker

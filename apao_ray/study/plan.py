@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..hardware import cpu_model
 from ..training.memory import allocator_env, find_tcmalloc
 from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Fit, MethodCost, asha_rungs,  # noqa: F401
                      fit_budget, format_duration, largest_subset, makespan, parse_duration, study_seconds,
@@ -55,15 +56,6 @@ class Probe:
     allocator: str = ""  # the memory allocator the probe ran on (training/memory.py)
     # ended by PROBE_TRIAL_SHARE: the (epochs, max_train_samples) of the short trial it was cut for, else None
     cut_for: list | None = None
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows: for caches and benchmark tables."""
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
