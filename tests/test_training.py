@@ -24,7 +24,8 @@ from apao_ray.training.checkpoint import (BEST_MODEL_FILE, CATALOG_FILE, CONFIG_
 from apao_ray.training.evaluation import select_users
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.names import RESUMED_HISTORY_KEY
-from apao_ray.training.loop import NonFiniteLossError, run_trial
+from apao_ray.training.loop import run_trial
+from apao_ray.training.steps import NonFiniteLossError
 from apao_ray.training.precision import resolve_precision
 
 from conftest import TINY_MODEL, InterruptedHooks
@@ -341,10 +342,13 @@ def test_non_finite_loss_stops_the_trial_naming_epoch_and_loss(short, tmp_path):
     try:
         config = make_config("tiger", name, epochs=3, max_train_samples=256, eval_max_users=32, retention_users=0)
         hooks = TrainingHooks(tmp_path, verbose=False)
-        with pytest.raises(NonFiniteLossError, match=rf"became (inf|nan) in epoch 2 \(loss '{name}'"):
+        # stopped at the step whose loss overflowed, not at the end of its epoch
+        with pytest.raises(NonFiniteLossError, match=rf"became (inf|nan) in epoch 2 \(loss '{name}', lr [\d.e-]+; "
+                                                     r"optimizer step 1 of 2\)"):
             run_trial(config, hooks, short)
     finally:
         LOSSES.pop(name)
+    assert InfAfterOneEpoch.calls == 3  # no micro-batch after the one that overflowed
     assert [r["epoch"] for r in hooks.reports] == [1]  # epoch 1 was reported, epoch 2 never was
 
 

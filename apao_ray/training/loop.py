@@ -35,10 +35,6 @@ from .steps import EpochRunner
 CE_STAGE_PREFIX = "ce_stage/"  # a two-stage trial's CE epochs log train/ and val/ metrics under this prefix
 
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; the trial stops with this reason."""
-
-
 class TrialOutOfMemoryError(MemoryError):
     """The trial could not allocate memory (host RAM, its memory cap, or GPU memory)."""
 
@@ -206,9 +202,6 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                                      float(np.median(epoch_times)) if epoch_times else None)
             train_metrics = runner.train_epoch(epoch, model, loss_fn, optimizer, scheduler,
                                                reference if loss_fn.needs_reference else None, progress)
-        if not math.isfinite(train_metrics["train/loss"]):
-            raise NonFiniteLossError(f"training loss became {train_metrics['train/loss']} in epoch {epoch} "
-                                     f"(loss {loss_fn.name!r}, lr {train_cfg.lr}); stopping this trial")
         train_seconds = time.perf_counter() - tick
         runner.memory.release()  # the training phase's free blocks, before validation allocates its own
         metrics: dict[str, Any] = {"epoch": epoch, PRECISION_KEY: train_cfg.precision, **train_metrics}

@@ -29,6 +29,10 @@ from .precision import autocast
 GPU_CANDIDATES_PER_CHUNK = 256 * 101
 
 
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite; the trial stops with this reason."""
+
 def chunk_size(batch_size: int, num_negatives: int, device: torch.device) -> int:
     """Samples per forward/backward within a micro-batch: all of it, except on a GPU where its candidates
     would exceed ``GPU_CANDIDATES_PER_CHUNK`` (the gradients are the same: chunks accumulate)."""
@@ -117,6 +121,11 @@ class EpochRunner:
                     contribution = output.prefix_losses.detach() * (len(chunk) / len(step_indices))
                     prefix_sum = contribution if prefix_sum is None else prefix_sum + contribution
                 sums["_samples"] += weight
+            if "loss" in sums and not math.isfinite(sums["loss"]):  # the weights are lost: stop now, not at epoch end
+                step, steps = start // step_size + 1, -(-len(local) // step_size)
+                raise NonFiniteLossError(f"training loss became {sums['loss'] / sums['_samples']} in epoch {epoch} "
+                                         f"(loss {loss_fn.name!r}, lr {train.lr}; optimizer step {step} of {steps}); "
+                                         "stopping this trial")
             if train.grad_clip:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip).detach()
                 grad_norm_sum = norm if grad_norm_sum is None else grad_norm_sum + norm  # no host sync per step

@@ -17,8 +17,9 @@ from torch import nn
 from ..config import TrialConfig
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
 from .hooks import TrainingHooks
-from .loop import NonFiniteLossError, TrialOutOfMemoryError, run_trial
+from .loop import TrialOutOfMemoryError, run_trial
 from .memory import allocator_in_use
+from .steps import NonFiniteLossError
 
 
 class TrialFailedError(RuntimeError):
