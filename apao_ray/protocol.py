@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from .config import PROTOCOL_NAMES, ProtocolConfig, TrialConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch where a tensor is touched: the study's driver and `--help` import this module
+    import torch
+
     from .decoding.scoring import StepScoring
 
 # knob -> (TrialConfig section, field): where each knob lives and acts
@@ -160,6 +160,8 @@ def with_end_token(tokens: torch.Tensor, label_eos: bool) -> torch.Tensor:
     """
     if not label_eos:
         return tokens
+    import torch
+
     from .data.catalog import EOS_TOKEN
 
     return torch.cat([tokens, torch.full_like(tokens[..., :1], EOS_TOKEN)], dim=-1)

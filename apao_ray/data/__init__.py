@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .batches import Batch, collate, iter_batches
 from .catalog import BOS_TOKEN, EOS_TOKEN, NUM_SPECIAL_TOKENS, PAD_TOKEN, Catalog, CatalogTensors
 from .files import (SYNTHETIC, DatasetFiles, canonical_dataset, dataset_label, index_sequences, is_dataset_path,
                     known_dataset_names, locate, locate_directory, parse_index, parse_interactions)
@@ -15,6 +14,18 @@ __all__ = ["Batch", "Catalog", "CatalogTensors", "Dataset", "Split", "collate", 
            "load_dataset", "known_dataset_names", "PAD_TOKEN", "EOS_TOKEN", "BOS_TOKEN",
            "NUM_SPECIAL_TOKENS", "SPLIT_NAMES", "canonical_dataset", "dataset_label", "is_dataset_path",
            "read_sequences"]
+
+_BATCHES = frozenset({"Batch", "collate", "iter_batches"})  # from .batches, which imports torch
+
+
+def __getattr__(name: str):
+    """``Batch``, ``collate`` and ``iter_batches`` on first use: a study's driver, ``--help`` and the CLIs that
+    read MLflow load datasets without torch (~1 s of CPU per process)."""
+    if name in _BATCHES:
+        from . import batches
+
+        return getattr(batches, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -9,9 +9,12 @@ At depth T the node id is the index of a distinct semantic ID (a "leaf"). Every 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # imported by tensors(): a study's driver reads catalogs without torch
+    import torch
 
 NUM_LEVELS = 4
 PAD_TOKEN = 0
@@ -179,6 +182,8 @@ class Catalog:
         return report
 
     def tensors(self, device: torch.device | str = "cpu") -> CatalogTensors:
+        import torch
+
         return CatalogTensors(
             child_node=tuple(torch.as_tensor(t, device=device) for t in self.child_node),
             leaf_prefix_nodes=torch.as_tensor(self.leaf_prefix_nodes, device=device),
