@@ -112,6 +112,13 @@ def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
     assert options.output_dir == isolated / "runs" and options.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
     assert options.base.train.max_train_samples == 2048  # --quick's
     assert spec.options(max_train_samples=1024).base.train.max_train_samples == 1024  # a budget's training subset
+    # the local Ray's dashboard is off unless asked for, from the flag through to the options the study runs
+    from apao_ray.study import cli_sweep
+
+    assert not options.ray_dashboard
+    for flags, wanted in (([], False), (["--ray-dashboard"], True)):
+        args = cli_sweep.build_parser().parse_args(["--smoke", "--output-dir", "runs", *flags])
+        assert cli_sweep.spec_from_args(args).options().ray_dashboard is wanted
 
 
 def test_seeds_put_the_search_on_the_first_and_the_repeats_on_the_others(isolated, capsys):

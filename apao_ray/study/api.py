@@ -45,7 +45,7 @@ def study_slots(spec: StudySpec, start_ray: bool) -> int:
     if spec.address or start_ray:
         from .runner import cluster_cpus, init_ray
 
-        init_ray(spec.address)
+        init_ray(spec.address, dashboard=spec.ray_dashboard)
         cpus = cluster_cpus()
     else:
         from .cli_train import available_cpus

@@ -32,6 +32,7 @@ class StudyOptions:
     output_dir: Path
     tracking_uri: str
     address: str | None = None
+    ray_dashboard: bool = False  # start the local Ray's dashboard (a cluster's is its own)
     max_concurrent: int = 1
     cpus_per_trial: float = 1.0
     gpus_per_trial: float = 0.0
@@ -210,7 +211,7 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
     study_dir = options.output_dir / options.study_name
     if options.overwrite and study_dir.exists():
         shutil.rmtree(study_dir)
-    init_ray(options.address)  # before our handlers: ray.init installs a SIGTERM handler of its own
+    init_ray(options.address, dashboard=options.ray_dashboard)  # before our handlers: ray.init installs a SIGTERM handler of its own
     with interrupt.stop_signals():
         tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
         parent_id = open_parent_run(tracker, options, dataset_checksums)
