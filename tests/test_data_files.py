@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 import numpy as np
@@ -312,11 +311,8 @@ def test_shared_office_checksums_match_the_pinned_ones(isolated):
 
 # --- synthetic -------------------------------------------------------------------------------
 
-def test_synthetic_is_deterministic_per_seed_and_fast():
-    start = time.perf_counter()
+def test_synthetic_is_deterministic_per_seed():
     first = make_synthetic(seed=3)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"make_synthetic took {elapsed:.2f} s"
     second = make_synthetic(seed=3)
     other = make_synthetic(seed=4)
     assert first[0] == second[0] and first[2] == second[2]
