@@ -211,7 +211,8 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
     study_dir = options.output_dir / options.study_name
     if options.overwrite and study_dir.exists():
         shutil.rmtree(study_dir)
-    init_ray(options.address, dashboard=options.ray_dashboard)  # before our handlers: ray.init installs a SIGTERM handler of its own
+    # before our handlers: ray.init installs a SIGTERM handler of its own
+    init_ray(options.address, dashboard=options.ray_dashboard)
     with interrupt.stop_signals():
         tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
         parent_id = open_parent_run(tracker, options, dataset_checksums)

@@ -29,9 +29,9 @@ from .precision import autocast
 GPU_CANDIDATES_PER_CHUNK = 256 * 101
 
 
-
 class NonFiniteLossError(RuntimeError):
     """The training loss became NaN or infinite; the trial stops with this reason."""
+
 
 def chunk_size(batch_size: int, num_negatives: int, device: torch.device) -> int:
     """Samples per forward/backward within a micro-batch: all of it, except on a GPU where its candidates
@@ -112,6 +112,12 @@ class EpochRunner:
                             ref_logits = reference(batch.history_ids, batch.history_mask, candidates)
                         ref_logp = label_log_probs(ref_logits, candidates)                   # (B, C, T)
                     output = loss_fn(LossInputs(logits, candidates, nodes, ref_logp))  # losses upcast
+                    loss_value = float(output.loss.detach())
+                    if not math.isfinite(loss_value):  # the weights would be lost: stop now, not at the epoch's end
+                        raise NonFiniteLossError(
+                            f"training loss became {loss_value} in epoch {epoch} (loss {loss_fn.name!r}, lr {train.lr}; "
+                            f"optimizer step {start // step_size + 1} of {-(-len(local) // step_size)}); "
+                            "stopping this trial")
                     (output.loss * gradient_scale(len(chunk), len(step_indices), self.config.protocol)).backward()
                 weight = len(chunk)
                 for name, value in output.metrics.items():
@@ -121,11 +127,6 @@ class EpochRunner:
                     contribution = output.prefix_losses.detach() * (len(chunk) / len(step_indices))
                     prefix_sum = contribution if prefix_sum is None else prefix_sum + contribution
                 sums["_samples"] += weight
-            if "loss" in sums and not math.isfinite(sums["loss"]):  # the weights are lost: stop now, not at epoch end
-                step, steps = start // step_size + 1, -(-len(local) // step_size)
-                raise NonFiniteLossError(f"training loss became {sums['loss'] / sums['_samples']} in epoch {epoch} "
-                                         f"(loss {loss_fn.name!r}, lr {train.lr}; optimizer step {step} of {steps}); "
-                                         "stopping this trial")
             if train.grad_clip:
                 norm = torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip).detach()
                 grad_norm_sum = norm if grad_norm_sum is None else grad_norm_sum + norm  # no host sync per step
