@@ -13,12 +13,13 @@ import argparse
 import json
 import shutil
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .data.catalog import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from .data.files import LEVEL_LETTERS
+
+if TYPE_CHECKING:  # annotations only: every `python -m apao_ray ... --help` imports this module
+    import torch
 
 FORMATS = ("hf",)
 TRIAL_CONFIG_FILE = "apao_trial_config.json"  # sizes, max_history, beam and loss: what load_recommender needs
