@@ -22,3 +22,11 @@ mkdir -p "$OUT"
   --beta 0.3 --eta 1e-4 --epochs 200 --patience 20 --asha-grace-period 200 --protocol paper --seed "$SEED" \
   --study-name "office-full-tiger-seed${SEED}" ${TRIAL_FLAGS:---cpus-per-trial 1} --max-concurrent 2 \
   --output-dir "$OUT/runs" --tracking-uri "sqlite:///$OUT/mlflow.db" ${SWEEP_FLAGS:-}
+# Here only when the study has ended (an interrupted sweep exits 130 / 143 and stops the script above): its
+# compact export and the report with the paper's Table 1 alongside, written into this checkout to be committed
+# (the machine may not outlive the session). Both rebuild from MLflow at any time with the same commands.
+study="office-full-tiger-seed${SEED}"
+./apao python -m apao_ray export-study --study "$study" --tracking-uri "sqlite:///$OUT/mlflow.db" \
+  --to "benchmarks/results/$study"
+./apao python -m apao_ray report --study "$study" --exports benchmarks/results --out "benchmarks/evidence/report-$study"
+echo "exported to benchmarks/results/$study, report in benchmarks/evidence/report-$study/report.md: commit both"
