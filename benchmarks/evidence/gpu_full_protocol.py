@@ -1,5 +1,5 @@
-"""Issue #17 part 2 on one CUDA GPU: Office TIGER, CE vs APAO-pointwise (paper Table 5: beta 0.3, eta 1e-4) at
-the paper's full protocol, several seeds at once, through the product's own trial (``run_trial``, the
+"""Issue #17 part 2 on one CUDA GPU: Office, TIGER (or ``--backbone llama``), CE vs APAO-pointwise (or any
+``--losses``, each at its paper Table 5 setting for the backbone: TIGER beta 0.3, eta 1e-4) at the paper's full protocol, several seeds at once, through the product's own trial (``run_trial``, the
 config built by ``apao train``'s own parser with ``--protocol paper``), without Ray, MLflow or Optuna (a
 lent GPU machine has none of them: ``office_full.sh`` is the same study through ``apao sweep`` where they are).
 
@@ -30,9 +30,15 @@ sys.path.insert(0, str(ROOT))
 
 
 def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
-    """``apao train`` flags of one trial (the same knobs as office_full.sh's sweep)."""
-    return ["--dataset", "office", "--data-dir", args.data_dir, "--backbone", "tiger", "--loss", loss,
-            "--beta", "0.3", "--eta", "1e-4", "--protocol", "paper", "--epochs", "200", "--patience", "20",
+    """``apao train`` flags of one trial: the loss's paper Table 5 knobs for the backbone (what office_full.sh's
+    sweep gives its one trial per loss with ``--num-samples 1``)."""
+    from apao_ray.study.space import PAPER_SETTINGS
+
+    knobs = PAPER_SETTINGS.get((args.backbone, loss), {})
+    flags = {"beta": "--beta", "eta": "--eta", "num_negatives": "--num-negatives"}
+    return ["--dataset", "office", "--data-dir", args.data_dir, "--backbone", args.backbone, "--loss", loss,
+            *(item for knob, value in knobs.items() for item in (flags[knob], str(value))),
+            "--protocol", "paper", "--epochs", "200", "--patience", "20",
             "--seed", str(seed), "--batch-size", str(args.batch_size),
             *(["--use-gpu"] if args.device == "cuda" else []), *args.train_flags.split()]
 
@@ -73,6 +79,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=os.environ.get("APAO_DATA_DIR", str(ROOT.parent / "shared" / "datasets")))
     parser.add_argument("--out", required=True, help="folder for one JSON file per trial")
+    parser.add_argument("--backbone", default="tiger", choices=("tiger", "llama"), help="(default %(default)s)")
     parser.add_argument("--losses", default="ce,apao_pointwise", help="comma list (default %(default)s)")
     parser.add_argument("--seeds", default="0", help="comma list, all at once (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=1024,
@@ -97,7 +104,7 @@ def main() -> int:
             Path(args.work, name).mkdir(parents=True, exist_ok=True)
             log = open(Path(args.work, name, "trial.log"), "w")
             command = [sys.executable, __file__, "--one", loss, str(seed), "--out", args.out, "--work", args.work,
-                       "--data-dir", args.data_dir, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
+                       "--data-dir", args.data_dir, "--backbone", args.backbone, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
                        "--device", args.device, f"--train-flags={args.train_flags}"]
             jobs[name] = (loss, seed, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
     while any(job[2].poll() is None for job in jobs.values()):

@@ -8,6 +8,8 @@
 #
 #   bash benchmarks/evidence/office_full.sh                      # seed 0, 1 CPU per trial, 2 side by side
 #   SEED=1 bash benchmarks/evidence/office_full.sh
+#   BACKBONE=llama bash benchmarks/evidence/office_full.sh       # Llama at its Table 5 knobs (beta 0.4, eta 5e-4)
+#   LOSSES=apao_pairwise bash benchmarks/evidence/office_full.sh # a study of its own, Table 5 knobs (TIGER: 0.2, 3e-5, N 100)
 #   TRIAL_FLAGS="--gpus-per-trial 0.5 --cpus-per-trial 4" bash benchmarks/evidence/office_full.sh   # a GPU machine
 #   SWEEP_FLAGS=--retry-failed bash benchmarks/evidence/office_full.sh   # trials that failed (e.g. OOM) again
 # A GPU machine without Ray/MLflow (the lent ones here): benchmarks/evidence/gpu_full_protocol.py runs the same
@@ -16,16 +18,22 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$HOME/apao_evidence}
 SEED=${SEED:-0}
+BACKBONE=${BACKBONE:-tiger}
+LOSSES=${LOSSES:-ce,apao_pointwise}
+# the main study's knobs as given since it started (a resume must see the same space); any other study gets
+# each loss's paper Table 5 setting for its backbone from the study itself (--num-samples 1 runs the enqueued one)
+[ "$BACKBONE,$LOSSES" = tiger,ce,apao_pointwise ] && KNOBS=${KNOBS:---beta 0.3 --eta 1e-4} || KNOBS=${KNOBS:-}
+[ "$LOSSES" = ce,apao_pointwise ] && suffix="" || suffix="-${LOSSES//,/_}"
+study="office-full-${BACKBONE}${suffix}-seed${SEED}"
 export APAO_DATA_DIR=${APAO_DATA_DIR:-$(cd .. && pwd)/shared/datasets}
 mkdir -p "$OUT"
-./apao sweep --dataset office --backbones tiger --losses ce,apao_pointwise --num-samples 1 \
-  --beta 0.3 --eta 1e-4 --epochs 200 --patience 20 --asha-grace-period 200 --protocol paper --seed "$SEED" \
-  --study-name "office-full-tiger-seed${SEED}" ${TRIAL_FLAGS:---cpus-per-trial 1} --max-concurrent 2 \
+./apao sweep --dataset office --backbones "$BACKBONE" --losses "$LOSSES" --num-samples 1 \
+  $KNOBS --epochs 200 --patience 20 --asha-grace-period 200 --protocol paper --seed "$SEED" \
+  --study-name "$study" ${TRIAL_FLAGS:---cpus-per-trial 1} --max-concurrent 2 \
   --output-dir "$OUT/runs" --tracking-uri "sqlite:///$OUT/mlflow.db" ${SWEEP_FLAGS:-}
 # Here only when the study has ended (an interrupted sweep exits 130 / 143 and stops the script above): its
 # compact export and the report with the paper's Table 1 alongside, written into this checkout to be committed
 # (the machine may not outlive the session). Both rebuild from MLflow at any time with the same commands.
-study="office-full-tiger-seed${SEED}"
 ./apao python -m apao_ray export-study --study "$study" --tracking-uri "sqlite:///$OUT/mlflow.db" \
   --to "benchmarks/results/$study"
 ./apao python -m apao_ray report --study "$study" --exports benchmarks/results --out "benchmarks/evidence/report-$study"
