@@ -6,9 +6,9 @@ lent GPU machine has none of them: ``office_full.sh`` is the same study through 
 Each (loss, seed) trains in its own process on the one GPU, all at once. One trial alone already keeps an
 H200 mostly busy (an Office epoch 2.1 s; four at once 6.7 s each, benchmarks/RESULTS.md session 19), so
 give one seed per call: its two trials should reach early stopping (~85-100 epochs) within a 10-minute call
-(an estimate: two at once were not timed). Every trial's result goes to ``--out`` as one JSON
-file, ``<loss>-seed<seed>.json``: the resolved config, every epoch's report, the final (test) metrics and the
-per-user test table (what the paired significance tests read). A trial still running at ``--deadline``
+(an estimate: two at once were not timed). Every trial's result goes to ``--out`` as one JSON file,
+``<loss>-seed<seed>.json`` (``llama-<loss>-seed<seed>.json`` for Llama): the resolved config, every epoch's
+report, the final (test) metrics and the per-user test table (what the paired significance tests read). A trial still running at ``--deadline``
 is stopped and its file keeps the epochs it finished, marked ``"finished": false``.
 
     python benchmarks/evidence/gpu_full_protocol.py --data-dir ../shared/datasets --out /tmp/office-gpu \
@@ -43,6 +43,11 @@ def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
             *(["--use-gpu"] if args.device == "cuda" else []), *args.train_flags.split()]
 
 
+def trial_name(loss: str, seed: int, args: argparse.Namespace) -> str:
+    """``<loss>-seed<seed>``, prefixed with the backbone when it is not TIGER (session 19's files are TIGER's)."""
+    return f"{loss}-seed{seed}" if args.backbone == "tiger" else f"{args.backbone}-{loss}-seed{seed}"
+
+
 def one(loss: str, seed: int, args: argparse.Namespace) -> None:
     import gzip
 
@@ -55,14 +60,14 @@ def one(loss: str, seed: int, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     config = trial_config_from_args(build_parser("apao train").parse_args(train_args(loss, seed, args)))
-    work = Path(args.work) / f"{loss}-seed{seed}"
+    work = Path(args.work) / trial_name(loss, seed, args)
     hooks = TrainingHooks(work, device=args.device, verbose=True)
     final = run_trial(config, hooks)
     per_user = sorted(work.glob(f"checkpoints/*_final/{PER_USER_FILE}"))
     result = {"loss": loss, "seed": seed, "finished": True, "config": config.to_dict(), "final": final,
               "epochs": [r for r in hooks.reports if not r.get("done")],
               "per_user_test_csv": gzip.decompress(per_user[0].read_bytes()).decode() if per_user else None}
-    (Path(args.out) / f"{loss}-seed{seed}.json").write_text(json.dumps(result))
+    (Path(args.out) / f"{trial_name(loss, seed, args)}.json").write_text(json.dumps(result))
 
 
 def partial(name: str, loss: str, seed: int, args: argparse.Namespace) -> None:
@@ -100,7 +105,7 @@ def main() -> int:
     jobs = {}
     for loss in args.losses.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
-            name = f"{loss}-seed{seed}"
+            name = trial_name(loss, seed, args)
             Path(args.work, name).mkdir(parents=True, exist_ok=True)
             log = open(Path(args.work, name, "trial.log"), "w")
             command = [sys.executable, __file__, "--one", loss, str(seed), "--out", args.out, "--work", args.work,
