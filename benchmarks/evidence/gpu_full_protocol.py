@@ -13,6 +13,10 @@ is stopped and its file keeps the epochs it finished, marked ``"finished": false
 
     python benchmarks/evidence/gpu_full_protocol.py --data-dir ../shared/datasets --out /tmp/office-gpu \
         --seeds 0 --deadline 540
+    # back here (ray, mlflow installed): the trial files as a study export, then the report
+    python benchmarks/evidence/gpu_full_protocol.py --out /tmp/office-gpu --export office-full-gpu-seed0 \
+        benchmarks/results/office-full-gpu-seed0
+    python -m apao_ray report --exports benchmarks/results/office-full-gpu-seed0 --out /tmp/report
 """
 from __future__ import annotations
 
@@ -80,6 +84,76 @@ def partial(name: str, loss: str, seed: int, args: argparse.Namespace) -> None:
                                                               "epochs": epochs}))
 
 
+def trial_files(folder: Path) -> list[dict]:
+    """The trials' JSON files in ``folder`` (``*.json``, or ``*.json.gz`` as committed), sorted by name."""
+    import gzip
+
+    files = sorted(folder.glob("*.json")) + sorted(folder.glob("*.json.gz"))
+    return [json.loads(gzip.decompress(f.read_bytes()) if f.suffix == ".gz" else f.read_text()) for f in files]
+
+
+def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespace) -> None:
+    """The trials of ``folder`` as a study export (``apao_ray.analysis.export``'s layout), so that
+    ``python -m apao_ray report --exports <to_dir>`` reads them as it reads a sweep's: params and tags as the
+    sweep's MLflow runs carry them, per-epoch metrics, the final (test) metrics and the per-user test table of
+    finished trials; a trial stopped at the deadline is KILLED with its epochs and best validation so far."""
+    import csv
+    import gzip
+    import time
+
+    from apao_ray.config import TrialConfig
+    from apao_ray.protocol import run_tags
+    from apao_ray.study.cli_train import build_parser, trial_config_from_args
+    from apao_ray.study.space import PAPER_SETTINGS
+    from apao_ray.tracking import flatten
+
+    (to_dir / "per_user").mkdir(parents=True, exist_ok=True)
+    trials, rows = [], []
+    for trial in trial_files(folder):
+        loss, seed = trial["loss"], trial["seed"]
+        if trial.get("config"):  # a finished trial's file has its resolved config
+            config = TrialConfig.from_dict(trial["config"])
+        else:  # a stopped one's is rebuilt from this script's flags for it
+            config = trial_config_from_args(build_parser("apao train").parse_args(train_args(loss, seed, args)))
+        backbone = config.model.backbone
+        run_id = f"gpu-{backbone}-{loss}-seed{seed}"
+        epochs = trial["epochs"]
+        best = max(epochs, key=lambda e: e.get("val/ndcg_at_10", -1.0)) if epochs else {}
+        metrics = {k: v for k, v in (epochs[-1] if epochs else {}).items() if isinstance(v, (int, float))}
+        metrics.update({"best/epoch": best.get("epoch", 0), "best/val/ndcg_at_10": best.get("val/ndcg_at_10", 0.0)})
+        metrics.update({k: v for k, v in (trial.get("final") or {}).items() if isinstance(v, (int, float))})
+        knobs = PAPER_SETTINGS.get((backbone, loss), {})
+        record = {"run_id": run_id, "name": f"{backbone}/{loss} seed={seed}",
+                  "status": "FINISHED" if trial["finished"] else "KILLED", "start_time": None, "end_time": None,
+                  "tags": {"backbone": backbone, "loss": loss, "apao.study": study, "apao.seed": str(seed),
+                           "apao.precision": str(best.get("precision", "")), **run_tags(config),
+                           "apao.outcome": "finished" if trial["finished"] else "stopped at the GPU call's deadline"},
+                  "params": {"backbone": backbone, "loss": loss, **{k: str(v) for k, v in knobs.items()},
+                             **{k: str(v) for k, v in flatten({"base": config.to_dict()}).items()}},
+                  "metrics": dict(sorted(metrics.items())), "per_user": None,
+                  "per_user_source": "none: the trial did not finish"}
+        if trial.get("per_user_test_csv"):
+            (to_dir / "per_user" / f"{run_id}.csv.gz").write_bytes(gzip.compress(trial["per_user_test_csv"].encode()))
+            record["per_user"], record["per_user_source"] = f"per_user/{run_id}.csv.gz", "logged by the trial"
+        trials.append(record)
+        rows += [(run_id, key, e["epoch"], value) for e in epochs for key, value in e.items()
+                 if key != "epoch" and isinstance(value, (int, float))]
+    parent = {"run_id": f"gpu-{study}", "name": f"study {study}", "status": "FINISHED", "start_time": None,
+              "end_time": None, "params": {}, "metrics": {},
+              "tags": {"apao.study": study, "apao.role": "study",
+                       "command_line": f"benchmarks/evidence/gpu_full_protocol.py --backbone {args.backbone} "
+                                       f"--losses {args.losses} --seeds {args.seeds} (one GPU, run_trial, no Ray)"}}
+    (to_dir / "study.json").write_text(json.dumps({
+        "format_version": 1, "study": study, "experiment": "apao-office", "tracking_uri": f"files in {folder}",
+        "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parents": [parent], "trials": trials},
+        indent=1) + "\n")
+    with gzip.open(to_dir / "epochs.csv.gz", "wt", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["run_id", "key", "step", "value"])
+        writer.writerows((run_id, key, step, f"{value:.7g}") for run_id, key, step, value in rows)
+    print(f"{len(trials)} trials of {folder} exported as study {study!r} to {to_dir}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=os.environ.get("APAO_DATA_DIR", str(ROOT.parent / "shared" / "datasets")))
@@ -95,8 +169,14 @@ def main() -> int:
     parser.add_argument("--train-flags", default="", help="more `apao train` flags, e.g. to try the script")
     parser.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "apao-gpu-full"),
                         help="trials' checkpoints (default %(default)s)")
+    parser.add_argument("--export", nargs=2, metavar=("STUDY", "DIR"),
+                        help="train nothing: write the trial files in --out as a study export named STUDY in DIR "
+                             "(e.g. benchmarks/results/STUDY), which `python -m apao_ray report --exports` reads")
     parser.add_argument("--one", nargs=2, metavar=("LOSS", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.export:
+        write_export(Path(args.out), args.export[0], Path(args.export[1]), args)
+        return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.one:
         one(args.one[0], int(args.one[1]), args)
