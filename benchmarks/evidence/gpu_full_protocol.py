@@ -1,15 +1,18 @@
 """Issue #17 part 2 on one CUDA GPU: Office, TIGER (or ``--backbone llama``), CE vs APAO-pointwise (or any
-``--losses``, each at its paper Table 5 setting for the backbone: TIGER beta 0.3, eta 1e-4) at the paper's full protocol, several seeds at once, through the product's own trial (``run_trial``, the
-config built by ``apao train``'s own parser with ``--protocol paper``), without Ray, MLflow or Optuna (a
-lent GPU machine has none of them: ``office_full.sh`` is the same study through ``apao sweep`` where they are).
+``--losses``, each at its paper Table 5 setting for the backbone: TIGER beta 0.3, eta 1e-4) at the full
+protocol (200 epochs, patience 20) of the paper (``--protocol reference``: of the released code), several seeds
+at once, through the product's own trial (``run_trial``, the config built by ``apao train``'s own parser),
+without Ray, MLflow or Optuna (a lent GPU machine has none of them: ``office_full.sh`` is the same study
+through ``apao sweep`` where they are).
 
 Each (loss, seed) trains in its own process on the one GPU, all at once. One trial alone already keeps an
 H200 mostly busy (an Office epoch 2.1 s; four at once 6.7 s each, benchmarks/RESULTS.md session 19), so
 give one seed per call: its two trials should reach early stopping (~85-100 epochs) within a 10-minute call
 (an estimate: two at once were not timed). Every trial's result goes to ``--out`` as one JSON file,
-``<loss>-seed<seed>.json`` (``llama-<loss>-seed<seed>.json`` for Llama): the resolved config, every epoch's
-report, the final (test) metrics and the per-user test table (what the paired significance tests read). A trial still running at ``--deadline``
-is stopped and its file keeps the epochs it finished, marked ``"finished": false``.
+``<loss>-seed<seed>.json`` (``llama-...`` for Llama, ``...reference-<loss>...`` under ``--protocol reference``):
+the resolved config, every epoch's report, the final (test) metrics and the per-user test table (what the
+paired significance tests read). A trial still running at ``--deadline`` is stopped and its file keeps the
+epochs it finished, marked ``"finished": false``.
 
     python benchmarks/evidence/gpu_full_protocol.py --data-dir ../shared/datasets --out /tmp/office-gpu \
         --seeds 0 --deadline 540
@@ -42,14 +45,16 @@ def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
     flags = {"beta": "--beta", "eta": "--eta", "num_negatives": "--num-negatives"}
     return ["--dataset", "office", "--data-dir", args.data_dir, "--backbone", args.backbone, "--loss", loss,
             *(item for knob, value in knobs.items() for item in (flags[knob], str(value))),
-            "--protocol", "paper", "--epochs", "200", "--patience", "20",
+            "--protocol", args.protocol, "--epochs", "200", "--patience", "20",
             "--seed", str(seed), "--batch-size", str(args.batch_size),
             *(["--use-gpu"] if args.device == "cuda" else []), *args.train_flags.split()]
 
 
-def trial_name(loss: str, seed: int, args: argparse.Namespace) -> str:
-    """``<loss>-seed<seed>``, prefixed with the backbone when it is not TIGER (session 19's files are TIGER's)."""
-    return f"{loss}-seed{seed}" if args.backbone == "tiger" else f"{args.backbone}-{loss}-seed{seed}"
+def trial_name(loss: str, seed: int, backbone: str, protocol: str) -> str:
+    """``<loss>-seed<seed>``, after the backbone when it is not TIGER and the protocol when it is not ``paper``
+    (session 19's files are TIGER's under ``paper``)."""
+    return "-".join([*([backbone] if backbone != "tiger" else []), *([protocol] if protocol != "paper" else []),
+                     loss, f"seed{seed}"])
 
 
 def one(loss: str, seed: int, args: argparse.Namespace) -> None:
@@ -64,14 +69,14 @@ def one(loss: str, seed: int, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     config = trial_config_from_args(build_parser("apao train").parse_args(train_args(loss, seed, args)))
-    work = Path(args.work) / trial_name(loss, seed, args)
+    work = Path(args.work) / trial_name(loss, seed, args.backbone, args.protocol)
     hooks = TrainingHooks(work, device=args.device, verbose=True)
     final = run_trial(config, hooks)
     per_user = sorted(work.glob(f"checkpoints/*_final/{PER_USER_FILE}"))
     result = {"loss": loss, "seed": seed, "finished": True, "config": config.to_dict(), "final": final,
               "epochs": [r for r in hooks.reports if not r.get("done")],
               "per_user_test_csv": gzip.decompress(per_user[0].read_bytes()).decode() if per_user else None}
-    (Path(args.out) / f"{trial_name(loss, seed, args)}.json").write_text(json.dumps(result))
+    (Path(args.out) / f"{trial_name(loss, seed, args.backbone, args.protocol)}.json").write_text(json.dumps(result))
 
 
 def partial(name: str, loss: str, seed: int, args: argparse.Namespace) -> None:
@@ -116,7 +121,7 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
         else:  # a stopped one's is rebuilt from this script's flags for it
             config = trial_config_from_args(build_parser("apao train").parse_args(train_args(loss, seed, args)))
         backbone = config.model.backbone
-        run_id = f"gpu-{backbone}-{loss}-seed{seed}"
+        run_id = f"gpu-{backbone}-{config.protocol.name}-{loss}-seed{seed}"
         epochs = trial["epochs"]
         best = max(epochs, key=lambda e: e.get("val/ndcg_at_10", -1.0)) if epochs else {}
         metrics = {k: v for k, v in (epochs[-1] if epochs else {}).items() if isinstance(v, (int, float))}
@@ -141,8 +146,9 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
     parent = {"run_id": f"gpu-{study}", "name": f"study {study}", "status": "FINISHED", "start_time": None,
               "end_time": None, "params": {}, "metrics": {},
               "tags": {"apao.study": study, "apao.role": "study",
-                       "command_line": f"benchmarks/evidence/gpu_full_protocol.py --backbone {args.backbone} "
-                                       f"--losses {args.losses} --seeds {args.seeds} (one GPU, run_trial, no Ray)"}}
+                       "command_line": f"benchmarks/evidence/gpu_full_protocol.py --backbone {args.backbone} --protocol "
+                                       f"{args.protocol} --losses {args.losses} --seeds {args.seeds} (one GPU, run_trial, "
+                                       "no Ray)"}}
     (to_dir / "study.json").write_text(json.dumps({
         "format_version": 1, "study": study, "experiment": "apao-office", "tracking_uri": f"files in {folder}",
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parents": [parent], "trials": trials},
@@ -159,6 +165,8 @@ def main() -> int:
     parser.add_argument("--data-dir", default=os.environ.get("APAO_DATA_DIR", str(ROOT.parent / "shared" / "datasets")))
     parser.add_argument("--out", required=True, help="folder for one JSON file per trial")
     parser.add_argument("--backbone", default="tiger", choices=("tiger", "llama"), help="(default %(default)s)")
+    parser.add_argument("--protocol", default="paper", choices=("paper", "reference"),
+                        help="the paper's setting or the released code's (default %(default)s)")
     parser.add_argument("--losses", default="ce,apao_pointwise", help="comma list (default %(default)s)")
     parser.add_argument("--seeds", default="0", help="comma list, all at once (default %(default)s)")
     parser.add_argument("--batch-size", type=int, default=1024,
@@ -185,11 +193,11 @@ def main() -> int:
     jobs = {}
     for loss in args.losses.split(","):
         for seed in (int(s) for s in args.seeds.split(",")):
-            name = trial_name(loss, seed, args)
+            name = trial_name(loss, seed, args.backbone, args.protocol)
             Path(args.work, name).mkdir(parents=True, exist_ok=True)
             log = open(Path(args.work, name, "trial.log"), "w")
             command = [sys.executable, __file__, "--one", loss, str(seed), "--out", args.out, "--work", args.work,
-                       "--data-dir", args.data_dir, "--backbone", args.backbone, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
+                       "--data-dir", args.data_dir, "--backbone", args.backbone, "--protocol", args.protocol, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
                        "--device", args.device, f"--train-flags={args.train_flags}"]
             jobs[name] = (loss, seed, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
     while any(job[2].poll() is None for job in jobs.values()):

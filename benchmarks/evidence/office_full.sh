@@ -4,12 +4,14 @@
 # NDCG@10, mirror weights, AdamW lr 5e-4, 1% warmup + cosine over 200 epochs, effective batch 1024), up to
 # 200 epochs with early stopping at patience 20, no ASHA pruning, precision auto. Re-running resumes;
 # on CPU it takes many sessions (the first trials' epochs and the command to continue are in
-# benchmarks/REPRODUCTION.md), on a GPU a few hours for the study.
+# benchmarks/REPRODUCTION.md), on a GPU a few hours for the study. BACKBONE, LOSSES and PROTOCOL (below) make
+# the other studies of issue #17 item 2, each under its own name.
 #
 #   bash benchmarks/evidence/office_full.sh                      # seed 0, 1 CPU per trial, 2 side by side
 #   SEED=1 bash benchmarks/evidence/office_full.sh
 #   BACKBONE=llama bash benchmarks/evidence/office_full.sh       # Llama at its Table 5 knobs (beta 0.4, eta 5e-4)
 #   LOSSES=apao_pairwise bash benchmarks/evidence/office_full.sh # a study of its own, Table 5 knobs (TIGER: 0.2, 3e-5, N 100)
+#   PROTOCOL=reference LOSSES=ce bash benchmarks/evidence/office_full.sh   # CE under the released code's preset
 #   TRIAL_FLAGS="--gpus-per-trial 0.5 --cpus-per-trial 4" bash benchmarks/evidence/office_full.sh   # a GPU machine
 #   SWEEP_FLAGS=--retry-failed bash benchmarks/evidence/office_full.sh   # trials that failed (e.g. OOM) again
 # A GPU machine without Ray/MLflow (the lent ones here): benchmarks/evidence/gpu_full_protocol.py runs the same
@@ -20,15 +22,17 @@ OUT=${OUT:-$HOME/apao_evidence}
 SEED=${SEED:-0}
 BACKBONE=${BACKBONE:-tiger}
 LOSSES=${LOSSES:-ce,apao_pointwise}
+PROTOCOL=${PROTOCOL:-paper}
 # the main study's knobs as given since it started (a resume must see the same space); any other study gets
 # each loss's paper Table 5 setting for its backbone from the study itself (--num-samples 1 runs the enqueued one)
-[ "$BACKBONE,$LOSSES" = tiger,ce,apao_pointwise ] && KNOBS=${KNOBS:---beta 0.3 --eta 1e-4} || KNOBS=${KNOBS:-}
+[ "$BACKBONE,$PROTOCOL,$LOSSES" = tiger,paper,ce,apao_pointwise ] && KNOBS=${KNOBS:---beta 0.3 --eta 1e-4} || KNOBS=${KNOBS:-}
 [ "$LOSSES" = ce,apao_pointwise ] && suffix="" || suffix="-${LOSSES//,/_}"
+[ "$PROTOCOL" = paper ] || suffix="-$PROTOCOL$suffix"
 study="office-full-${BACKBONE}${suffix}-seed${SEED}"
 export APAO_DATA_DIR=${APAO_DATA_DIR:-$(cd .. && pwd)/shared/datasets}
 mkdir -p "$OUT"
 ./apao sweep --dataset office --backbones "$BACKBONE" --losses "$LOSSES" --num-samples 1 \
-  $KNOBS --epochs 200 --patience 20 --asha-grace-period 200 --protocol paper --seed "$SEED" \
+  $KNOBS --epochs 200 --patience 20 --asha-grace-period 200 --protocol "$PROTOCOL" --seed "$SEED" \
   --study-name "$study" ${TRIAL_FLAGS:---cpus-per-trial 1} --max-concurrent 2 \
   --output-dir "$OUT/runs" --tracking-uri "sqlite:///$OUT/mlflow.db" ${SWEEP_FLAGS:-}
 # Here only when the study has ended (an interrupted sweep exits 130 / 143 and stops the script above): its
