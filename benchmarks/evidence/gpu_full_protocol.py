@@ -43,7 +43,7 @@ def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
 
     knobs = PAPER_SETTINGS.get((args.backbone, loss), {})
     flags = {"beta": "--beta", "eta": "--eta", "num_negatives": "--num-negatives"}
-    return ["--dataset", "office", "--data-dir", args.data_dir, "--backbone", args.backbone, "--loss", loss,
+    return ["--dataset", args.dataset, "--data-dir", args.data_dir, "--backbone", args.backbone, "--loss", loss,
             *(item for knob, value in knobs.items() for item in (flags[knob], str(value))),
             "--protocol", args.protocol, "--epochs", "200", "--patience", "20",
             "--seed", str(seed), "--batch-size", str(args.batch_size),
@@ -150,7 +150,7 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
                                        f"{args.protocol} --losses {args.losses} --seeds {args.seeds} (one GPU, run_trial, "
                                        "no Ray)"}}
     (to_dir / "study.json").write_text(json.dumps({
-        "format_version": 1, "study": study, "experiment": "apao-office", "tracking_uri": f"files in {folder}",
+        "format_version": 1, "study": study, "experiment": f"apao-{args.dataset}", "tracking_uri": f"files in {folder}",
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parents": [parent], "trials": trials},
         indent=1) + "\n")
     with gzip.open(to_dir / "epochs.csv.gz", "wt", newline="") as handle:
@@ -160,8 +160,9 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
     print(f"{len(trials)} trials of {folder} exported as study {study!r} to {to_dir}")
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset", default="office", help="(default %(default)s; synthetic tries the script)")
     parser.add_argument("--data-dir", default=os.environ.get("APAO_DATA_DIR", str(ROOT.parent / "shared" / "datasets")))
     parser.add_argument("--out", required=True, help="folder for one JSON file per trial")
     parser.add_argument("--backbone", default="tiger", choices=("tiger", "llama"), help="(default %(default)s)")
@@ -181,7 +182,11 @@ def main() -> int:
                         help="train nothing: write the trial files in --out as a study export named STUDY in DIR "
                              "(e.g. benchmarks/results/STUDY), which `python -m apao_ray report --exports` reads")
     parser.add_argument("--one", nargs=2, metavar=("LOSS", "SEED"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if args.export:
         write_export(Path(args.out), args.export[0], Path(args.export[1]), args)
         return 0
@@ -197,7 +202,7 @@ def main() -> int:
             Path(args.work, name).mkdir(parents=True, exist_ok=True)
             log = open(Path(args.work, name, "trial.log"), "w")
             command = [sys.executable, __file__, "--one", loss, str(seed), "--out", args.out, "--work", args.work,
-                       "--data-dir", args.data_dir, "--backbone", args.backbone, "--protocol", args.protocol, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
+                       "--dataset", args.dataset, "--data-dir", args.data_dir, "--backbone", args.backbone, "--protocol", args.protocol, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
                        "--device", args.device, f"--train-flags={args.train_flags}"]
             jobs[name] = (loss, seed, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
     while any(job[2].poll() is None for job in jobs.values()):

@@ -1,0 +1,63 @@
+"""benchmarks/evidence/gpu_full_protocol.py: its trial files, written by a real (tiny) trial, become a study
+export that the report reads like a sweep's (a lent GPU machine has no Ray or MLflow to record them)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+
+@pytest.fixture(scope="module")
+def gpu_script():
+    spec = importlib.util.spec_from_file_location("gpu_full_protocol", ROOT / "benchmarks" / "evidence" / "gpu_full_protocol.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.e2e
+def test_trial_files_export_to_what_the_report_reads(tmp_path, gpu_script, one_torch_thread):
+    from apao_ray.analysis.export import load_export
+    from apao_ray.analysis.report import build_report
+
+    out, work, to_dir = tmp_path / "out", tmp_path / "work", tmp_path / "export"
+    args = gpu_script.build_parser().parse_args([
+        "--dataset", "synthetic", "--device", "cpu", "--out", str(out), "--work", str(work), "--threads", "1",
+        "--train-flags", "--model-size tiny --epochs 2 --batch-size 128 --effective-batch-size 128 --lr 2e-3 "
+        "--max-train-samples 512 --eval-max-users 100"])
+    out.mkdir()
+    gpu_script.one("ce", 0, args)  # what each trial's subprocess runs
+    finished = json.loads((out / "ce-seed0.json").read_text())
+    assert finished["finished"] and len(finished["epochs"]) == 2
+    # a trial the call's deadline stopped: its epochs only (gpu_script.partial writes these from metrics.jsonl)
+    stopped = [{**epoch, "val/ndcg_at_10": value} for epoch, value in zip(finished["epochs"], (0.03, 0.05))]
+    (out / "apao_pointwise-seed0.json").write_text(json.dumps({"loss": "apao_pointwise", "seed": 0, "finished": False,
+                                                                "epochs": stopped}))
+
+    gpu_script.write_export(out, "gpu-try", to_dir, args)
+    export = load_export(to_dir)
+    trials = {trial["params"]["loss"]: trial for trial in export.trials}
+    ce, pointwise = trials["ce"], trials["apao_pointwise"]
+    assert ce["status"] == "FINISHED" and pointwise["status"] == "KILLED"
+    for key in ("test/ndcg_at_10", "test/recall_at_20", "best/val/ndcg_at_10"):
+        assert ce["metrics"][key] == finished["final"][key]
+    # the params and tags a sweep's child run carries, from the trial's resolved config
+    assert ce["params"]["base.data.dataset"] == "synthetic" and ce["params"]["base.train.seed"] == "0"
+    assert ce["tags"]["apao.protocol"] == "paper" and ce["tags"]["apao.schedule"] == "2 epochs / patience 20"
+    assert pointwise["params"]["beta"] == "0.3" and pointwise["params"]["eta"] == "0.0001"  # paper Table 5, TIGER
+    table = export.per_user(ce)
+    assert len(table) == finished["final"]["test/num_users"]
+    assert table["ndcg_at_10"].mean() == pytest.approx(finished["final"]["test/ndcg_at_10"], abs=1e-5)
+    assert export.per_user(pointwise) is None
+    assert pointwise["metrics"]["best/val/ndcg_at_10"] == 0.05 and pointwise["metrics"]["best/epoch"] == 2
+    curve = export.history(ce["run_id"], "val/ndcg_at_10")
+    assert list(curve.index) == [1, 2]
+    assert np.allclose(curve.values, [e["val/ndcg_at_10"] for e in finished["epochs"]], atol=1e-6)
+
+    report = build_report([export], tmp_path / "report").read_text()
+    assert "| synthetic | tiger | ce | 0 |" in report  # the finished trial's test metrics
+    assert "stopped at the GPU call's deadline | 2 |" in report  # the stopped one among the unfinished
