@@ -106,13 +106,14 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
     import gzip
     import time
 
+    from apao_ray.analysis.export import EPOCHS_FILE, FORMAT_VERSION, PER_USER_DIR, STUDY_FILE
     from apao_ray.config import TrialConfig
     from apao_ray.protocol import run_tags
     from apao_ray.study.cli_train import build_parser, trial_config_from_args
     from apao_ray.study.space import PAPER_SETTINGS
     from apao_ray.tracking import flatten
 
-    (to_dir / "per_user").mkdir(parents=True, exist_ok=True)
+    (to_dir / PER_USER_DIR).mkdir(parents=True, exist_ok=True)
     trials, rows = [], []
     for trial in trial_files(folder):
         loss, seed = trial["loss"], trial["seed"]
@@ -138,8 +139,8 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
                   "metrics": dict(sorted(metrics.items())), "per_user": None,
                   "per_user_source": "none: the trial did not finish"}
         if trial.get("per_user_test_csv"):
-            (to_dir / "per_user" / f"{run_id}.csv.gz").write_bytes(gzip.compress(trial["per_user_test_csv"].encode()))
-            record["per_user"], record["per_user_source"] = f"per_user/{run_id}.csv.gz", "logged by the trial"
+            (to_dir / PER_USER_DIR / f"{run_id}.csv.gz").write_bytes(gzip.compress(trial["per_user_test_csv"].encode()))
+            record["per_user"], record["per_user_source"] = f"{PER_USER_DIR}/{run_id}.csv.gz", "logged by the trial"
         trials.append(record)
         rows += [(run_id, key, e["epoch"], value) for e in epochs for key, value in e.items()
                  if key != "epoch" and isinstance(value, (int, float))]
@@ -149,11 +150,11 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
                        "command_line": f"benchmarks/evidence/gpu_full_protocol.py --backbone {args.backbone} --protocol "
                                        f"{args.protocol} --losses {args.losses} --seeds {args.seeds} (one GPU, run_trial, "
                                        "no Ray)"}}
-    (to_dir / "study.json").write_text(json.dumps({
-        "format_version": 1, "study": study, "experiment": f"apao-{args.dataset}", "tracking_uri": f"files in {folder}",
+    (to_dir / STUDY_FILE).write_text(json.dumps({
+        "format_version": FORMAT_VERSION, "study": study, "experiment": f"apao-{args.dataset}", "tracking_uri": f"files in {folder}",
         "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "parents": [parent], "trials": trials},
         indent=1) + "\n")
-    with gzip.open(to_dir / "epochs.csv.gz", "wt", newline="") as handle:
+    with gzip.open(to_dir / EPOCHS_FILE, "wt", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(["run_id", "key", "step", "value"])
         writer.writerows((run_id, key, step, f"{value:.7g}") for run_id, key, step, value in rows)
@@ -202,7 +203,8 @@ def main() -> int:
             Path(args.work, name).mkdir(parents=True, exist_ok=True)
             log = open(Path(args.work, name, "trial.log"), "w")
             command = [sys.executable, __file__, "--one", loss, str(seed), "--out", args.out, "--work", args.work,
-                       "--dataset", args.dataset, "--data-dir", args.data_dir, "--backbone", args.backbone, "--protocol", args.protocol, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
+                       "--dataset", args.dataset, "--data-dir", args.data_dir, "--backbone", args.backbone,
+                       "--protocol", args.protocol, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
                        "--device", args.device, f"--train-flags={args.train_flags}"]
             jobs[name] = (loss, seed, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
     while any(job[2].poll() is None for job in jobs.values()):
