@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -74,12 +73,6 @@ def session_cpu(sid: int) -> tuple[float, int]:
     return ticks / os.sysconf("SC_CLK_TCK"), count
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -87,8 +80,9 @@ def main() -> int:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     from apao_ray.hardware import cpu_model
+    from apao_ray.study.runner import stable_free_port
 
-    port = free_port()
+    port = stable_free_port()  # outside the range Ray's own processes bind port 0 in
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                              f"--port={port}", "--num-cpus=2", "--include-dashboard=false", "--disable-usage-stats"],
                             env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
