@@ -290,6 +290,13 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
     for one, two in zip(alone.methods, side_by_side.methods):
         assert two.epoch_s == pytest.approx(SIDE_BY_SIDE_SLOWDOWN * one.epoch_s)
     assert alone.side_by_side == 1.0 and f"probed rates x{SIDE_BY_SIDE_SLOWDOWN:g}" in side_by_side.text()
+    # a one-trial study runs alone whatever the slots: no side-by-side slowdown, one trial's memory
+    one_trial = apao_ray.StudySpec.quick(losses=("ce",), num_samples=1, epochs=2, max_concurrent=2, cpus_per_trial=1,
+                                         output_dir=str(tmp_path / "runs"))
+    lone = make_plan(one_trial, slots=2)
+    assert lone.slots == 1 and lone.side_by_side == 1.0 and "probed rates x" not in lone.text()
+    ce_alone = next(m for m in alone.methods if m.loss == "ce")
+    assert lone.methods[0].epoch_s == pytest.approx(ce_alone.epoch_s) and "(1 trial at once)" in lone.text()
     # the study runs that order: its options' searcher allocates the slow method's trial first
     options = spec(2).options(start_order=side_by_side.start_order)
     assert [a[1] for a in options.spec.allocation()] == ["apao_pointwise", "ce"]

@@ -247,7 +247,7 @@ class Plan:
         if len(self.start_order) > 1:
             lines.append(f"  trials start slowest method first: {', '.join(f'{b}/{l}' for b, l in self.start_order)}")
         lines.append(f"  study ~{format_duration(fit.estimate_s)} wall, peak memory ~{self.peak_bytes / gib:.1f} GiB "
-                     f"({self.slots} trials at once), for full-length trials; ASHA pruning and early stopping "
+                     f"({'1 trial' if self.slots == 1 else f'{self.slots} trials'} at once), for full-length trials; ASHA pruning and early stopping "
                      "shorten it")
         source = "cached" if self.probes_cached == len(self.methods) else "measured now"
         if self.probes_observed:
@@ -304,6 +304,9 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     train_samples = min(len(splits["train"]), base.train.max_train_samples or len(splits["train"]))
     valid_users = validation_users(base, splits)
     threads = trial_threads(spec.trial_cpus)
+    # a slot no trial can fill neither runs a trial side by side nor holds memory: a one-trial study runs alone
+    num_methods = len({(b, l) for b, l, _ in search.allocation()})
+    slots = max(1, min(slots, max(search.num_trials, num_methods * len(spec.repeat_seeds))))
     methods, cached, observed, precisions, devices, allocators = [], 0, 0, set(), set(), set()
     side_by_side = SIDE_BY_SIDE_SLOWDOWN if slots > 1 and not spec.address else 1.0
     for backbone, loss, _ in search.allocation():
