@@ -1,5 +1,6 @@
-"""benchmarks/evidence/gpu_full_protocol.py: its trial files, written by a real (tiny) trial, become a study
-export that the report reads like a sweep's (a lent GPU machine has no Ray or MLflow to record them)."""
+"""benchmarks/evidence/: gpu_full_protocol.py's trial files, written by a real (tiny) trial, become a study
+export that the report reads like a sweep's (a lent GPU machine has no Ray or MLflow to record them); and
+diagnose_full.py re-evaluates finished trials' checkpoints as their own test metrics say."""
 from __future__ import annotations
 
 import importlib.util
@@ -11,12 +12,23 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.fixture(scope="module")
-def gpu_script():
-    spec = importlib.util.spec_from_file_location("gpu_full_protocol", ROOT / "benchmarks" / "evidence" / "gpu_full_protocol.py")
+def evidence_script(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "evidence" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def gpu_script():
+    return evidence_script("gpu_full_protocol")
+
+
+def tiny_trial_args(gpu_script, out, work, extra=" --eval-max-users 100"):
+    return gpu_script.build_parser().parse_args([
+        "--dataset", "synthetic", "--device", "cpu", "--out", str(out), "--work", str(work), "--threads", "1",
+        "--train-flags", "--model-size tiny --epochs 2 --batch-size 128 --effective-batch-size 128 --lr 2e-3 "
+        "--max-train-samples 512" + extra])
 
 
 @pytest.mark.e2e
@@ -25,10 +37,7 @@ def test_trial_files_export_to_what_the_report_reads(tmp_path, gpu_script, one_t
     from apao_ray.analysis.report import build_report
 
     out, work, to_dir = tmp_path / "out", tmp_path / "work", tmp_path / "export"
-    args = gpu_script.build_parser().parse_args([
-        "--dataset", "synthetic", "--device", "cpu", "--out", str(out), "--work", str(work), "--threads", "1",
-        "--train-flags", "--model-size tiny --epochs 2 --batch-size 128 --effective-batch-size 128 --lr 2e-3 "
-        "--max-train-samples 512 --eval-max-users 100"])
+    args = tiny_trial_args(gpu_script, out, work)
     out.mkdir()
     gpu_script.one("ce", 0, args)  # what each trial's subprocess runs
     finished = json.loads((out / "ce-seed0.json").read_text())
@@ -61,3 +70,49 @@ def test_trial_files_export_to_what_the_report_reads(tmp_path, gpu_script, one_t
     report = build_report([export], tmp_path / "report").read_text()
     assert "| synthetic | tiger | ce | 0 |" in report  # the finished trial's test metrics
     assert "stopped at the GPU call's deadline | 2 |" in report  # the stopped one among the unfinished
+
+
+@pytest.mark.e2e
+def test_diagnosis_re_evaluates_each_trials_selected_weights_as_its_test_metrics(tmp_path, gpu_script,
+                                                                                 one_torch_thread):
+    """diagnose_full.py on two finished trials: the selected weights in the trials' precision give back each
+    trial's own test and validation metrics, the last epoch's weights its last validation (every user is
+    validated), and the paired differences are APAO - CE."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    args = tiny_trial_args(gpu_script, out, work, " --precision fp32")
+    out.mkdir()
+    for loss in ("ce", "apao_pointwise"):
+        gpu_script.one(loss, 0, args)
+    trials = {loss: json.loads((out / f"{loss}-seed0.json").read_text()) for loss in ("ce", "apao_pointwise")}
+    final = {loss: trial["final"] for loss, trial in trials.items()}
+
+    gpu_script.write_export(out, "tiny", tmp_path / "export", args)
+    result = evidence_script("diagnose_full").main([
+        "--study-dir", str(work), "--precisions", "fp32", "--splits", "valid,test", "--export",
+        str(tmp_path / "export"), "--json", str(tmp_path / "diagnosis.json")])
+    for row in result["selection"]:  # the epoch selection by validation loss would keep, from the export
+        epochs = trials[row["loss"]]["epochs"]
+        by_loss = min(epochs, key=lambda e: e["val/loss_ce"])
+        assert row["loss_epoch"] == by_loss["epoch"] and row["ndcg_epoch"] == final[row["loss"]]["best/epoch"]
+        assert row["loss_ndcg_at_10"] == pytest.approx(by_loss["val/ndcg_at_10"], abs=1e-6)
+    assert len(result["selection"]) == 2
+    assert json.loads((tmp_path / "diagnosis.json").read_text())["rows"] == result["rows"]
+    rows = {(r["loss"], r["weights"], r["split"]): r for r in result["rows"]}
+    assert len(rows) == 8
+    for loss, metrics in final.items():
+        selected = rows[(loss, "selected", "test")]
+        assert selected["epoch"] == metrics["best/epoch"] and rows[(loss, "last", "test")]["epoch"] == 2
+        for name in ("recall_at_10", "ndcg_at_10", "ndcg_at_20"):
+            assert selected[name] == pytest.approx(metrics[f"test/{name}"], abs=1e-6)
+        assert rows[(loss, "selected", "valid")]["ndcg_at_10"] == pytest.approx(metrics["best/val/ndcg_at_10"], abs=1e-6)
+        last_epoch = trials[loss]["epochs"][-1]
+        assert last_epoch["epoch"] == 2
+        for name in ("recall_at_20", "ndcg_at_10"):
+            assert rows[(loss, "last", "valid")][name] == pytest.approx(last_epoch[f"val/{name}"], abs=1e-6)
+    differences = {(c["weights"], c["split"], c["metric"]): c for c in result["comparisons"]}
+    assert {c["method"] for c in result["comparisons"]} == {"apao_pointwise"} and len(differences) == 16
+    for weights in ("selected", "last"):
+        for metric in ("recall_at_20", "ndcg_at_10"):
+            c = differences[(weights, "test", metric)]
+            expected = rows[("apao_pointwise", weights, "test")][metric] - rows[("ce", weights, "test")][metric]
+            assert c["difference"] == pytest.approx(expected, abs=1e-9) and c["ci_low"] <= c["difference"] <= c["ci_high"]
