@@ -42,10 +42,10 @@ def _paper_cell(method: Method) -> str:
 
 def _metrics_table(methods: list[Method]) -> list[str]:
     header = ["dataset", "backbone", "method", "seeds", "R@10", "R@20", "N@10", "N@20", "paper R@10 / N@10",
-              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch"]
+              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
-        epoch_seconds = [float(t.history("perf/epoch_seconds").mean()) for t in method.trials
+        epoch_seconds = [float(t.history("perf/epoch_seconds").median()) for t in method.trials
                          if not t.history("perf/epoch_seconds").empty]
         cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
                  *(_mean_std(method, key) for key in TEST_METRICS), _paper_cell(method),
@@ -78,7 +78,7 @@ def _cost_table(methods: list[Method]) -> list[str]:
 
 def _unfinished_table(methods: list[Method]) -> list[str]:
     header = ["study", "backbone", "method", "seed", "status", "outcome", "epochs so far", "val NDCG@10 (last)",
-              "best val NDCG@10", "s/epoch"]
+              "best val NDCG@10", "s/epoch (median)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
         for trial in method.trials:
@@ -87,7 +87,7 @@ def _unfinished_table(methods: list[Method]) -> list[str]:
             cells = [trial.export.name, method.backbone, method.label, str(trial.seed), trial.record["status"],
                      trial.tags.get("apao.outcome", "-")[:80], str(int(curve.index.max())) if not curve.empty else "0",
                      _number(float(curve.iloc[-1])) if not curve.empty else "-",
-                     _number(trial.metrics.get(SELECTION_METRIC)), _number(float(seconds.mean()), 1) if not seconds.empty else "-"]
+                     _number(trial.metrics.get(SELECTION_METRIC)), _number(float(seconds.median()), 1) if not seconds.empty else "-"]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -136,7 +136,9 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods), "",
              "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
-             "parentheses with `n/c` (not comparable) otherwise.", "",
+             "parentheses with `n/c` (not comparable) otherwise. `s/epoch (median)`: each trial's median epoch "
+             "(MLflow `perf/epoch_seconds`), averaged over seeds; a median, as epochs that ran beside other work on a "
+             "shared machine would pull a mean up (the cost table has the totals).", "",
              "## Cost per method (summed over seeds; peak memory: the largest)", "", *_cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
     if compared:
