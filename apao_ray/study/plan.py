@@ -246,9 +246,9 @@ class Plan:
                      f"  ASHA prunes nothing (grace {fit.asha_grace_period} epochs >= {fit.epochs} epochs)")
         if len(self.start_order) > 1:
             lines.append(f"  trials start slowest method first: {', '.join(f'{b}/{l}' for b, l in self.start_order)}")
+        at_once = "1 trial" if self.slots == 1 else f"{self.slots} trials"
         lines.append(f"  study ~{format_duration(fit.estimate_s)} wall, peak memory ~{self.peak_bytes / gib:.1f} GiB "
-                     f"({'1 trial' if self.slots == 1 else f'{self.slots} trials'} at once), for full-length trials; ASHA pruning and early stopping "
-                     "shorten it")
+                     f"({at_once} at once), for full-length trials; ASHA pruning and early stopping shorten it")
         source = "cached" if self.probes_cached == len(self.methods) else "measured now"
         if self.probes_observed:
             source += (f"; training and validation rates of {self.probes_observed} of {len(self.methods)} methods from "

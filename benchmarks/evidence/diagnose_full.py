@@ -36,7 +36,7 @@ from apao_ray.data import load_dataset
 from apao_ray.hardware import cpu_model
 from apao_ray.inference import Recommender
 from apao_ray.protocol import decoding_scoring
-from apao_ray.training.checkpoint import STATE_FILE
+from apao_ray.training.checkpoint import CONFIG_FILE, FINAL_METRICS_FILE, STATE_FILE
 from apao_ray.training.evaluation import evaluate_split_per_user
 
 METRICS = ("recall_at_10", "recall_at_20", "ndcg_at_10", "ndcg_at_20")
@@ -50,7 +50,7 @@ def trial_checkpoints(study_dir: Path) -> dict[str, tuple[Path, Path]]:
         epochs = sorted(p for p in checkpoints.iterdir() if p.is_dir() and not p.name.endswith("_final"))
         if not finals or not epochs:
             continue  # a trial that has not ended
-        loss = json.loads((finals[-1] / "trial_config.json").read_text())["loss"]["name"]
+        loss = json.loads((finals[-1] / CONFIG_FILE).read_text())["loss"]["name"]
         if loss in found:
             raise SystemExit(f"two finished trials of loss {loss!r} under {study_dir}: this script compares one each")
         found[loss] = (finals[-1], epochs[-1])
@@ -136,9 +136,8 @@ def re_evaluate(args: argparse.Namespace) -> dict:
         dataset = dataset or load_dataset(data.dataset, data.data_dir, data.max_history, data.synthetic_seed)
         selected = {k: v.clone() for k, v in recommender.model.state_dict().items()}
         last = torch.load(last_dir / STATE_FILE, map_location="cpu", weights_only=False)
-        for weights, state, epoch in (("selected", selected, json.loads((final_dir / "final_metrics.json")
-                                                                        .read_text()).get("best/epoch")),
-                                      ("last", last["model"], last.get("epoch"))):
+        best_epoch = json.loads((final_dir / FINAL_METRICS_FILE).read_text()).get("best/epoch")
+        for weights, state, epoch in (("selected", selected, best_epoch), ("last", last["model"], last.get("epoch"))):
             recommender.model.load_state_dict(state)
             for precision in precisions:
                 for split in splits:
