@@ -188,6 +188,16 @@ def find_exports(directories: list[str], studies: list[str] | None) -> list[Stud
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.grid:
+        if not args.exports:
+            raise ValueError("--grid reads committed exports: give --exports DIR (e.g. benchmarks/results)")
+        from .grid import build_grid, load_queue, queue_path_default
+
+        queue_file = args.queue or queue_path_default(args.exports)
+        grid = build_grid(find_exports(args.exports, args.study), args.out,
+                          load_queue(queue_file) if queue_file else [], args.resamples)
+        print(f"wrote {grid}" + (f" (queue {queue_file})" if queue_file else ""))
+        return 0
     if args.exports:
         exports = find_exports(args.exports, args.study)
     else:
@@ -220,4 +230,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--trials", choices=TRIAL_CHOICES, default="best",
                         help="per (study, backbone, loss): the best trial by validation NDCG@10, or all (default best)")
     parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--grid", action="store_true",
+                        help="write grid.md instead: every cell of paper Table 1 with ours at the full protocol, the "
+                             "paired difference against CE, the paper's figure and the cell's status (needs --exports)")
+    parser.add_argument("--queue", metavar="FILE", help="with --grid: the evidence queue for the status and cost of "
+                        "cells not run yet (default: evidence/queue.json beside the exports folder, if there)")
     parser.set_defaults(handler=_main)

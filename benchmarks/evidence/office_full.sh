@@ -12,6 +12,7 @@
 #   BACKBONE=llama bash benchmarks/evidence/office_full.sh       # Llama at its Table 5 knobs (beta 0.4, eta 5e-4)
 #   LOSSES=apao_pairwise bash benchmarks/evidence/office_full.sh # a study of its own, Table 5 knobs (TIGER: 0.2, 3e-5, N 100)
 #   PROTOCOL=reference LOSSES=ce bash benchmarks/evidence/office_full.sh   # CE under the released code's preset
+#   DATASET=grocery bash benchmarks/evidence/office_full.sh      # another dataset (study grocery-full-...)
 #   TRIAL_FLAGS="--gpus-per-trial 0.5 --cpus-per-trial 4" bash benchmarks/evidence/office_full.sh   # a GPU machine
 #   SWEEP_FLAGS=--retry-failed bash benchmarks/evidence/office_full.sh   # trials that failed (e.g. OOM) again
 # A GPU machine without Ray/MLflow (the lent ones here): benchmarks/evidence/gpu_full_protocol.py runs the same
@@ -20,18 +21,19 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$HOME/apao_evidence}
 SEED=${SEED:-0}
+DATASET=${DATASET:-office}
 BACKBONE=${BACKBONE:-tiger}
 LOSSES=${LOSSES:-ce,apao_pointwise}
 PROTOCOL=${PROTOCOL:-paper}
 # the main study's knobs as given since it started (a resume must see the same space); any other study gets
 # each loss's paper Table 5 setting for its backbone from the study itself (--num-samples 1 runs the enqueued one)
-[ "$BACKBONE,$PROTOCOL,$LOSSES" = tiger,paper,ce,apao_pointwise ] && KNOBS=${KNOBS:---beta 0.3 --eta 1e-4} || KNOBS=${KNOBS:-}
+[ "$DATASET,$BACKBONE,$PROTOCOL,$LOSSES" = office,tiger,paper,ce,apao_pointwise ] && KNOBS=${KNOBS:---beta 0.3 --eta 1e-4} || KNOBS=${KNOBS:-}
 [ "$LOSSES" = ce,apao_pointwise ] && suffix="" || suffix="-${LOSSES//,/_}"
 [ "$PROTOCOL" = paper ] || suffix="-$PROTOCOL$suffix"
-study="office-full-${BACKBONE}${suffix}-seed${SEED}"
+study="${DATASET}-full-${BACKBONE}${suffix}-seed${SEED}"
 export APAO_DATA_DIR=${APAO_DATA_DIR:-$(cd .. && pwd)/shared/datasets}
 mkdir -p "$OUT"
-./apao sweep --dataset office --backbones "$BACKBONE" --losses "$LOSSES" --num-samples 1 \
+./apao sweep --dataset "$DATASET" --backbones "$BACKBONE" --losses "$LOSSES" --num-samples 1 \
   $KNOBS --epochs 200 --patience 20 --asha-grace-period 200 --protocol "$PROTOCOL" --seed "$SEED" \
   --study-name "$study" ${TRIAL_FLAGS:---cpus-per-trial 1} --max-concurrent 2 \
   --output-dir "$OUT/runs" --tracking-uri "sqlite:///$OUT/mlflow.db" ${SWEEP_FLAGS:-}

@@ -1,0 +1,170 @@
+"""One page for paper Table 1's grid (issue #37): every (dataset, backbone, method) cell with ours at the
+paper's full protocol (mean ± std over seeds, n), the paired difference against CE, the paper's figure, and
+the cell's status: done, in progress (its epoch, from the latest export), or queued (its cost here, from the
+evidence queue). Built by ``python -m apao_ray report --grid`` from committed exports alone.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from .export import StudyExport
+from .paper import TABLE1
+from .results import (SELECTION_METRIC, Method, Paired, Trial, compare_methods, finished_trials, group_methods,
+                      unfinished_trials)
+
+GRID_FILE = "grid.md"
+GRID_METRICS = ("test/recall_at_10", "test/ndcg_at_10")
+COMPARED_METRIC = "ndcg_at_10"  # a per-user table column
+
+
+@dataclass(frozen=True)
+class QueueItem:
+    """A run still to do: its cells, seeds, cost per trial here and on a GPU, and the command."""
+
+    dataset: str
+    backbone: str
+    losses: tuple[str, ...]
+    protocol: str
+    seeds: tuple[int, ...]
+    cpu_hours: dict[str, float]
+    gpu_minutes: dict[str, float]
+    command: str
+
+
+def load_queue(path: str | Path) -> list[QueueItem]:
+    """The evidence queue (``benchmarks/evidence/queue.json``): items with per-trial costs scaled from Office."""
+    record = json.loads(Path(path).read_text())
+    costs, scale = record["office_cost_per_trial"], record["dataset_scale"]
+    items = []
+    for item in record["items"]:
+        factor = scale[item["dataset"]]
+        keys = {loss: f"{item['backbone']}/{loss}" for loss in item["losses"]}
+        items.append(QueueItem(item["dataset"], item["backbone"], tuple(item["losses"]), item["protocol"],
+                               tuple(item["seeds"]),
+                               {loss: costs[key]["cpu_hours"] * factor for loss, key in keys.items()},
+                               {loss: costs[key]["gpu_minutes"] * factor for loss, key in keys.items()},
+                               item["command"]))
+    return items
+
+
+def _is_full_length(trial: Trial) -> bool:
+    return trial.tags.get("apao.schedule") == "paper"
+
+
+def _is_paper_cell(trial: Trial) -> bool:
+    return _is_full_length(trial) and trial.tags.get("apao.protocol", "paper") == "paper"
+
+
+def _by_loss(methods: list[Method]) -> dict[tuple[str, str, str], Method]:
+    """One method per (dataset, backbone, loss): the one with most seeds where knobs differ between studies."""
+    cells: dict[tuple[str, str, str], Method] = {}
+    for method in methods:
+        key = (method.dataset.lower(), method.backbone, method.loss)
+        if key not in cells or len(method.trials) > len(cells[key].trials):
+            cells[key] = method
+    return cells
+
+
+def _ours(method: Method) -> str:
+    parts = []
+    for metric in GRID_METRICS:
+        mean, std = method.mean_std(metric)
+        parts.append(f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}")
+    return " / ".join(parts) + f" (n={len(method.trials)})"
+
+
+def _progress(trials: list[Trial]) -> str:
+    """``epoch 21, best val N@10 0.0298`` per seed of the trials without test metrics."""
+    parts = []
+    for trial in sorted(trials, key=lambda t: t.seed):
+        curve = trial.history("val/ndcg_at_10")
+        epoch = int(curve.index.max()) if not curve.empty else 0
+        best = trial.metrics.get(SELECTION_METRIC)
+        parts.append(f"seed {trial.seed}: epoch {epoch}" + (f", best val N@10 {best:.4f}" if best is not None else "")
+                     + f" ({trial.export.record['exported_at'][:10]})")
+    return "; ".join(parts)
+
+
+def _queued(queue: list[QueueItem], dataset: str, backbone: str, loss: str, protocol: str = "paper") -> str:
+    for position, item in enumerate(queue, 1):
+        if (item.dataset, item.backbone, item.protocol) == (dataset, backbone, protocol) and loss in item.losses:
+            return (f"queued #{position}: seeds {','.join(map(str, item.seeds))}, ~{item.cpu_hours[loss]:.0f} h per "
+                    f"trial on 2 CPUs, ~{item.gpu_minutes[loss]:.0f} min on a GPU")
+    return "not queued"
+
+
+def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[QueueItem] | None = None,
+               num_resamples: int = 10_000) -> Path:
+    """Writes ``grid.md`` into ``out_dir`` and returns its path."""
+    queue = queue or []
+    finished = [t for t in finished_trials(exports, "best") if _is_full_length(t)]
+    paper_methods = _by_loss(group_methods([t for t in finished if _is_paper_cell(t)]))
+    compared: dict[tuple[str, str, str], Paired] = {
+        (p.method.dataset.lower(), p.method.backbone, p.method.loss): p
+        for p in compare_methods(list(paper_methods.values()), "ce", metrics=(COMPARED_METRIC,),
+                                 num_resamples=num_resamples)}
+    running: dict[tuple[str, str, str, str], list[Trial]] = {}
+    for trial in unfinished_trials(exports):
+        if _is_full_length(trial):
+            key = (trial.dataset.lower(), trial.backbone, trial.loss, trial.tags.get("apao.protocol", "paper"))
+            running.setdefault(key, []).append(trial)
+
+    header = ["dataset", "backbone", "method", "ours R@10 / N@10 (mean ± std, n seeds)",
+              "APAO - CE test N@10 (95% CI, p_holm)", "paper R@10 / N@10", "status"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    counts = {"done": 0, "in progress": 0, "queued": 0}
+    for (dataset, backbone, loss), (recall, ndcg) in TABLE1.items():
+        method = paper_methods.get((dataset, backbone, loss))
+        in_progress = running.get((dataset, backbone, loss, "paper"), [])
+        paired = compared.get((dataset, backbone, loss))
+        if method is not None:
+            kind, status = "done", f"done (seeds {','.join(map(str, method.seeds))})"
+            if in_progress:
+                status += "; in progress " + _progress(in_progress)
+        elif in_progress:
+            kind, status = "in progress", "in progress: " + _progress(in_progress)
+        else:
+            kind, status = "queued", _queued(queue, dataset, backbone, loss)
+        counts[kind] += 1
+        difference = "-" if paired is None or paired.pooled is None else paired.pooled.text()
+        lines.append("| " + " | ".join([dataset, backbone, loss, _ours(method) if method else "-", difference,
+                                        f"{recall:.4f} / {ndcg:.4f}", status]) + " |")
+
+    others = group_methods([t for t in finished if not _is_paper_cell(t)])
+    other_lines = [f"- {m.dataset} {m.backbone} {m.label}, protocol `{m.tag_values('apao.protocol')}`: "
+                   f"{_ours(m)}, best epoch {', '.join(str(int(v)) for v in m.values('best/epoch')) or '-'}"
+                   for m in others]
+    other_lines += [f"- {d} {b} {loss}, protocol `{protocol}`, in progress: {_progress(trials)}"
+                    for (d, b, loss, protocol), trials in sorted(running.items()) if protocol != "paper"]
+    pending = [f"{i}. {item.dataset} {item.backbone} {'+'.join(item.losses)} (`{item.protocol}`), seeds "
+               f"{','.join(map(str, item.seeds))}: `{item.command}`" for i, item in enumerate(queue, 1)]
+    text = [
+        "# Paper Table 1, cell by cell", "",
+        f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report --grid` from "
+        f"{len(exports)} committed study exports. {counts['done']} of {len(TABLE1)} cells done, "
+        f"{counts['in progress']} in progress, {counts['queued']} not started.", "",
+        "Ours: test Recall@10 / NDCG@10 (beam 20) at the paper's full protocol (preset `paper`, up to 200 epochs, "
+        "patience 20), best trial per study, mean ± sample std over seeds. The difference is APAO minus CE per test "
+        "user, seeds pooled, percentile bootstrap CI, Wilcoxon p Holm-corrected over the dataset's pooled "
+        "comparisons shown here. Paper: Table 1.", "",
+        *lines, "",
+        "## Other full-length runs (not paper cells)", "", *(other_lines or ["(none)"]), "",
+        "## The queue (benchmarks/evidence/queue.json), in order", "", *(pending or ["(empty)"]), "",
+    ]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / GRID_FILE
+    path.write_text("\n".join(text))
+    return path
+
+
+def queue_path_default(exports_dirs: list[str]) -> Path | None:
+    """``benchmarks/evidence/queue.json`` beside a ``benchmarks/results`` folder, when there is one."""
+    for directory in exports_dirs:
+        candidate = Path(directory).resolve().parent / "evidence" / "queue.json"
+        if candidate.exists():
+            return candidate
+    return None
