@@ -22,6 +22,10 @@ WALL, CPU, RSS, GPU_MEMORY, ENERGY = ("cost/wall_seconds", "cost/cpu_seconds", "
                                       "cost/peak_gpu_memory_mb", "cost/energy_kwh")
 SUMMED = (WALL, CPU, ENERGY)
 
+# MLflow tags of a study's child runs that the record, the table and the report read
+SEED_TAG = "apao.seed"  # on every child run: the seed it trained on
+REPEATS_TAG = "apao.repeats"  # on a repeat: the run id of the search trial whose configuration it repeats
+
 # every report of a trial, one JSON line each, appended across restarts, in its run directory
 REPORTS_FILE = "metrics.jsonl"
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ..study.repeats import REPEATS_TAG
+from ..names import REPEATS_TAG
 from .export import StudyExport
 from .paper import table1
 from .per_user import PER_USER_METRICS

@@ -49,6 +49,21 @@ class CatalogTensors:
         """Node ids at depth+1 after appending ``codes`` (level-``depth`` code indices)."""
         return self.child_node[depth][nodes, codes]
 
+    def semantic_id_tokens(self) -> torch.Tensor:
+        """(U, T) token ids of every semantic ID, in semantic-ID index order.
+
+        Read off the trie: the code of leaf u at level m is the column of ``child_node[m]`` at its
+        length-m prefix node that leads to its length-(m+1) prefix node.
+        """
+        import torch  # the module stays torch-free for the driver; these tables exist only where torch is loaded
+
+        nodes = self.leaf_prefix_nodes                                           # (U, T+1)
+        columns = []
+        for m, table in enumerate(self.child_node):
+            is_child = table[nodes[:, m]] == nodes[:, m + 1].unsqueeze(1)        # (U, S_m)
+            columns.append(is_child.long().argmax(dim=1) + self.token_offsets[m])
+        return torch.stack(columns, dim=1)                                       # (U, T)
+
 
 @dataclass(frozen=True, eq=False)
 class Catalog:

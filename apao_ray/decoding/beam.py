@@ -97,7 +97,6 @@ def beam_search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch
     """
     check_beam_size(beam_size, catalog.leaf_prefix_nodes.shape[0])
     if scoring.end_token is not None:  # finished items add log p(end | item), then re-rank
-        from .full_sort import add_end_scores
         result = beam_search(model, history_ids, history_mask, catalog, beam_size, row_chunk_size,
                              replace(scoring, end_token=None), labels)
         return replace(add_end_scores(model, history_ids, history_mask, catalog, result, scoring),
@@ -171,3 +170,22 @@ def _search(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Ten
     # K <= U leaves: every depth keeps min(K, nodes at that depth) real beams, so the last
     # step has K slots and K real items (only prefix_nodes of narrow depths hold -1)
     return BeamResult(sem_ids=nodes, scores=scores, prefix_nodes=tuple(kept_nodes), label_log_probs=label_logp)
+
+
+def add_end_scores(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
+                   catalog: CatalogTensors, result: BeamResult, scoring: StepScoring) -> BeamResult:
+    """Adds log p(end | item) to each beam item's score and re-ranks the row's K items.
+
+    The released code's beam search generates the end token after the T codes, so a finished
+    item's score is S^T + log p(EOS | item) (``protocol.label_eos``); prefix nodes are unchanged.
+
+    Args:
+        result: a beam search's (B, K) items, scored without the end token.
+        scoring: a rule with ``end_token`` set.
+    """
+    tokens = catalog.semantic_id_tokens()[result.sem_ids.clamp(min=0)]       # (B, K, T)
+    logits = model.decode(model.encode(history_ids, history_mask), tokens)[:, :, -1]  # (B, K, V)
+    scores = result.scores + scoring.end_log_probs(logits).to(result.scores.dtype)  # (B, K)
+    scores = torch.where(result.sem_ids >= 0, scores, float("-inf"))
+    scores, order = scores.sort(dim=1, descending=True, stable=True)          # (B, K)
+    return BeamResult(sem_ids=result.sem_ids.gather(1, order), scores=scores, prefix_nodes=result.prefix_nodes)

@@ -10,27 +10,12 @@ import torch
 from torch import nn
 
 from ..data.catalog import CatalogTensors
-from .beam import BeamResult
 from .scoring import VOCABULARY_SCORING, StepScoring
 
 # default bound on the elements of one chunk's (B, C, T, V) logits (64 MiB in fp32). At 1 << 26 the test
 # pass's full sort (128 users) was a trial's peak: 1.55 GiB resident vs 0.76 GiB now, in the same time
 # (benchmarks/bench_eval_memory.py --max-logit-elements N, RESULTS.md session 17)
 MAX_LOGIT_ELEMENTS = 1 << 24
-
-
-def semantic_id_tokens(catalog: CatalogTensors) -> torch.Tensor:
-    """(U, T) token ids of every semantic ID, in semantic-ID index order.
-
-    Read off the trie: the code of leaf u at level m is the column of ``child_node[m]`` at its
-    length-m prefix node that leads to its length-(m+1) prefix node.
-    """
-    nodes = catalog.leaf_prefix_nodes                                        # (U, T+1)
-    columns = []
-    for m, table in enumerate(catalog.child_node):
-        is_child = table[nodes[:, m]] == nodes[:, m + 1].unsqueeze(1)        # (U, S_m)
-        columns.append(is_child.long().argmax(dim=1) + catalog.token_offsets[m])
-    return torch.stack(columns, dim=1)                                       # (U, T)
 
 
 @torch.inference_mode()
@@ -51,7 +36,7 @@ def full_sort(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.T
     Returns:
         (B, U) float scores; column u is semantic ID u (the index ``beam_search`` returns).
     """
-    candidates = semantic_id_tokens(catalog)                                 # (U, T)
+    candidates = catalog.semantic_id_tokens()                                 # (U, T)
     num_rows = history_ids.shape[0]
     num_semantic_ids, num_levels = candidates.shape
     if chunk_size is None:
@@ -73,25 +58,6 @@ def full_sort(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.T
 
 
 @torch.inference_mode()
-def add_end_scores(model: nn.Module, history_ids: torch.Tensor, history_mask: torch.Tensor,
-                   catalog: CatalogTensors, result: BeamResult, scoring: StepScoring) -> BeamResult:
-    """Adds log p(end | item) to each beam item's score and re-ranks the row's K items.
-
-    The released code's beam search generates the end token after the T codes, so a finished
-    item's score is S^T + log p(EOS | item) (``protocol.label_eos``); prefix nodes are unchanged.
-
-    Args:
-        result: a beam search's (B, K) items, scored without the end token.
-        scoring: a rule with ``end_token`` set.
-    """
-    tokens = semantic_id_tokens(catalog)[result.sem_ids.clamp(min=0)]       # (B, K, T)
-    logits = model.decode(model.encode(history_ids, history_mask), tokens)[:, :, -1]  # (B, K, V)
-    scores = result.scores + scoring.end_log_probs(logits).to(result.scores.dtype)  # (B, K)
-    scores = torch.where(result.sem_ids >= 0, scores, float("-inf"))
-    scores, order = scores.sort(dim=1, descending=True, stable=True)          # (B, K)
-    return BeamResult(sem_ids=result.sem_ids.gather(1, order), scores=scores, prefix_nodes=result.prefix_nodes)
-
-
 def topk_from_scores(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The k best semantic IDs of each row of a full-sort score matrix.
 

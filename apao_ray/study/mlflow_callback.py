@@ -10,14 +10,14 @@ from typing import Any
 
 from ray import tune
 
-from ..names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY,
-                     WORKER_NODE_KEY, remove_scratch, train_run_name)
+from ..names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, REPEATS_TAG, RESUMED_HISTORY_KEY,
+                     SEED_TAG, WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ..tracking import Tracker
 from . import interrupt, plots
 from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
                        PREVIOUS_ERROR_TAG, PREVIOUS_OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, STOPPED_BY_TUNE,
                        STUDY_TAG, TERMINAL, TRIAL_TAG, describe, failure_outcome, is_final_report)
-from .repeats import REPEATS_TAG, SEED_TAG, seed_record
+from .repeats import seed_record
 from .scheduler import pruned_epoch
 from .space import trial_choices
 

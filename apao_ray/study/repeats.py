@@ -12,11 +12,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ..names import REPEATS_TAG, SEED_TAG
 from .space import REPEATS_KEY, SEED_KEY, TUNED_KNOBS, param_name
 
 REPEATS_DIR = "repeats"
-SEED_TAG = "apao.seed"  # on every child run: the seed it trained on
-REPEATS_TAG = "apao.repeats"  # on a repeat: the run id of the search trial whose configuration it repeats
 
 
 def repeat_configs(best: list[dict[str, Any]], seeds: tuple[int, ...]) -> list[dict[str, Any]]:

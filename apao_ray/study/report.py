@@ -6,10 +6,10 @@ import io
 import json
 from typing import Any
 
+from ..names import REPEATS_TAG
 from ..protocol import PROTOCOL_TAG, schedule_label
 from ..tracking import Tracker
 from . import plots
-from .repeats import REPEATS_TAG
 from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
     significance_column
 
