@@ -1,8 +1,11 @@
 """The docs the code points at exist: every ``SPEC §N`` cited in the repo is a section of docs/SPEC.md."""
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "docs" / "SPEC.md"
@@ -44,3 +47,26 @@ def test_every_cited_spec_section_exists_in_docs_spec():
     assert len(cited) >= 5, f"found too few SPEC citations to trust the search: {cited}"
     missing = {number: sorted(paths) for number, paths in cited.items() if number not in sections}
     assert not missing, f"SPEC sections cited but absent from docs/SPEC.md (sections {sorted(sections)}): {missing}"
+
+
+def _cli_reference():
+    spec = importlib.util.spec_from_file_location("make_cli_reference", ROOT / "docs" / "make_cli_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cli_reference_is_the_cli_help():
+    """docs/cli.md is what ``python -m apao_ray <command> --help`` prints now, for every command."""
+    reference = _cli_reference()
+    committed = (ROOT / "docs" / "cli.md").read_text()
+    if f"on {reference.PYTHON} " not in committed:
+        pytest.skip(f"docs/cli.md was generated on another Python than {reference.PYTHON}, whose argparse lays help out differently")
+    assert committed == reference.render(), "docs/cli.md is stale: run ./apao python docs/make_cli_reference.py"
+    from apao_ray.cli import PASS_THROUGH, build_parser
+
+    commands = {" ".join(c) for c in reference._commands(build_parser(), [])}
+    assert set(PASS_THROUGH) | {"data stats", "serve", "report"} <= commands, commands
+    for command in commands:
+        assert f"\n## python -m apao_ray {command}\n" in committed
+        assert f"usage: python -m apao_ray {command}" in committed, command
