@@ -17,7 +17,7 @@ import numpy as np
 
 from ..paths import check_plain_name, data_dir_candidates, download_dir
 
-# The paper authors' repository, pinned (shared/datasets/README.md); APAO_DATA_URL overrides
+# The paper authors' repository, pinned (docs/own-data.md); APAO_DATA_URL overrides
 # the base (a mirror, or a loopback server in tests).
 DATA_URL_ENV = "APAO_DATA_URL"
 DEFAULT_DATA_URL = "https://raw.githubusercontent.com/yuyq18/APAO/aa08fcfab4ad306a536a1fde648042972a292bbe/data"

@@ -29,7 +29,7 @@ def available_cpus() -> int:
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by train.py and sweep.py: data, compute, Ray."""
     parser.add_argument("--dataset", default="synthetic", help=f"one of {known_dataset_names()} (any case), or a "
-                        "dataset directory path such as ./mydata (README: Your own data); default synthetic (no files needed)")
+                        "dataset directory path such as ./mydata (docs/own-data.md); default synthetic (no files needed)")
     parser.add_argument("--data-dir", help="directory with <Name>/<Name>.inter.json (default: $APAO_DATA_DIR, "
                         "./data, then the user cache; downloaded when absent)")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
