@@ -9,6 +9,7 @@ from typing import Any
 from ..protocol import PROTOCOL_TAG, schedule_label
 from ..tracking import Tracker
 from . import plots
+from .outcomes import PLAN_TAG
 from .repeats import REPEATS_TAG
 from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
     significance_column
@@ -104,12 +105,16 @@ def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list
     parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'" + study_filter,
                                          max_results=1000)
     requested: dict[tuple[str, str], None] = {}
+    deferred: dict[tuple[str, str], str] = {}  # the plan's reason a method has no trials
     for parent in parents:
         space = json.loads(parent.data.params.get("space", "{}"))
         requested.update({(b, l): None for b in space.get("backbones", ()) for l in space.get("losses", ())})
+        for name, reason in json.loads(parent.data.tags.get(PLAN_TAG, "{}")).get("deferred", {}).items():
+            deferred[tuple(name.split("/", 1))] = reason
     for backbone, loss in sorted(set(requested) - {(row["backbone"], row["loss"]) for row in rows}):
         runs = [run for run in children if (run.data.tags.get("backbone"), run.data.tags.get("loss")) == (backbone, loss)]
-        row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": why_none_finished(runs)}
+        status = deferred[(backbone, loss)] if not runs and (backbone, loss) in deferred else why_none_finished(runs)
+        row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": status}
         scored = [run for run in runs if run.data.metrics.get(metric) is not None]
         if scored:
             run = max(scored, key=lambda r: r.data.metrics[metric])
