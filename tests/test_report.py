@@ -46,3 +46,41 @@ def test_a_method_whose_trials_were_all_pruned_or_failed_still_has_its_row(tmp_p
     assert rows["apao_pairwise"]["status"] == "failed: TrialOutOfMemoryError: out of memory while training in epoch 1"
     table = format_rows(table_rows(tracker, study="s"))
     assert "| all 2 trials pruned |" in table and table.splitlines()[0].endswith("| run_id | status |")
+
+
+def test_convergence_reads_the_validation_curves_last_slope():
+    from apao_ray.analysis.results import convergence, is_early_learning
+
+    assert convergence([0.010, 0.020, 0.0205]) == "converged"  # +2% at the last epoch: levelled off
+    assert convergence([0.010, 0.020, 0.030]) == "not converged: val/ndcg_at_10 +33% at its last epoch (3)"
+    assert convergence([0.004]) == "not converged: 1 validation epoch"  # no slope to read
+    assert convergence([0.030, 0.020]) == "converged"  # falling: past its best, not still learning
+    assert is_early_learning("converged", "not converged: 1 validation epoch") and not is_early_learning("converged")
+
+
+def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_labelled_early_learning(tmp_path):
+    from apao_ray.study.outcomes import PLAN_TAG
+    from apao_ray.study.report import format_rows, table_rows
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
+    space = {"backbones": ["tiger"], "losses": ["ce", "apao_pointwise", "apao_pairwise"]}
+    reason = ("deferred: needs ~13h04m here (~4h21m per epoch) for one trial of 3 epochs; run --backbones tiger "
+              "--losses apao_pairwise --budget 14h, or on a GPU")
+    parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study",
+                                           PLAN_TAG: json.dumps({"deferred": {"tiger/apao_pairwise": reason}})},
+                               {"space": json.dumps(space)})
+    for trial_id, loss, curve in (("t1", "ce", [0.010, 0.020, 0.021]), ("t2", "apao_pointwise", [0.010, 0.020, 0.030])):
+        run = tracker.start_run(trial_id, {"apao.study": "s", "apao.trial_id": trial_id, "backbone": "tiger",
+                                           "loss": loss, "apao.outcome": "finished"}, {"beta": 0.3}, parent_run_id=parent)
+        for epoch, value in enumerate(curve, 1):
+            tracker.log_metrics(run, {"val/ndcg_at_10": value}, epoch)
+        tracker.log_metrics(run, {"best/val/ndcg_at_10": max(curve), "test/ndcg_at_10": 0.02}, len(curve))
+        tracker.end_run(run, "FINISHED")
+    rows = {row["loss"]: row for row in table_rows(tracker, study="s", num_resamples=100)}
+    assert rows["apao_pairwise"]["status"] == reason and rows["apao_pairwise"].get("run_id") is None
+    assert rows["ce"]["converged"] == "converged" and rows["ce"]["vs ce test/ndcg_at_10"] == "baseline"
+    assert rows["apao_pointwise"]["converged"] == "not converged: val/ndcg_at_10 +33% at its last epoch (3)"
+    assert rows["apao_pointwise"]["vs ce test/ndcg_at_10"].startswith("early learning (not converged): ")
+    table = format_rows(list(rows.values()))
+    assert f"| {reason} |" in table and "| converged |" in table

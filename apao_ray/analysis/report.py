@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from .export import STUDY_FILE, StudyExport, export_study, load_export
-from .results import (SELECTION_METRIC, TEST_METRICS, TRIAL_CHOICES, Method, Paired, compare_methods, finished_trials,
-                      group_methods, unfinished_trials)
+from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
+                      compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials)
 
 REPORT_FILE = "report.md"
 
@@ -42,7 +42,7 @@ def _paper_cell(method: Method) -> str:
 
 def _metrics_table(methods: list[Method]) -> list[str]:
     header = ["dataset", "backbone", "method", "seeds", "R@10", "R@20", "N@10", "N@20", "paper R@10 / N@10",
-              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)"]
+              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)", "converged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
         epoch_seconds = [float(t.history("perf/epoch_seconds").median()) for t in method.trials
@@ -54,7 +54,7 @@ def _metrics_table(methods: list[Method]) -> list[str]:
                  _mean_std(method, "epochs_trained", 1) if method.values("epochs_trained") else
                  ",".join(str(int(t.history("perf/epoch_seconds").index.max())) for t in method.trials
                           if not t.history("perf/epoch_seconds").empty) or "-",
-                 _number(sum(epoch_seconds) / len(epoch_seconds), 1) if epoch_seconds else "-"]
+                 _number(sum(epoch_seconds) / len(epoch_seconds), 1) if epoch_seconds else "-", method.convergence]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -98,8 +98,9 @@ def _significance_table(results: list[Paired]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         users = r.pooled.num_users if r.pooled else max((c.num_users for c in r.per_seed.values()), default=0)
+        early = f"{EARLY_LEARNING}: " if is_early_learning(r.method.convergence, r.baseline.convergence) else ""
         cells = [r.method.dataset, r.method.backbone, f"{r.method.label} - {r.baseline.label}", r.metric,
-                 (r.pooled.text() if r.pooled else "-") + (f" ({r.note})" if r.note else ""),
+                 early + (r.pooled.text() if r.pooled else "-") + (f" ({r.note})" if r.note else ""),
                  *(r.per_seed[s].text() if s in r.per_seed else "-" for s in seeds), str(users)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -138,7 +139,10 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
              "parentheses with `n/c` (not comparable) otherwise. `s/epoch (median)`: each trial's median epoch "
              "(MLflow `perf/epoch_seconds`), averaged over seeds; a median, as epochs that ran beside other work on a "
-             "shared machine would pull a mean up (the cost table has the totals).", "",
+             "shared machine would pull a mean up (the cost table has the totals). `converged`: `not converged` where a "
+             f"seed's validation NDCG@10 was still rising by more than {STEEP_LAST_GAIN:.0%} at its last epoch (or it "
+             f"trained one epoch); a paired difference involving such a method is labelled `{EARLY_LEARNING}`: a "
+             "comparison of early learning, not of trained models.", "",
              "## Cost per method (summed over seeds; peak memory: the largest)", "", *_cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
     if compared:

@@ -6,6 +6,7 @@ import io
 import json
 from typing import Any
 
+from ..analysis.results import EARLY_LEARNING, is_early_learning
 from ..protocol import PROTOCOL_TAG, schedule_label
 from ..tracking import Tracker
 from . import plots
@@ -73,8 +74,10 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     A finished row's test columns are the mean over its seeds (the best trial and its repeats with
     ``--seeds``; one seed: the trial's own values), with ``<metric> std``, ``seeds`` and ``n_seeds``, the
     paired difference against ``baseline`` on the test metric that matches ``metric`` (seeds pooled,
-    Holm-corrected; None: not computed), and the ``cost/*`` of every trial of the method summed (peak memory: the largest).
-    A method whose trials were all pruned keeps the validation (and, once tested on its best checkpoint,
+    Holm-corrected; None: not computed; labelled ``early learning (not converged)`` when either method had not
+    converged), ``converged`` (``analysis.results.convergence`` of its seeds' validation curves), and the
+    ``cost/*`` of every trial of the method summed (peak memory: the largest). A method the plan deferred has a
+    row whose ``status`` is the plan's reason. A method whose trials were all pruned keeps the validation (and, once tested on its best checkpoint,
     test) metrics of its best pruned trial, so the table shows how far behind it was.
     """
     from ..analysis.export import trial_record
@@ -88,10 +91,16 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     # the test metric that matches the selection metric (per-user tables hold Recall/NDCG@10/20)
     compared = metric.rsplit("/", 1)[-1] if metric.rsplit("/", 1)[-1] in PER_USER_METRICS else "ndcg_at_10"
     cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}
+    converged = {(m.backbone, m.loss): m.convergence for m in methods}
     for row, method in zip(rows, methods):  # both in best_rows' order
         row.update(seed_columns(method))
+        row["converged"] = converged[(method.backbone, method.loss)]
         if baseline:
-            row[significance_column(baseline, compared)] = cells[(method.backbone, method.loss)]
+            cell = cells[(method.backbone, method.loss)]
+            if method.loss != baseline and is_early_learning(row["converged"],
+                                                             converged.get((method.backbone, baseline), "")):
+                cell = f"{EARLY_LEARNING}: {cell}"  # a short run's figure: never shown bare
+            row[significance_column(baseline, compared)] = cell
     rows = _requested_rows(tracker, rows, children, metric, study_filter)
     costs = cost_totals(records)
     for row in rows:
@@ -161,7 +170,7 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     significance = sorted({k for row in rows for k in row if k.startswith("vs ")})
     costs = [k for k in COST_COLUMNS if any(row.get(k) is not None for row in rows)]
     columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
-               "protocol", "schedule", "run_id"]
+               "protocol", "schedule", "converged", "run_id"]
     if any("status" in row for row in rows):
         columns.append("status")
     if fmt == "csv":
