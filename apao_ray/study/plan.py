@@ -217,7 +217,7 @@ class Plan:
                 lines.append(f"budget {format_duration(self.budget_s)}: the study fits")
             lines.append(f"  answers: {self.answers()} (methods compared at equal epochs)")
         if self.budget_protocol:
-            lines.append(f"  budget protocol: {self.budget_protocol}; its results are not the paper's protocol")
+            lines.append(f"  budget protocol: {self.budget_protocol}")
         if self.machine_bytes and self.peak_bytes > MEMORY_WARNING_FRACTION * self.machine_bytes:
             lines.append(f"  warning: ~{self.peak_bytes / gib:.1f} GiB at peak is over {MEMORY_WARNING_FRACTION:.0%} of this "
                          f"machine's {self.machine_bytes / gib:.1f} GiB; Ray's memory monitor kills workers at 95%: "
