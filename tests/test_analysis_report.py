@@ -58,7 +58,12 @@ def _fabricate(root: Path, seed: int, effect: float, schedule: str = "paper", cu
             rows.append((run_id, "perf/epoch_seconds", epoch, 400.0 if epoch == 3 else 40.0))  # one slow epoch
             if loss != "ce":
                 rows += [(run_id, f"train/apao_weight_m{m}", epoch, 0.25 + 0.01 * epoch * (m - 2.5)) for m in range(1, 5)]
-    parent = {"run_id": f"p{seed}", "tags": {"command_line": f"studies/sweep.py --seed {seed}", "code_version": "abc"}}
+    plan = {"answers": "tiger/ce vs tiger/apao_pointwise at 3 epochs each (ce 1 trial, apao_pointwise 1 trial); "
+                       "tiger/apao_pairwise deferred",
+            "deferred": {"tiger/apao_pairwise": "deferred: needs ~9h here (~3h per epoch) for one trial of 3 epochs; "
+                                                "run --backbones tiger --losses apao_pairwise --budget 9h, or on a GPU"}}
+    parent = {"run_id": f"p{seed}", "tags": {"command_line": f"studies/sweep.py --seed {seed}", "code_version": "abc",
+                                            "apao.plan": json.dumps(plan)}}
     record = {"format_version": 1, "study": f"office-s{seed}", "experiment": "apao-office", "tracking_uri": "sqlite:///x",
               "exported_at": "2026-11-23T00:00:00Z", "parents": [parent], "trials": trials}
     (directory / "study.json").write_text(json.dumps(record))
@@ -81,6 +86,8 @@ def test_report_finds_a_known_effect_and_shows_paper_numbers(tmp_path):
     expected = [exports[s].trials[0]["metrics"]["test/recall_at_10"] for s in (0, 1)]
     assert f"{np.mean(expected):.4f} ± {np.std(expected, ddof=1):.4f}" in ce
     assert "| 0,1 |" in ce and "| 0.0608 / 0.0292 |" in ce and "| 0.0667 / 0.0337 |" in apao  # paper schedule: comparable
+    assert "- `office-s0` answers: tiger/ce vs tiger/apao_pointwise at 3 epochs each" in report
+    assert "  - `tiger/apao_pairwise`: deferred: needs ~9h here" in report  # a method without trials, said why
     assert ce.endswith("| 40.0 | converged |")  # the median epoch: one slow epoch beside other work does not pull it up
     rows = _section(report, "Paired differences")
     recall = next(line for line in rows if "| recall_at_10 |" in line)

@@ -9,6 +9,7 @@ Holm-corrected Wilcoxon p-values, cost per method, and the figures.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -117,6 +118,21 @@ def _sources(exports: list[StudyExport]) -> list[str]:
     return lines
 
 
+def _plans(exports: list[StudyExport]) -> list[str]:
+    """What each study's plan answered, its budget protocol and the methods it deferred (rows without trials)."""
+    from ..study.outcomes import PLAN_TAG
+
+    lines = []
+    for export in exports:
+        for parent in export.record["parents"]:
+            plan = json.loads(parent["tags"].get(PLAN_TAG) or "{}")
+            if plan.get("answers"):
+                protocol = f"; {plan['budget_protocol']}" if plan.get("budget_protocol") else ""
+                lines.append(f"- `{export.name}` answers: {plan['answers']}{protocol}")
+            lines += [f"  - `{name}`: {reason}" for name, reason in plan.get("deferred", {}).items()]
+    return lines
+
+
 def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str = "ce", trials: str = "best",
                  num_resamples: int = 10_000) -> Path:
     """Writes ``report.md`` and its PNGs into ``out_dir``; returns the markdown file's path."""
@@ -130,10 +146,12 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
         names = [e.name for e in exports]
         raise ValueError(f"studies {names} have no trial that trained an epoch: nothing to report on")
     compared = compare_methods(methods, baseline, num_resamples=num_resamples)
+    plans = _plans(exports)
     lines = [f"# Study report: {', '.join(e.name for e in exports)}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report`. "
              f"Trials: {'the best by ' + SELECTION_METRIC + ' per (study, backbone, loss)' if trials == 'best' else 'all finished'}; "
              "seeds of one method are its trials across the given studies.", "", "## Sources", "", *_sources(exports), "",
+             *(["## Plans", "", *plans, ""] if plans else []),
              "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods), "",
              "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
