@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from conftest import mlflow_sqlite
 
@@ -84,3 +87,32 @@ def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_
     assert rows["apao_pointwise"]["vs ce test/ndcg_at_10"].startswith("early learning (not converged): ")
     table = format_rows(list(rows.values()))
     assert f"| {reason} |" in table and "| converged |" in table
+
+
+def test_a_method_within_noise_of_the_popularity_baseline_is_not_converged():
+    import numpy as np
+    import pandas as pd
+
+    from apao_ray.analysis.results import popularity_check, popularity_ndcg
+    from apao_ray.data.splits import Split
+    from apao_ray.study.seeds import RunSource, seed_methods
+
+    def split(name, targets):
+        targets = np.asarray(targets)
+        return Split(name, np.full((targets.size, 1), -1), np.zeros(targets.size, int), targets, np.arange(targets.size))
+
+    # item 3 is the most frequent training target, then 1: the baseline recommends [3, 1, ...] to everyone
+    splits = {"train": split("train", [3, 3, 3, 1, 1, 2]), "test": split("test", [3, 1, 0, 2])}
+    assert popularity_ndcg(splits, k=2).tolist() == pytest.approx([1.0, 1 / np.log2(3), 0.0, 0.0])
+    rng = np.random.default_rng(0)
+    popularity = (rng.random(4000) < 0.01) * 1.0  # NDCG@10 ~0.01: a hit at rank 1 for 1% of the users
+
+    def method(hit_rate):
+        record = {"run_id": "r", "status": "FINISHED", "tags": {"backbone": "tiger", "loss": "ce"},
+                  "params": {}, "metrics": {"test/ndcg_at_10": hit_rate}}
+        table = pd.DataFrame({"user": [str(u) for u in range(4000)], "ndcg_at_10": (rng.random(4000) < hit_rate) * 1.0})
+        return seed_methods(RunSource("s", [record], tables={"r": table}), ["r"])[0]
+
+    assert re.fullmatch(r"not converged: test ndcg_at_10 0\.0\d{3} within noise of popularity's 0\.0\d{3}",
+                        popularity_check(method(0.011), popularity))
+    assert popularity_check(method(0.05), popularity) == ""  # well above it

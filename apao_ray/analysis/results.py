@@ -48,6 +48,31 @@ def convergence(curve: list[float]) -> str:
     return "converged"
 
 
+def popularity_ndcg(splits: dict[str, Any], k: int = 10) -> np.ndarray:
+    """Per test user, NDCG@k of the popularity baseline: the k items most often a training target, for everyone."""
+    from ..metrics import ndcg_from_ranks, target_ranks
+
+    top = np.argsort(-np.bincount(splits["train"].targets), kind="stable")[:k]  # (k,) most frequent first
+    test = splits["test"]
+    ranks = target_ranks(np.tile(top, (len(test), 1)), test.targets)  # (S,)
+    return ndcg_from_ranks(ranks, k).numpy()
+
+
+def popularity_check(method: "Method", popularity: np.ndarray, metric: str = "ndcg_at_10") -> str:
+    """``not converged: ...`` when the method's per-user test ``metric`` (its seeds pooled) is above the popularity
+    baseline's by less than two standard errors of the difference, else ``""`` (also without per-user tables)."""
+    tables = [trial.per_user() for trial in method.trials]
+    values = np.concatenate([t[metric].to_numpy(float) for t in tables if t is not None and metric in t]) \
+        if any(t is not None for t in tables) else np.array([])
+    if values.size < 2 or popularity.size < 2:
+        return ""
+    error = math.sqrt(values.var(ddof=1) / values.size + popularity.var(ddof=1) / popularity.size)
+    if values.mean() - popularity.mean() < 2 * error:
+        return (f"not converged: test {metric} {values.mean():.4f} within noise of popularity's "
+                f"{popularity.mean():.4f}")
+    return ""
+
+
 def is_early_learning(*statuses: str) -> bool:
     """Whether a comparison involves a method that had not converged (its figure is one of early learning)."""
     return any(status.startswith("not converged") for status in statuses)

@@ -92,6 +92,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
 
     log = log if log is not None else sys.stderr
 
+    from ..analysis.results import popularity_ndcg
     from ..tracking import Tracker, experiment_name
     from .report import table_rows
     from .sweep import StudyOutcome, check_resumable, study_state_exists
@@ -112,7 +113,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
-    rows = table_rows(tracker, study=options.study_name)
+    rows = table_rows(tracker, study=options.study_name, popularity=popularity_ndcg(dataset.splits))
     record_rates(spec, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
               for row in rows}

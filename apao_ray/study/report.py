@@ -6,7 +6,7 @@ import io
 import json
 from typing import Any
 
-from ..analysis.results import EARLY_LEARNING, is_early_learning
+from ..analysis.results import EARLY_LEARNING, is_early_learning, popularity_check
 from ..protocol import PROTOCOL_TAG, schedule_label
 from ..tracking import Tracker
 from . import plots
@@ -67,7 +67,8 @@ def paper_comparability(rows: list[dict[str, Any]]) -> str:
 
 
 def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None,
-               baseline: str | None = "ce", num_resamples: int = 10_000) -> list[dict[str, Any]]:
+               baseline: str | None = "ce", num_resamples: int = 10_000,
+               popularity: Any = None) -> list[dict[str, Any]]:
     """A row for every (backbone, loss) that the studies asked for: the best finished trial's, else one
     whose ``status`` says why none finished ("all 3 trials pruned", "failed: <reason>", ...).
 
@@ -75,7 +76,8 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     ``--seeds``; one seed: the trial's own values), with ``<metric> std``, ``seeds`` and ``n_seeds``, the
     paired difference against ``baseline`` on the test metric that matches ``metric`` (seeds pooled,
     Holm-corrected; None: not computed; labelled ``early learning (not converged)`` when either method had not
-    converged), ``converged`` (``analysis.results.convergence`` of its seeds' validation curves), and the
+    converged), ``converged`` (``analysis.results.convergence`` of its seeds' validation curves; with
+    ``popularity``, the popularity baseline's per-user test NDCG@10, also ``popularity_check``), and the
     ``cost/*`` of every trial of the method summed (peak memory: the largest). A method the plan deferred has a
     row whose ``status`` is the plan's reason. A method whose trials were all pruned keeps the validation (and, once tested on its best checkpoint,
     test) metrics of its best pruned trial, so the table shows how far behind it was.
@@ -91,7 +93,9 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     # the test metric that matches the selection metric (per-user tables hold Recall/NDCG@10/20)
     compared = metric.rsplit("/", 1)[-1] if metric.rsplit("/", 1)[-1] in PER_USER_METRICS else "ndcg_at_10"
     cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}
-    converged = {(m.backbone, m.loss): m.convergence for m in methods}
+    # a method still learning steeply, or one no better than recommending the most popular items, has not converged
+    converged = {(m.backbone, m.loss): m.convergence if m.convergence != "converged" or popularity is None else
+                 (popularity_check(m, popularity) or "converged") for m in methods}
     for row, method in zip(rows, methods):  # both in best_rows' order
         row.update(seed_columns(method))
         row["converged"] = converged[(method.backbone, method.loss)]
