@@ -24,7 +24,8 @@ epochs each (patience 5), ASHA stopping APAO trials weaker than others of their 
 to the end). Before the first trial the study prints its plan: trials per method, epochs, and the wall time and
 peak memory estimated from ~8 s of optimizer steps of the real model on this machine (--dry-run stops there). A
 paper-size study on a full dataset takes days on 2 CPUs: give --budget (e.g. 3h) and the study is fitted to it
-(fewer epochs, then fewer trials), or run it on GPUs (--gpus-per-trial 0.25 runs four trials per GPU). Measured
+(every method it runs at equal epochs, at least --min-epochs; a method that cannot reach them is deferred with
+what it needs; --dry-run --json prints the plan as JSON), or run it on GPUs (--gpus-per-trial 0.25 runs four trials per GPU). Measured
 on 2 vCPUs: --dataset grocery --budget 2h gave each method 1 epoch on a 48,128-sample subset and took 66.5 min
 (a check of the pipeline, not a result: APAO-pairwise costs ~12x a CE epoch). On one H200 an Office TIGER CE
 epoch with validation took 2.1 s and APAO-pairwise ~10 s of training (the study itself not yet timed there). --quick finishes in a few minutes
