@@ -79,8 +79,9 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     converged), ``converged`` (``analysis.results.convergence`` of its seeds' validation curves; with
     ``popularity``, the popularity baseline's per-user test NDCG@10, also ``popularity_check``), and the
     ``cost/*`` of every trial of the method summed (peak memory: the largest). A method the plan deferred has a
-    row whose ``status`` is the plan's reason. A method whose trials were all pruned keeps the validation (and, once tested on its best checkpoint,
-    test) metrics of its best pruned trial, so the table shows how far behind it was.
+    row whose ``status`` is the plan's reason. A method whose trials were all pruned keeps the validation (and,
+    once tested on its best checkpoint, test) metrics of its best pruned trial, so the table shows how far behind
+    it was.
     """
     from ..analysis.export import trial_record
     from ..analysis.per_user import PER_USER_METRICS
@@ -93,9 +94,7 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     # the test metric that matches the selection metric (per-user tables hold Recall/NDCG@10/20)
     compared = metric.rsplit("/", 1)[-1] if metric.rsplit("/", 1)[-1] in PER_USER_METRICS else "ndcg_at_10"
     cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}
-    # a method still learning steeply, or one no better than recommending the most popular items, has not converged
-    converged = {(m.backbone, m.loss): m.convergence if m.convergence != "converged" or popularity is None else
-                 (popularity_check(m, popularity) or "converged") for m in methods}
+    converged = {(m.backbone, m.loss): _convergence(m, popularity) for m in methods}
     for row, method in zip(rows, methods):  # both in best_rows' order
         row.update(seed_columns(method))
         row["converged"] = converged[(method.backbone, method.loss)]
@@ -110,6 +109,15 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     for row in rows:
         row.update({key: costs.get((row["backbone"], row["loss"]), {}).get(key) for key in COST_COLUMNS})
     return rows
+
+
+def _convergence(method: Any, popularity: Any) -> str:
+    """A method still learning steeply at its last epoch, or no better than recommending the most popular
+    items (per-user test NDCG@10 ``popularity``, when given), has not converged."""
+    curve = method.convergence
+    if curve != "converged" or popularity is None:
+        return curve
+    return popularity_check(method, popularity) or curve
 
 
 def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list[Any], metric: str,
