@@ -25,6 +25,7 @@ SUMMED = (WALL, CPU, ENERGY)
 # MLflow tags of a study's child runs that the record, the table and the report read
 SEED_TAG = "apao.seed"  # on every child run: the seed it trained on
 REPEATS_TAG = "apao.repeats"  # on a repeat: the run id of the search trial whose configuration it repeats
+PLAN_TAG = "apao.plan"  # on a study's parent run: what its plan answers, its budget protocol, its deferred methods
 
 # every report of a trial, one JSON line each, appended across restarts, in its run directory
 REPORTS_FILE = "metrics.jsonl"

@@ -37,9 +37,10 @@ def _trial(run_id: str, loss: str, seed: int, ranks: np.ndarray, schedule: str, 
     return record, table
 
 
-def _fabricate(root: Path, seed: int, effect: float, schedule: str = "paper") -> Path:
+def _fabricate(root: Path, seed: int, effect: float, schedule: str = "paper", curve: tuple = (0.01, 0.019, 0.02)) -> Path:
     """A study export of one seed: CE, and APAO-pointwise whose ranks are CE's with ``effect`` of the
-    users moved from a miss to rank 1 (so APAO's Recall@10 is higher by exactly ``effect``)."""
+    users moved from a miss to rank 1 (so APAO's Recall@10 is higher by exactly ``effect``); both
+    validate ``curve`` over their 3 epochs (levelled off by default)."""
     rng = np.random.default_rng(seed)
     directory = root / f"office-s{seed}"
     (directory / "per_user").mkdir(parents=True)
@@ -53,11 +54,16 @@ def _fabricate(root: Path, seed: int, effect: float, schedule: str = "paper") ->
         write_per_user(directory / record["per_user"], table)
         trials.append(record)
         for epoch in (1, 2, 3):
-            rows.append((run_id, "val/ndcg_at_10", epoch, 0.01 * epoch))
+            rows.append((run_id, "val/ndcg_at_10", epoch, curve[epoch - 1]))
             rows.append((run_id, "perf/epoch_seconds", epoch, 400.0 if epoch == 3 else 40.0))  # one slow epoch
             if loss != "ce":
                 rows += [(run_id, f"train/apao_weight_m{m}", epoch, 0.25 + 0.01 * epoch * (m - 2.5)) for m in range(1, 5)]
-    parent = {"run_id": f"p{seed}", "tags": {"command_line": f"studies/sweep.py --seed {seed}", "code_version": "abc"}}
+    plan = {"answers": "tiger/ce vs tiger/apao_pointwise at 3 epochs each (ce 1 trial, apao_pointwise 1 trial); "
+                       "tiger/apao_pairwise deferred",
+            "deferred": {"tiger/apao_pairwise": "deferred: needs ~9h here (~3h per epoch) for one trial of 3 epochs; "
+                                                "run --backbones tiger --losses apao_pairwise --budget 9h, or on a GPU"}}
+    parent = {"run_id": f"p{seed}", "tags": {"command_line": f"studies/sweep.py --seed {seed}", "code_version": "abc",
+                                            "apao.plan": json.dumps(plan)}}
     record = {"format_version": 1, "study": f"office-s{seed}", "experiment": "apao-office", "tracking_uri": "sqlite:///x",
               "exported_at": "2026-11-23T00:00:00Z", "parents": [parent], "trials": trials}
     (directory / "study.json").write_text(json.dumps(record))
@@ -80,7 +86,9 @@ def test_report_finds_a_known_effect_and_shows_paper_numbers(tmp_path):
     expected = [exports[s].trials[0]["metrics"]["test/recall_at_10"] for s in (0, 1)]
     assert f"{np.mean(expected):.4f} ± {np.std(expected, ddof=1):.4f}" in ce
     assert "| 0,1 |" in ce and "| 0.0608 / 0.0292 |" in ce and "| 0.0667 / 0.0337 |" in apao  # paper schedule: comparable
-    assert ce.endswith("| 40.0 |")  # the median epoch: one slow epoch beside other work does not pull it up
+    assert "- `office-s0` answers: tiger/ce vs tiger/apao_pointwise at 3 epochs each" in report
+    assert "  - `tiger/apao_pairwise`: deferred: needs ~9h here" in report  # a method without trials, said why
+    assert ce.endswith("| 40.0 | converged |")  # the median epoch: one slow epoch beside other work does not pull it up
     rows = _section(report, "Paired differences")
     recall = next(line for line in rows if "| recall_at_10 |" in line)
     cells = [cell.strip() for cell in recall.strip("|").split("|")]
@@ -95,13 +103,16 @@ def test_report_finds_a_known_effect_and_shows_paper_numbers(tmp_path):
 
 
 def test_no_effect_is_not_significant_and_short_schedules_are_not_compared_with_the_paper(tmp_path):
-    exports = [load_export(_fabricate(tmp_path / "exports", seed, effect=0.0, schedule="10 epochs / patience 10"))
-               for seed in (0, 1)]
+    # a short run still learning steeply (+33% validation NDCG@10 at its last epoch): early learning, said so
+    exports = [load_export(_fabricate(tmp_path / "exports", seed, effect=0.0, schedule="10 epochs / patience 10",
+                                      curve=(0.01, 0.02, 0.03))) for seed in (0, 1)]
     report = build_report(exports, tmp_path / "out", num_resamples=1000).read_text()
     assert "| (0.0608 / 0.0292) n/c |" in report
+    assert all(line.endswith("| not converged: val/ndcg_at_10 +33% at its last epoch (3) |")
+               for line in _section(report, "Test metrics")[2:])
     for line in _section(report, "Paired differences"):
         if "apao_pointwise" in line:
-            assert "+0.0000 [0.0000, 0.0000], p_holm = 1.000" in line
+            assert "| early learning (not converged): +0.0000 [0.0000, 0.0000], p_holm = 1.000" in line
 
 
 def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
@@ -124,7 +135,7 @@ def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
 
 
 def test_trials_without_test_metrics_are_listed_with_their_validation_curves(tmp_path):
-    directory = _fabricate(tmp_path / "exports", 0, effect=0.01)
+    directory = _fabricate(tmp_path / "exports", 0, effect=0.01, curve=(0.01, 0.02, 0.03))
     record = json.loads((directory / "study.json").read_text())
     for trial in record["trials"]:  # as a study still training: no test metrics yet
         trial["status"], trial["per_user"] = "RUNNING", None

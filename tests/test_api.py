@@ -106,12 +106,29 @@ def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
 
     spec = StudySpec.quick(losses=("ce", "apao_pairwise"), output_dir="runs", budget="1h30m", protocol="reference")
     assert spec.budget_s == 5400 and spec.negatives == (10, 20) and spec.epochs == 2 and spec.asha_grace_period == 3
-    options = spec.options(epochs=1, trials_per_tuned=1, asha_grace_period=1, max_concurrent=2)
+    from apao_ray.study.api import planned_options
+    from apao_ray.study.plan import Deferral, Fit, MethodCost, Plan
+
+    costs = [MethodCost("tiger", loss, loss == "ce", epoch_s=60.0, fixed_s=10.0) for loss in ("ce", "apao_pairwise")]
+
+    def plan(fit: Fit) -> Plan:
+        return Plan("synthetic", "reference", "fp32", 2, costs, 2, 2, fit, budget_s=5400, effective_batch_size=256)
+
+    options = planned_options(spec, plan(Fit(1, 1, 1, 100.0)))
     assert options.base.train.epochs == 1 and options.spec.num_trials == 2 and options.time_budget_s == 5400
+    assert options.asha_grace_period == 1 and options.max_concurrent == 2
     assert options.base.protocol.name == "reference" and options.base.model.d_model == 64
     assert options.output_dir == isolated / "runs" and options.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
     assert options.base.train.max_train_samples == 2048  # --quick's
-    assert spec.options(max_train_samples=1024).base.train.max_train_samples == 1024  # a budget's training subset
+    assert spec.options().base.train.epochs == 2  # the spec stays as asked: the plan's schedule is the plan's
+    subset = planned_options(spec, plan(Fit(1, 1, 1, 100.0, train_samples=1024)))
+    assert subset.base.train.max_train_samples == 1024  # a budget's training subset
+    # a deferred method is a row without trials: the searcher never allocates it; the parent run records why
+    deferral = Deferral("tiger", "apao_pairwise", 9000.0, 3000.0, 3)
+    deferred = planned_options(spec, plan(Fit(2, 1, 1, 100.0, deferred=(deferral,), added_seeds=1)))
+    assert [a[1] for a in deferred.spec.allocation()] == ["ce"] and deferred.spec.num_trials == 1
+    assert deferred.plan_record["deferred"] == {"tiger/apao_pairwise": deferral.reason}
+    assert deferred.repeat_seeds == (1,)  # the fill's seed after the search's 0
     # the local Ray's dashboard is off unless asked for, from the flag through to the options the study runs
     from apao_ray.study import cli_sweep
 
@@ -263,9 +280,15 @@ def test_dry_run_prints_the_plan_fits_a_budget_and_refuses_one_too_small(tmp_pat
     assert refused.returncode == 2
     # --smoke trains on 2,048 samples an epoch: even the smallest training subset (1,024) does not fit 1 s; CE and
     # APAO-pointwise cost the same to within the probe's noise, so either may be named the slowest
-    assert re.search(r"budget 1 s is too small for one epoch: one trial per method for one epoch on 1,024 training "
-                     r"samples is estimated at [\d.]+ (s|min) .* leave out the slowest method, tiger/\w+ at ~",
+    assert re.search(r"budget 1 s is too small for 3 epochs of any method: one trial of the cheapest, tiger/\w+ on "
+                     r"1,024 training samples, is estimated at [\d.]+ (s|min) .* --budget \d+m or more",
                      refused.stderr), refused.stderr
+    # --json: the plan as one JSON object on stdout, nothing else there
+    as_json = run_script([*command, "--budget", f"{seconds * 0.7:.0f}", "--json"], cwd=tmp_path, env=env, timeout=400)
+    data = json.loads(as_json.stdout)
+    assert {m["status"] for m in data["methods"]} <= {"run", "deferred"} and data["estimate_s"] <= data["budget_s"]
+    assert {"backbone", "loss", "status", "trials", "epochs", "train_samples", "estimate_s", "reason"} <= set(
+        data["methods"][0]) and data["slots"] >= 1
 
 
 def _smoke_spec(tmp_path, **changes):
@@ -314,6 +337,42 @@ def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkey
 
 
 @pytest.mark.e2e
+def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_path, monkeypatch, capsys):
+    """Probe rates injected through the cache: APAO-pointwise ~1,000x slower than CE, so its one epoch does not
+    fit 5 minutes; CE runs, APAO-pointwise is a row without trials that says what it needs."""
+    from apao_ray.study.plan import method_config, probe_key, trial_threads
+
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
+    spec = _smoke_spec(tmp_path, budget="5m")
+    base, threads = spec.resolved["base"], trial_threads(spec.trial_cpus)
+    rates = {"ce": 1e-4, "apao_pointwise": 1.0}  # seconds per training sample
+    (tmp_path / "probes.json").write_text(json.dumps({probe_key(method_config(base, "tiger", loss), threads): {
+        "train_s_per_sample": rate, "eval_s_per_user": 1e-3, "peak_bytes": 2**30, "precision": "fp32", "threads":
+        threads, "device": "cpu", "timed_samples": 1024} for loss, rate in rates.items()}))
+    import apao_ray
+
+    plan = apao_ray.plan_study(spec)
+    assert [(m["loss"], m["status"]) for m in plan.to_dict()["methods"]] == [("ce", "run"), ("apao_pointwise", "deferred")]
+    try:
+        result = apao_ray.run_study(spec, plan=plan)
+    finally:
+        import ray
+
+        ray.shutdown()
+    # the deferred method was never launched; CE alone had time left for more seeds (the fill)
+    assert set(result.trials["loss"]) == {"ce"} and len(result.trials) == plan.num_trials == 1 + plan.fit.added_seeds
+    rows = {row["loss"]: row for row in result.table.to_dict("records")}
+    assert rows["ce"]["status"] == "finished"
+    assert rows["apao_pointwise"]["status"] == plan.fit.deferred[0].reason
+    assert rows["apao_pointwise"]["status"].startswith("deferred: needs ~")
+    from apao_ray.names import PLAN_TAG
+    from apao_ray.tracking import Tracker
+
+    parent = Tracker(result.tracking_uri, "apao-synthetic").client.get_run(result.parent_run_id)
+    assert json.loads(parent.data.tags[PLAN_TAG])["answers"] == plan.answers()
+
+
+@pytest.mark.e2e
 def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread_significance_and_cost(
         tmp_path, probe_cache, monkeypatch, capsys):
     result = _smoke_study(tmp_path, probe_cache, monkeypatch, seeds=(0, 1))
@@ -342,8 +401,11 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
         assert row["test/ndcg_at_10 std"] == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5)
         assert row["cost/wall_seconds"] > 0 and row["cost/cpu_seconds"] > 0 and row["cost/peak_rss_mb"] > 0
     assert table.loc["ce", "vs ce test/ndcg_at_10"] == "baseline"
-    assert re.fullmatch(r"[+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\], p_holm = [\d.e+-]+",
-                        table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]), table.loc["apao_pointwise"]
+    # one epoch each: no slope to read, so the figure is one of early learning and says so
+    assert table.loc["apao_pointwise", "converged"] == "not converged: 1 validation epoch"
+    assert re.fullmatch(r"early learning \(not converged\): [+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\], "
+                        r"p_holm = [\d.e+-]+", table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]), \
+        table.loc["apao_pointwise"]
     assert re.search(r"tiger/apao_pointwise +[\d.]+ / [\d.]+ +[\d.]+ / [\d.]+ +\d+ / \d+", result.cost_summary), \
         result.cost_summary
     # the parent run's sums per method include the repeats, as the table's do

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from conftest import mlflow_sqlite
 
@@ -46,3 +49,70 @@ def test_a_method_whose_trials_were_all_pruned_or_failed_still_has_its_row(tmp_p
     assert rows["apao_pairwise"]["status"] == "failed: TrialOutOfMemoryError: out of memory while training in epoch 1"
     table = format_rows(table_rows(tracker, study="s"))
     assert "| all 2 trials pruned |" in table and table.splitlines()[0].endswith("| run_id | status |")
+
+
+def test_convergence_reads_the_validation_curves_last_slope():
+    from apao_ray.analysis.results import convergence, is_early_learning
+
+    assert convergence([0.010, 0.020, 0.0205]) == "converged"  # +2% at the last epoch: levelled off
+    assert convergence([0.010, 0.020, 0.030]) == "not converged: val/ndcg_at_10 +33% at its last epoch (3)"
+    assert convergence([0.004]) == "not converged: 1 validation epoch"  # no slope to read
+    assert convergence([0.030, 0.020]) == "converged"  # falling: past its best, not still learning
+    assert is_early_learning("converged", "not converged: 1 validation epoch") and not is_early_learning("converged")
+
+
+def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_labelled_early_learning(tmp_path):
+    from apao_ray.names import PLAN_TAG
+    from apao_ray.study.report import format_rows, table_rows
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
+    space = {"backbones": ["tiger"], "losses": ["ce", "apao_pointwise", "apao_pairwise"]}
+    reason = ("deferred: needs ~13h04m here (~4h21m per epoch) for one trial of 3 epochs; run --backbones tiger "
+              "--losses apao_pairwise --budget 14h, or on a GPU")
+    parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study",
+                                           PLAN_TAG: json.dumps({"deferred": {"tiger/apao_pairwise": reason}})},
+                               {"space": json.dumps(space)})
+    for trial_id, loss, curve in (("t1", "ce", [0.010, 0.020, 0.021]), ("t2", "apao_pointwise", [0.010, 0.020, 0.030])):
+        run = tracker.start_run(trial_id, {"apao.study": "s", "apao.trial_id": trial_id, "backbone": "tiger",
+                                           "loss": loss, "apao.outcome": "finished"}, {"beta": 0.3}, parent_run_id=parent)
+        for epoch, value in enumerate(curve, 1):
+            tracker.log_metrics(run, {"val/ndcg_at_10": value}, epoch)
+        tracker.log_metrics(run, {"best/val/ndcg_at_10": max(curve), "test/ndcg_at_10": 0.02}, len(curve))
+        tracker.end_run(run, "FINISHED")
+    rows = {row["loss"]: row for row in table_rows(tracker, study="s", num_resamples=100)}
+    assert rows["apao_pairwise"]["status"] == reason and rows["apao_pairwise"].get("run_id") is None
+    assert rows["ce"]["converged"] == "converged" and rows["ce"]["vs ce test/ndcg_at_10"] == "baseline"
+    assert rows["apao_pointwise"]["converged"] == "not converged: val/ndcg_at_10 +33% at its last epoch (3)"
+    assert rows["apao_pointwise"]["vs ce test/ndcg_at_10"].startswith("early learning (not converged): ")
+    table = format_rows(list(rows.values()))
+    assert f"| {reason} |" in table and "| converged |" in table
+
+
+def test_a_method_within_noise_of_the_popularity_baseline_is_not_converged():
+    import numpy as np
+    import pandas as pd
+
+    from apao_ray.analysis.results import popularity_check, popularity_ndcg
+    from apao_ray.data.splits import Split
+    from apao_ray.study.seeds import RunSource, seed_methods
+
+    def split(name, targets):
+        targets = np.asarray(targets)
+        return Split(name, np.full((targets.size, 1), -1), np.zeros(targets.size, int), targets, np.arange(targets.size))
+
+    # item 3 is the most frequent training target, then 1: the baseline recommends [3, 1, ...] to everyone
+    splits = {"train": split("train", [3, 3, 3, 1, 1, 2]), "test": split("test", [3, 1, 0, 2])}
+    assert popularity_ndcg(splits, k=2).tolist() == pytest.approx([1.0, 1 / np.log2(3), 0.0, 0.0])
+    rng = np.random.default_rng(0)
+    popularity = (rng.random(4000) < 0.01) * 1.0  # NDCG@10 ~0.01: a hit at rank 1 for 1% of the users
+
+    def method(hit_rate):
+        record = {"run_id": "r", "status": "FINISHED", "tags": {"backbone": "tiger", "loss": "ce"},
+                  "params": {}, "metrics": {"test/ndcg_at_10": hit_rate}}
+        table = pd.DataFrame({"user": [str(u) for u in range(4000)], "ndcg_at_10": (rng.random(4000) < hit_rate) * 1.0})
+        return seed_methods(RunSource("s", [record], tables={"r": table}), ["r"])[0]
+
+    assert re.fullmatch(r"not converged: test ndcg_at_10 0\.0\d{3} within noise of popularity's 0\.0\d{3}",
+                        popularity_check(method(0.011), popularity))
+    assert popularity_check(method(0.05), popularity) == ""  # well above it

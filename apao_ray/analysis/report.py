@@ -9,14 +9,16 @@ Holm-corrected Wilcoxon p-values, cost per method, and the figures.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
 from typing import Any
 
+from ..names import PLAN_TAG
 from .export import STUDY_FILE, StudyExport, export_study, load_export
-from .results import (SELECTION_METRIC, TEST_METRICS, TRIAL_CHOICES, Method, Paired, compare_methods, finished_trials,
-                      group_methods, unfinished_trials)
+from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
+                      compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials)
 
 REPORT_FILE = "report.md"
 
@@ -42,7 +44,7 @@ def _paper_cell(method: Method) -> str:
 
 def _metrics_table(methods: list[Method]) -> list[str]:
     header = ["dataset", "backbone", "method", "seeds", "R@10", "R@20", "N@10", "N@20", "paper R@10 / N@10",
-              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)"]
+              "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)", "converged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
         epoch_seconds = [float(t.history("perf/epoch_seconds").median()) for t in method.trials
@@ -54,7 +56,7 @@ def _metrics_table(methods: list[Method]) -> list[str]:
                  _mean_std(method, "epochs_trained", 1) if method.values("epochs_trained") else
                  ",".join(str(int(t.history("perf/epoch_seconds").index.max())) for t in method.trials
                           if not t.history("perf/epoch_seconds").empty) or "-",
-                 _number(sum(epoch_seconds) / len(epoch_seconds), 1) if epoch_seconds else "-"]
+                 _number(sum(epoch_seconds) / len(epoch_seconds), 1) if epoch_seconds else "-", method.convergence]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -98,8 +100,9 @@ def _significance_table(results: list[Paired]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
         users = r.pooled.num_users if r.pooled else max((c.num_users for c in r.per_seed.values()), default=0)
+        early = f"{EARLY_LEARNING}: " if is_early_learning(r.method.convergence, r.baseline.convergence) else ""
         cells = [r.method.dataset, r.method.backbone, f"{r.method.label} - {r.baseline.label}", r.metric,
-                 (r.pooled.text() if r.pooled else "-") + (f" ({r.note})" if r.note else ""),
+                 early + (r.pooled.text() if r.pooled else "-") + (f" ({r.note})" if r.note else ""),
                  *(r.per_seed[s].text() if s in r.per_seed else "-" for s in seeds), str(users)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -116,6 +119,19 @@ def _sources(exports: list[StudyExport]) -> list[str]:
     return lines
 
 
+def _plans(exports: list[StudyExport]) -> list[str]:
+    """What each study's plan answered, its budget protocol and the methods it deferred (rows without trials)."""
+    lines = []
+    for export in exports:
+        for parent in export.record["parents"]:
+            plan = json.loads(parent["tags"].get(PLAN_TAG) or "{}")
+            if plan.get("answers"):
+                protocol = f"; {plan['budget_protocol']}" if plan.get("budget_protocol") else ""
+                lines.append(f"- `{export.name}` answers: {plan['answers']}{protocol}")
+            lines += [f"  - `{name}`: {reason}" for name, reason in plan.get("deferred", {}).items()]
+    return lines
+
+
 def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str = "ce", trials: str = "best",
                  num_resamples: int = 10_000) -> Path:
     """Writes ``report.md`` and its PNGs into ``out_dir``; returns the markdown file's path."""
@@ -129,16 +145,21 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
         names = [e.name for e in exports]
         raise ValueError(f"studies {names} have no trial that trained an epoch: nothing to report on")
     compared = compare_methods(methods, baseline, num_resamples=num_resamples)
+    plans = _plans(exports)
     lines = [f"# Study report: {', '.join(e.name for e in exports)}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report`. "
              f"Trials: {'the best by ' + SELECTION_METRIC + ' per (study, backbone, loss)' if trials == 'best' else 'all finished'}; "
              "seeds of one method are its trials across the given studies.", "", "## Sources", "", *_sources(exports), "",
+             *(["## Plans", "", *plans, ""] if plans else []),
              "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods), "",
              "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
              "parentheses with `n/c` (not comparable) otherwise. `s/epoch (median)`: each trial's median epoch "
              "(MLflow `perf/epoch_seconds`), averaged over seeds; a median, as epochs that ran beside other work on a "
-             "shared machine would pull a mean up (the cost table has the totals).", "",
+             "shared machine would pull a mean up (the cost table has the totals). `converged`: `not converged` where a "
+             f"seed's validation NDCG@10 was still rising by more than {STEEP_LAST_GAIN:.0%} at its last epoch (or it "
+             f"trained one epoch); a paired difference involving such a method is labelled `{EARLY_LEARNING}`: a "
+             "comparison of early learning, not of trained models.", "",
              "## Cost per method (summed over seeds; peak memory: the largest)", "", *_cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
     if compared:

@@ -25,6 +25,57 @@ SELECTION_METRIC = "best/val/ndcg_at_10"
 KNOBS = (("beta", "b"), ("eta", "eta"), ("num_negatives", "N"))
 TEST_METRICS = tuple(f"test/{name}" for name in PER_USER_METRICS)
 TRIAL_CHOICES = ("best", "all")
+VALIDATION_CURVE = "val/ndcg_at_10"
+# a validation curve whose last epoch still added more than this share of its value has not levelled off: a
+# short budget's run (issue #40: five epochs at batch 1024 moved validation NDCG@10 by ~10% an epoch) is early
+# learning, not a converged model
+STEEP_LAST_GAIN = 0.10
+EARLY_LEARNING = "early learning (not converged)"
+
+
+def convergence(curve: list[float]) -> str:
+    """``converged`` or ``not converged: ...`` for a validation curve (one value per epoch, in order): one
+    epoch shows no slope; a last epoch that added more than ``STEEP_LAST_GAIN`` of the value was still
+    rising steeply."""
+    if not curve:
+        return "unknown: no validation curve"
+    if len(curve) < 2:
+        return "not converged: 1 validation epoch"
+    last, before = curve[-1], curve[-2]
+    gain = (last - before) / last if last > 0 else 0.0
+    if gain > STEEP_LAST_GAIN:
+        return f"not converged: {VALIDATION_CURVE} +{gain:.0%} at its last epoch ({len(curve)})"
+    return "converged"
+
+
+def popularity_ndcg(splits: dict[str, Any], k: int = 10) -> np.ndarray:
+    """Per test user, NDCG@k of the popularity baseline: the k items most often a training target, for everyone."""
+    from ..metrics import ndcg_from_ranks, target_ranks
+
+    top = np.argsort(-np.bincount(splits["train"].targets), kind="stable")[:k]  # (k,) most frequent first
+    test = splits["test"]
+    ranks = target_ranks(np.tile(top, (len(test), 1)), test.targets)  # (S,)
+    return ndcg_from_ranks(ranks, k).numpy()
+
+
+def popularity_check(method: "Method", popularity: np.ndarray, metric: str = "ndcg_at_10") -> str:
+    """``not converged: ...`` when the method's per-user test ``metric`` (its seeds pooled) is above the popularity
+    baseline's by less than two standard errors of the difference, else ``""`` (also without per-user tables)."""
+    tables = [trial.per_user() for trial in method.trials]
+    values = np.concatenate([t[metric].to_numpy(float) for t in tables if t is not None and metric in t]) \
+        if any(t is not None for t in tables) else np.array([])
+    if values.size < 2 or popularity.size < 2:
+        return ""
+    error = math.sqrt(values.var(ddof=1) / values.size + popularity.var(ddof=1) / popularity.size)
+    if values.mean() - popularity.mean() < 2 * error:
+        return (f"not converged: test {metric} {values.mean():.4f} within noise of popularity's "
+                f"{popularity.mean():.4f}")
+    return ""
+
+
+def is_early_learning(*statuses: str) -> bool:
+    """Whether a comparison involves a method that had not converged (its figure is one of early learning)."""
+    return any(status.startswith("not converged") for status in statuses)
 
 
 @dataclass
@@ -111,6 +162,12 @@ class Method:
         """Trained as paper Table 1 was: protocol ``paper`` and the paper's schedule (200 epochs, patience 20)."""
         return all(trial.tags.get("apao.protocol", "paper") == "paper" and trial.tags.get("apao.schedule") == "paper"
                    for trial in self.trials)
+
+    @property
+    def convergence(self) -> str:
+        """Over its seeds: the first ``not converged`` of its trials' validation curves, else ``converged``."""
+        statuses = [convergence(list(trial.history(VALIDATION_CURVE).sort_index())) for trial in self.trials]
+        return next((s for s in statuses if s != "converged"), "converged")
 
     @property
     def paper(self) -> tuple[float, float] | None:

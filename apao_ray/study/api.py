@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .plan import Plan, cost_summary, make_plan, method_config, record_observed, validation_users
@@ -59,6 +59,24 @@ def plan_study(spec: StudySpec, start_ray: bool = False, use_cache: bool = True)
     return make_plan(spec, study_slots(spec, start_ray), use_cache)
 
 
+def planned_options(spec: StudySpec, plan: Plan, command_line: list[str] | None = None) -> Any:
+    """The driver's options for the study the plan runs: the spec as asked, with the plan's schedule (epochs and
+    a preference loss's CE stage, training subset, the budget protocol's batch, trials per tuned method, the
+    deferred methods left out, seeds, slots, start order, ASHA's grace period) and the plan itself to record."""
+    from .spec import with_pretrain
+
+    options, fit = spec.options(command_line), plan.fit
+    base = options.base
+    train = base.train.replace(epochs=fit.epochs, effective_batch_size=plan.run_effective_batch_size,
+                               max_train_samples=fit.train_samples or base.train.max_train_samples)
+    base = with_pretrain(base.replace(train=train), spec.losses, spec.pretrain_ce_epochs)
+    search = replace(options.spec, trials_per_tuned=fit.trials_per_tuned, first=plan.start_order,
+                     deferred=tuple(sorted(plan.deferred)))
+    return replace(options, base=base, spec=search, max_concurrent=plan.slots,
+                   asha_grace_period=fit.asha_grace_period, repeat_seeds=plan.run_repeat_seeds,
+                   plan_record=plan.record())
+
+
 def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str] | None = None,
               log: Any = None) -> StudyResult:
     """Prints the plan, runs (or resumes) the study fitted to its budget, and reads back its table.
@@ -74,6 +92,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
 
     log = log if log is not None else sys.stderr
 
+    from ..analysis.results import popularity_ndcg
     from ..tracking import Tracker, experiment_name
     from .report import table_rows
     from .sweep import StudyOutcome, check_resumable, study_state_exists
@@ -82,11 +101,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     if plan is None:
         plan = plan_study(spec, start_ray=True)
         print(plan.text(), file=log)
-    fit = plan.fit
-    options = spec.options(epochs=fit.epochs, trials_per_tuned=fit.trials_per_tuned,
-                           asha_grace_period=fit.asha_grace_period, max_concurrent=plan.slots,
-                           command_line=command_line, max_train_samples=fit.train_samples,
-                           start_order=plan.start_order)
+    options = planned_options(spec, plan, command_line)
     dataset = spec.dataset_loaded
     check_resumable(options.tracking_uri, options, dataset.checksums)  # with the fitted schedule
     train_split = dataset.splits["train"]
@@ -98,7 +113,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
-    rows = table_rows(tracker, study=options.study_name)
+    rows = table_rows(tracker, study=options.study_name, popularity=popularity_ndcg(dataset.splits))
     record_rates(spec, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
               for row in rows}
@@ -143,4 +158,4 @@ def trial_row(row: dict[str, Any]) -> dict[str, Any]:
     return {**row["choices"], "seed": row.get("seed"), "repeats": row.get("repeats"), **metrics, "status": status}
 
 
-__all__ = ["StudyResult", "StudySpec", "plan_study", "run_study"]
+__all__ = ["StudyResult", "StudySpec", "plan_study", "planned_options", "run_study"]

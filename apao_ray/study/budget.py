@@ -1,7 +1,7 @@
 """The study's wall-clock arithmetic: durations, per-method costs, makespans and the fit of a study
-to a budget (fewer epochs first, down to half, then fewer trials per tuned method, then fewer epochs
-again, and last a fixed random subset of the training samples, the same for every method). Pure,
-unit-tested; :mod:`.plan` measures the costs and prints the result.
+to a budget, whose goal is a comparison at equal epochs (``fit_budget``: which methods run, how many
+epochs and trials, which are deferred, whether the budget protocol's batch applies). Pure, unit-tested;
+:mod:`.plan` measures the costs and prints the result.
 """
 from __future__ import annotations
 
@@ -108,6 +108,34 @@ def asha_rungs(grace: int, epochs: int, reduction_factor: int = 4) -> list[int]:
     return rungs
 
 
+DEFAULT_MIN_EPOCHS = 3      # the fewest epochs a fitted trial runs: one epoch compares nothing (issue #40)
+HEAVY_CUT = 4               # fitted passes over the data <= asked epochs / 4: the budget protocol's batch
+BUDGET_EFFECTIVE_BATCH = 256  # learns several times faster per epoch than 1024 (benchmarks/REPRODUCTION.md)
+FILL_MAX_SEEDS = 3          # seeds a fill may reach in all (the product's budget evidence used 3)
+
+
+@dataclass(frozen=True)
+class Deferral:
+    """A method left out of a fitted study: one trial of ``min_epochs`` does not fit the budget."""
+
+    backbone: str
+    loss: str
+    needs_s: float   # one trial of min_epochs alone, Ray's start included
+    epoch_s: float
+    min_epochs: int
+
+    @property
+    def reason(self) -> str:
+        return (f"deferred: needs ~{format_duration(self.needs_s)} here (~{format_duration(self.epoch_s)} per epoch) "
+                f"for one trial of {self.min_epochs} epochs; run --backbones {self.backbone} --losses {self.loss} "
+                f"--budget {budget_flag(self.needs_s)}, or on a GPU")
+
+
+def budget_flag(seconds: float) -> str:
+    """The ``--budget`` value that covers ``seconds``: whole minutes under 2 h, else whole hours."""
+    return f"{math.ceil(seconds / 60)}m" if seconds < 7200 else f"{math.ceil(seconds / 3600)}h"
+
+
 @dataclass(frozen=True)
 class Fit:
     """What a study runs: the asked-for schedule, or the one fitted to a budget."""
@@ -118,66 +146,123 @@ class Fit:
     estimate_s: float
     changes: tuple[str, ...] = ()   # e.g. "epochs 20 -> 8": empty when nothing had to change
     train_samples: int | None = None  # a training subset per epoch (the last resort of a budget); None: all
+    deferred: tuple[Deferral, ...] = ()  # methods left out: rows without trials
+    added_seeds: int = 0  # seeds the fill added after the asked ones (time a slot would sit idle)
+    effective_batch_size: int | None = None  # the budget protocol's optimizer batch; None: as asked
 
 
 def fit_budget(methods: list[MethodCost], epochs: int, trials_per_tuned: int, grace: int, slots: int,
-               budget_s: float | None, num_repeats: int = 0) -> Fit:
-    """The largest schedule whose estimate fits ``budget_s``.
+               budget_s: float | None, num_repeats: int = 0, min_epochs: int = DEFAULT_MIN_EPOCHS,
+               effective_batch_size: int | None = None, micro_batch: int = 1) -> Fit:
+    """The study that answers most within ``budget_s``: its methods compared at equal epochs.
 
-    Order of sacrifice: epochs down to half the asked number, then trials per tuned method down to 1
-    (each at the most epochs in [half, all] that fit), then epochs down to 1, then the training samples
-    of that epoch down to ``MIN_TRAIN_SAMPLES`` (the largest fixed subset that fits, the same for every
-    method, so they stay comparable). ASHA's grace period becomes a quarter of the fitted epochs (at
-    most the asked one), so its rungs stay inside the run.
+    A study that fits is left as asked. Otherwise the methods whose one trial of ``min_epochs`` (or the
+    asked epochs, if fewer) does not fit beside the cheaper ones are deferred (cheapest kept first; when
+    fewer than two remain, a fixed random training subset, the same for every method, may keep two). For
+    the kept methods: epochs down to half the asked number, then trials per tuned method down to 1, then
+    epochs down to ``min_epochs``. Time a slot would then sit idle goes to more Optuna trials (up to the
+    asked number), then to more seeds (up to ``FILL_MAX_SEEDS``), then to more trials. When the fitted
+    passes over the data are at most a ``HEAVY_CUT``-th of the asked epochs, the optimizer batch drops to
+    ``BUDGET_EFFECTIVE_BATCH`` (not below ``micro_batch``): the budget protocol. ASHA's grace period becomes
+    a quarter of the fitted epochs (at most the asked one), so its rungs stay inside the run.
 
     Raises:
-        ValueError: when one epoch of the smallest subset does not fit, naming the estimate and the
-            slowest method.
+        ValueError: when not one method's trial of ``min_epochs`` fits, even on the smallest subset.
     """
     asked = study_seconds(methods, epochs, trials_per_tuned, slots, num_repeats)
     if budget_s is None or asked <= budget_s:
         return Fit(epochs, trials_per_tuned, grace, asked)
-    half = max(1, math.ceil(epochs / 2))
+    floor = max(1, min(min_epochs, epochs))
+    kept, samples = _kept_methods(methods, floor, slots, budget_s, num_repeats)
+    capped = [m.with_train_samples(samples) for m in kept]
+    half = max(floor, math.ceil(epochs / 2))
     candidates = [(n, e) for n in range(trials_per_tuned, 0, -1) for e in range(epochs, half - 1, -1)]
-    candidates += [(1, e) for e in range(half - 1, 0, -1)]
-
-    def fitted(e: int, n: int, estimate: float, samples: int | None = None) -> Fit:
-        # a grace past the last epoch (--quick) means no pruning: kept so
-        new_grace = e + 1 if grace > epochs else min(grace, max(1, e // 4))
-        changes = [f"{label} {before} -> {after}" for label, before, after in (
-            ("epochs", epochs, e), ("trials per tuned method", trials_per_tuned, n),
-            ("ASHA grace period", grace, new_grace)) if before != after]
-        if samples is not None:
-            changes.append(f"training samples per epoch {methods[0].train_samples:,} -> {samples:,} (a fixed random "
-                           "subset, the same for every method: not the paper's protocol)")
-        return Fit(e, n, new_grace, estimate, tuple(changes), samples)
-
-    for n, e in candidates:
-        estimate = study_seconds(methods, e, n, slots, num_repeats)
-        if estimate <= budget_s:
-            return fitted(e, n, estimate)
-    samples = largest_subset(methods, slots, budget_s, num_repeats)
+    candidates += [(1, e) for e in range(half - 1, floor - 1, -1)]
+    trials, fitted_epochs = next((n, e) for n, e in candidates
+                                 if study_seconds(capped, e, n, slots, num_repeats) <= budget_s)
+    trials, added = _fill(capped, fitted_epochs, trials, trials_per_tuned, slots, budget_s, num_repeats)
+    new_grace = fitted_epochs + 1 if grace > epochs else min(grace, max(1, fitted_epochs // 4))
+    changes = [f"{label} {before} -> {after}" for label, before, after in (
+        ("epochs", epochs, fitted_epochs), ("trials per tuned method", trials_per_tuned, trials),
+        ("ASHA grace period", grace, new_grace)) if before != after]
+    if added:
+        changes.append(f"seeds {1 + num_repeats} -> {1 + num_repeats + added} (time a slot would sit idle)")
     if samples is not None:
-        capped = [m.with_train_samples(samples) for m in methods]
-        return fitted(1, 1, study_seconds(capped, 1, 1, slots, num_repeats), samples)
-    smallest = study_seconds([m.with_train_samples(MIN_TRAIN_SAMPLES) for m in methods], 1, 1, slots, num_repeats)
-    slowest = max(methods, key=lambda m: m.epoch_s)
-    subset = f" on {MIN_TRAIN_SAMPLES:,} training samples" if any(m.train_samples > MIN_TRAIN_SAMPLES for m in methods) else ""
-    raise ValueError(f"budget {format_duration(budget_s)} is too small for one epoch: one trial per method for one "
-                     f"epoch{subset} is estimated at {format_duration(smallest)} on this machine; give --budget "
-                     f"{math.ceil(smallest / 60)}m or more, or a smaller study (--quick, or leave out the slowest "
-                     f"method, {slowest.backbone}/{slowest.loss} at ~{format_duration(slowest.epoch_s)} per full epoch)")
+        changes.append(f"training samples per epoch {methods[0].train_samples:,} -> {samples:,} (a fixed random "
+                       "subset, the same for every method: not the paper's protocol)")
+    passes = fitted_epochs * (samples / kept[0].train_samples if samples else 1.0)
+    budget_batch = max(BUDGET_EFFECTIVE_BATCH, micro_batch)
+    protocol_batch = None
+    if effective_batch_size and budget_batch < effective_batch_size and passes * HEAVY_CUT <= epochs:
+        protocol_batch = budget_batch
+        changes.append(f"effective batch {effective_batch_size} -> {budget_batch} (budget protocol, not the paper's: "
+                       "a short run learns several times faster per epoch at 256; benchmarks/REPRODUCTION.md)")
+    deferred = tuple(Deferral(m.backbone, m.loss, RAY_START_S + m.trial_s(floor), m.epoch_s, floor)
+                     for m in methods if m not in kept)
+    estimate = study_seconds(capped, fitted_epochs, trials, slots, num_repeats + added)
+    return Fit(fitted_epochs, trials, new_grace, estimate, tuple(changes), samples, deferred, added, protocol_batch)
 
 
-def largest_subset(methods: list[MethodCost], slots: int, budget_s: float, num_repeats: int = 0) -> int | None:
-    """The most training samples per epoch (a multiple of 256, >= ``MIN_TRAIN_SAMPLES``) with which one
-    epoch of one trial per method fits ``budget_s``; None when even the smallest does not fit."""
+def _kept_methods(methods: list[MethodCost], epochs: int, slots: int, budget_s: float,
+                  num_repeats: int) -> tuple[list[MethodCost], int | None]:
+    """The largest cheapest-first set of methods whose one trial each of ``epochs`` fits, and the training
+    subset it needs (None: all samples). Two methods on a subset beat one on all the data: a comparison.
+
+    Raises:
+        ValueError: not even the cheapest method's trial fits on ``MIN_TRAIN_SAMPLES``.
+    """
+    by_cost = sorted(methods, key=lambda m: m.trial_s(epochs))
+
+    def how_many(costs: list[MethodCost]) -> int:
+        return next((k for k in range(len(costs), 0, -1)
+                     if study_seconds(costs[:k], epochs, 1, slots, num_repeats) <= budget_s), 0)
+
+    count = how_many(by_cost)
+    for wanted in range(min(2, len(methods)), count, -1):  # two on a subset, else one on all the data or a subset
+        samples = largest_subset(by_cost[:wanted], slots, budget_s, num_repeats, epochs)
+        if samples is not None:
+            return by_cost[:how_many([m.with_train_samples(samples) for m in by_cost])], samples
+    if count:
+        return by_cost[:count], None
+    cheapest = by_cost[0]
+    smallest = study_seconds([cheapest.with_train_samples(MIN_TRAIN_SAMPLES)], epochs, 1, slots, num_repeats)
+    subset = f" on {MIN_TRAIN_SAMPLES:,} training samples" if cheapest.train_samples > MIN_TRAIN_SAMPLES else ""
+    raise ValueError(f"budget {format_duration(budget_s)} is too small for {epochs} epoch{'s' if epochs > 1 else ''} of "
+                     f"any method: one trial of the cheapest, {cheapest.backbone}/{cheapest.loss}{subset}, is estimated "
+                     f"at {format_duration(smallest)} on this machine; give --budget {math.ceil(smallest / 60)}m or "
+                     "more, fewer --min-epochs, or a smaller study (--quick)")
+
+
+def _fill(methods: list[MethodCost], epochs: int, trials: int, asked_trials: int, slots: int, budget_s: float,
+          num_repeats: int) -> tuple[int, int]:
+    """(trials per tuned method, seeds added) once the time a slot would sit idle is used: more Optuna trials
+    up to the asked number answer the asked search, then seeds the comparison's spread, then more search."""
+    has_tuned, added = any(not m.is_baseline for m in methods), 0
+    while True:
+        options = []
+        if has_tuned and trials < asked_trials:
+            options.append((trials + 1, added))
+        if 1 + num_repeats + added < FILL_MAX_SEEDS:
+            options.append((trials, added + 1))
+        if has_tuned:
+            options.append((trials + 1, added))
+        chosen = next(((n, a) for n, a in options
+                       if study_seconds(methods, epochs, n, slots, num_repeats + a) <= budget_s), None)
+        if chosen is None:
+            return trials, added
+        trials, added = chosen
+
+
+def largest_subset(methods: list[MethodCost], slots: int, budget_s: float, num_repeats: int = 0,
+                   epochs: int = 1) -> int | None:
+    """The most training samples per epoch (a multiple of 256, >= ``MIN_TRAIN_SAMPLES``) with which
+    ``epochs`` of one trial per method fit ``budget_s``; None when even the smallest does not fit."""
     total = min(m.train_samples for m in methods)
     if total <= MIN_TRAIN_SAMPLES:
         return None
 
     def fits(samples: int) -> bool:
-        return study_seconds([m.with_train_samples(samples) for m in methods], 1, 1, slots, num_repeats) <= budget_s
+        return study_seconds([m.with_train_samples(samples) for m in methods], epochs, 1, slots, num_repeats) <= budget_s
 
     low, high = MIN_TRAIN_SAMPLES // 256, total // 256   # in units of 256 samples; fits(low) decides
     if not fits(low * 256):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -23,7 +24,8 @@ epochs each (patience 5), ASHA stopping APAO trials weaker than others of their 
 to the end). Before the first trial the study prints its plan: trials per method, epochs, and the wall time and
 peak memory estimated from ~8 s of optimizer steps of the real model on this machine (--dry-run stops there). A
 paper-size study on a full dataset takes days on 2 CPUs: give --budget (e.g. 3h) and the study is fitted to it
-(fewer epochs, then fewer trials), or run it on GPUs (--gpus-per-trial 0.25 runs four trials per GPU). Measured
+(every method it runs at equal epochs, at least --min-epochs; a method that cannot reach them is deferred with
+what it needs; --dry-run --json prints the plan as JSON), or run it on GPUs (--gpus-per-trial 0.25 runs four trials per GPU). Measured
 on 2 vCPUs: --dataset grocery --budget 2h gave each method 1 epoch on a 48,128-sample subset and took 66.5 min
 (a check of the pipeline, not a result: APAO-pairwise costs ~12x a CE epoch). On one H200 an Office TIGER CE
 epoch with validation took 2.1 s and APAO-pairwise ~10 s of training (the study itself not yet timed there). --quick finishes in a few minutes
@@ -112,12 +114,17 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
                         help="GPUs per trial; fractions share a GPU (0.25) (default %(default)s)")
     parser.add_argument("--budget", type=duration, default=None, metavar="DURATION",
                         help="wall-clock budget, e.g. 3h, 90m, 1h30m or seconds: the study is fitted to it (fewer "
-                             "epochs, then fewer trials; ASHA rungs from the epochs) and stopped at it; a budget "
-                             "too small for one epoch is refused (default: none)")
+                             "epochs, then fewer trials; methods whose trial of --min-epochs does not fit are deferred; ASHA "
+                             "rungs from the epochs) and stopped at it (default: none)")
     parser.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
                         help="deprecated: --budget SECONDS")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (trials, epochs, estimated time and "
                         "memory from a short probe on this machine) and exit without training")
+    parser.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object on "
+                        "stdout (the plan's text goes to stderr)")
+    parser.add_argument("--min-epochs", type=positive_int, default=DEFAULTS["min_epochs"],
+                        help="the fewest epochs --budget may cut a trial to; a method whose one trial of them does not "
+                             "fit is deferred: a table row without trials, saying what it needs (default %(default)s)")
     parser.add_argument("--reprobe", action="store_true", help="measure the plan's timing probe again instead of "
                         "reading ~/.cache/apao_ray/probes.json (after a change of hardware load or code)")
     parser.add_argument("--ray-dashboard", action="store_true",
@@ -221,6 +228,8 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     if {"seed", "seeds"} <= given:
         parser.error(f"--seed {args.seed} and --seeds {','.join(map(str, args.seeds))} were both given; give --seeds "
                      "alone (the search runs on its first seed) or --seed alone")
+    if args.json and not args.dry_run:
+        parser.error("--json prints the plan: give it with --dry-run")
     apply_quick(args, given)
     from .api import plan_study, run_study
     from .report import format_rows
@@ -232,6 +241,8 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
         parser.error(str(error))
     print(plan.text(), file=sys.stderr)
     if args.dry_run:
+        if args.json:
+            print(json.dumps(plan.to_dict()))
         return 0
     result = run_study(spec, plan=plan)
     if result.interrupted:

@@ -15,6 +15,7 @@ NODE_TAG = "apao.node_id"
 ENERGY_TAG = "apao.energy_method"  # how cost/energy_kwh was obtained (measured, estimated, or not at all)
 ALLOCATOR_TAG = "apao.allocator"  # the worker's memory allocator (tcmalloc/glibc-cached/system)
 PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its worker (fp32/bf16)
+BUDGET_PROTOCOL_TAG = "apao.budget_protocol"  # on a study's parent run: what the budget changed in training
 INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
 PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (pruned.py)
 PRUNED_EPOCH_TAG = "apao.pruned_epoch"

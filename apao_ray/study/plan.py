@@ -7,135 +7,20 @@ config in ``~/.cache/apao_ray/probes.json``. With a wall-clock budget the study 
 """
 from __future__ import annotations
 
-import hashlib
 import json
-import math
 import os
-import platform
-import statistics
-import subprocess
-import sys
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..hardware import cpu_model
-from ..training.memory import allocator_env, find_tcmalloc
-from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Fit, MethodCost, asha_rungs,  # noqa: F401
+from ..training.memory import find_tcmalloc
+from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Deferral, Fit, MethodCost, asha_rungs,  # noqa: F401
                      fit_budget, format_duration, largest_subset, makespan, parse_duration, study_seconds,
                      trial_durations)
+from .probe_cache import (PROBE_CACHE_ENV, PROBE_CACHE_FILE, PROBE_MAX_STEPS, PROBE_SECONDS,  # noqa: F401
+                          PROBE_STEPS, PROBE_TRIAL_SHARE, PROBE_VERSION, SIDE_BY_SIDE_SLOWDOWN, Probe, _write_cache,
+                          hardware_key, probe, probe_cache_path, probe_key, record_observed)
 
-PROBE_STEPS = 3           # timed optimizer steps at least (after one warm-up step)
-PROBE_SECONDS = 8.0       # ... and timed training for at least this long (a sustained rate: 3 steps read ~5% fast)
-PROBE_MAX_STEPS = 50      # ... but no more steps than this (nor more than one epoch): tiny models stop early
-PROBE_TRIAL_SHARE = 0.05  # ... nor, once one step is timed, more samples than this share of the trial's training
-PROBE_VERSION = 2         # in the cache key: probes measured another way are not reused
-PROBE_CACHE_FILE = "probes.json"
-PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
-# a probe trains alone; trials side by side on one machine share its caches and memory bandwidth. Measured
-# (benchmarks/RESULTS.md, session 15): two Grocery trials at once trained at 105 samples/s each against their
-# probe's 125 (Intel Xeon, 2 vCPUs, 1 thread per trial), 1.19x. Applied to probed (not observed) rates when
-# a study runs more than one trial at a time on this machine.
-SIDE_BY_SIDE_SLOWDOWN = 1.2
 MEMORY_WARNING_FRACTION = 0.8  # of the machine's memory, for the plan's peak (Ray's monitor kills at 0.95)
-
-
-@dataclass(frozen=True)
-class Probe:
-    """Measured on this hardware: seconds per training sample and per validation user, peak memory."""
-
-    train_s_per_sample: float
-    eval_s_per_user: float
-    peak_bytes: int
-    precision: str
-    threads: int
-    device: str
-    timed_samples: int = 0  # training samples the rate was measured on (after the warm-up step)
-    observed_trials: int = 0  # finished study trials whose measured rates replaced the probe's (record_observed)
-    energy_kwh_per_cpu_s: float | None = None  # CodeCarbon's energy per CPU-second in those trials
-    allocator: str = ""  # the memory allocator the probe ran on (training/memory.py)
-    # ended by PROBE_TRIAL_SHARE: the (epochs, max_train_samples) of the short trial it was cut for, else None
-    cut_for: list | None = None
-
-
-def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "gpu": use_gpu, "python": platform.python_version()}
-
-
-def probe_key(config_dict: dict[str, Any], threads: int) -> str:
-    """Cache key: the hardware and what sets the cost (model, loss, batch, precision, data, eval)."""
-    train = config_dict["train"]
-    relevant = {"probe": PROBE_VERSION, "hw": hardware_key(threads, bool(train.get("use_gpu"))),
-                "model": config_dict["model"],
-                "loss": {k: config_dict["loss"].get(k) for k in ("name", "num_negatives")},
-                "data": config_dict["data"], "protocol": config_dict.get("protocol"), "allocator": allocator_env(),
-                "train": {k: train.get(k) for k in ("batch_size", "precision", "eval_batch_size", "beam_size",
-                                                    "group_by_length")}}
-    return hashlib.sha256(json.dumps(relevant, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
-def probe_cache_path() -> Path:
-    """``$APAO_PROBE_CACHE`` (the test suite's own), else ``probes.json`` in the user cache."""
-    from ..paths import user_cache_dir
-
-    return Path(os.environ.get(PROBE_CACHE_ENV) or user_cache_dir() / PROBE_CACHE_FILE)
-
-
-def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> tuple[Probe, bool]:
-    """The probe of one trial config, from the cache or a fresh subprocess; returns (probe, was_cached)."""
-    path, key = probe_cache_path(), probe_key(config_dict, threads)
-    cache = _read_cache(path)
-    if use_cache and key in cache and _long_enough(cache[key], config_dict["train"]):
-        return _with_observed(cache[key]), True
-    env = {**os.environ, **allocator_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
-           + os.environ.get("PYTHONPATH", "")}  # the allocator a trial's worker gets (runner.init_ray)
-    done = subprocess.run([sys.executable, "-m", "apao_ray.study.probe", json.dumps(config_dict), str(threads)],
-                          capture_output=True, text=True, env=env, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"timing probe of {config_dict['model'].get('backbone')}/{config_dict['loss']['name']} "
-                           f"failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}")
-    result = Probe(**json.loads(done.stdout.strip().splitlines()[-1]))
-    cache[key] = result.__dict__
-    _write_cache(path, cache)
-    return result, False
-
-
-def _long_enough(entry: dict[str, Any], train: dict[str, Any]) -> bool:
-    """Whether a cached probe was timed long enough for this trial: one cut short for a smaller trial (fewer
-    epochs or training samples) is measured again."""
-    if not entry.get("cut_for"):
-        return True
-    epochs, samples = entry["cut_for"]
-    return train["epochs"] <= epochs and (train.get("max_train_samples") or math.inf) <= (samples or math.inf)
-
-
-def _read_cache(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        return {}  # a damaged cache is re-measured, not an error
-
-
-def _write_cache(path: Path, cache: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: two studies probing at once
-    tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: never half a file
-
-
-def _with_observed(entry: dict[str, Any]) -> Probe:
-    """A cache entry as a Probe: the rates that finished trials measured win over the probe's short run,
-    the larger peak memory wins."""
-    entry = dict(entry)
-    observed = entry.pop("observed", None)
-    measured = Probe(**entry)
-    if not observed:
-        return measured
-    return replace(measured, train_s_per_sample=observed["train_s_per_sample"],
-                   eval_s_per_user=observed.get("eval_s_per_user") or measured.eval_s_per_user,
-                   peak_bytes=max(measured.peak_bytes, int(observed.get("peak_bytes") or 0)),
-                   observed_trials=int(observed["trials"]),
-                   energy_kwh_per_cpu_s=observed.get("energy_kwh_per_cpu_s"))
 
 
 def method_config(base: Any, backbone: str, loss: str) -> dict[str, Any]:
@@ -145,39 +30,15 @@ def method_config(base: Any, backbone: str, loss: str) -> dict[str, Any]:
     return json.loads(json.dumps(config.to_dict()))
 
 
-def record_observed(config_dict: dict[str, Any], threads: int, trials: list[dict[str, Any]]) -> bool:
-    """Stores what finished trials of one method measured (``perf/samples_per_second``, validation seconds per
-    user, ``cost/peak_rss_mb``, CodeCarbon's ``cost/energy_kwh`` per ``cost/cpu_seconds``) in the probe cache
-    entry of their config, so the next plan on this machine uses real epochs instead of the probe's few
-    steps. Only an entry that exists is updated; returns whether one was."""
-    rates = [t["perf/samples_per_second"] for t in trials if (t.get("perf/samples_per_second") or 0) > 0]
-    if not rates:
-        return False
-    path, key = probe_cache_path(), probe_key(config_dict, threads)
-    cache = _read_cache(path)
-    if key not in cache:
-        return False
-    valid = [t["valid_s_per_user"] for t in trials if (t.get("valid_s_per_user") or 0) > 0]
-    peaks = [t["cost/peak_rss_mb"] for t in trials if (t.get("cost/peak_rss_mb") or 0) > 0]
-    energy = [t["cost/energy_kwh"] / t["cost/cpu_seconds"] for t in trials
-              if (t.get("cost/energy_kwh") or 0) > 0 and (t.get("cost/cpu_seconds") or 0) > 0]
-    cache[key]["observed"] = {"train_s_per_sample": 1.0 / statistics.median(rates), "trials": len(rates),
-                              "eval_s_per_user": statistics.median(valid) if valid else None,
-                              "peak_bytes": int(max(peaks) * 2**20) if peaks else None,
-                              "energy_kwh_per_cpu_s": statistics.median(energy) if energy else None}
-    _write_cache(path, cache)
-    return True
-
-
 @dataclass
 class Plan:
-    """The printed plan and the schedule the study will run."""
+    """The study as it will run: derived from the spec and the probes, data (``to_dict``) and text."""
 
     dataset: str
     protocol: str
     precision: str
     slots: int
-    methods: list[MethodCost]
+    methods: list[MethodCost]  # every requested method, deferred ones too (fit.deferred names them)
     asked_epochs: int
     asked_trials_per_tuned: int
     fit: Fit
@@ -191,25 +52,58 @@ class Plan:
     machine_bytes: int = 0  # this machine's memory when the study runs on it (0: a cluster, not checked)
     start_order: tuple[tuple[str, str], ...] = ()  # (backbone, loss) by decreasing epoch time: trials start so
     side_by_side: float = 1.0  # the factor on probed rates for trials running side by side (SIDE_BY_SIDE_SLOWDOWN)
+    search_seed: int = 0  # the seed the search runs on (seeds the fill adds follow the asked ones)
+    effective_batch_size: int = 1024  # the asked optimizer batch (fit.effective_batch_size: the budget protocol's)
 
     @property
-    def num_trials(self) -> int:
-        return sum(1 if m.is_baseline else self.fit.trials_per_tuned for m in self.methods) + \
-            len(self.methods) * len(self.repeat_seeds)
+    def deferred(self) -> set[tuple[str, str]]:
+        return {(d.backbone, d.loss) for d in self.fit.deferred}
 
     @property
     def fitted_methods(self) -> list[MethodCost]:
-        """The methods' costs with the fitted training subset (a budget's last resort), if any."""
-        return [m.with_train_samples(self.fit.train_samples) for m in self.methods]
+        """The methods that run, with the fitted training subset (a budget's last resort), if any."""
+        return [m.with_train_samples(self.fit.train_samples) for m in self.methods
+                if (m.backbone, m.loss) not in self.deferred]
+
+    @property
+    def run_repeat_seeds(self) -> tuple[int, ...]:
+        """The seeds each method's best configuration trains on again: the asked ones, then the fill's."""
+        taken, added = {self.search_seed, *self.repeat_seeds}, []
+        candidate = max(taken) + 1
+        while len(added) < self.fit.added_seeds:
+            if candidate not in taken:
+                added.append(candidate)
+            candidate += 1
+        return (*self.repeat_seeds, *added)
+
+    @property
+    def run_effective_batch_size(self) -> int:
+        return self.fit.effective_batch_size or self.effective_batch_size
+
+    @property
+    def budget_protocol(self) -> str | None:
+        """What the budget changed in how a trial learns (not the paper's protocol), or None."""
+        if self.fit.effective_batch_size is None:
+            return None
+        return (f"effective batch {self.effective_batch_size} -> {self.fit.effective_batch_size} at "
+                f"{self.fit.epochs} of {self.asked_epochs} epochs (a budget protocol, not the paper's)")
+
+    @property
+    def num_trials(self) -> int:
+        return sum(self._search_trials(m) for m in self.fitted_methods) + \
+            len(self.fitted_methods) * len(self.run_repeat_seeds)
+
+    def _search_trials(self, method: MethodCost) -> int:
+        return 1 if method.is_baseline else self.fit.trials_per_tuned
 
     def cost_estimates(self) -> dict[tuple[str, str], dict[str, float]]:
-        """Per (backbone, loss), the figures each trial records (``training/cost.py``), summed over the
+        """Per (backbone, loss) that runs, the figures each trial records (``training/cost.py``), summed over the
         method's trials as the study table sums them: wall and CPU seconds (wall x threads: an upper
         bound, threads are not always busy), peak RSS in MB (the probe's) and, where earlier trials of the method
         measured it here, energy in kWh (their energy per CPU-second times the CPU seconds)."""
         estimates = {}
         for m in self.fitted_methods:
-            count = (1 if m.is_baseline else self.fit.trials_per_tuned) + len(self.repeat_seeds)
+            count = self._search_trials(m) + len(self.run_repeat_seeds)
             wall = count * m.trial_s(self.fit.epochs)
             estimates[(m.backbone, m.loss)] = {"cost/wall_seconds": wall, "cost/cpu_seconds": wall * self.threads,
                                                "cost/peak_rss_mb": m.peak_bytes / 2**20}
@@ -219,9 +113,63 @@ class Plan:
 
     @property
     def peak_bytes(self) -> int:
-        peaks = sorted((m.peak_bytes for m in self.methods
-                        for _ in range(1 if m.is_baseline else self.fit.trials_per_tuned)), reverse=True)
+        peaks = sorted((m.peak_bytes for m in self.fitted_methods for _ in range(self._search_trials(m))),
+                       reverse=True)
         return sum(peaks[:self.slots])
+
+    def answers(self) -> str:
+        """One line: what the study can answer, e.g. ``tiger/ce vs tiger/apao_pointwise at 10 epochs ...``."""
+        running = self.fitted_methods
+        names = " vs ".join(f"{m.backbone}/{m.loss}" for m in running)
+        trials = ", ".join(f"{m.loss} {self._search_trials(m)} trial{'s' if self._search_trials(m) > 1 else ''}"
+                           for m in running)
+        seeds = len(self.run_repeat_seeds) + 1
+        line = (f"{names} at {self.fit.epochs} epoch{'s' if self.fit.epochs > 1 else ''} each ({trials}"
+                f"{f'; best of each on {seeds} seeds' if seeds > 1 else ''})")
+        if len(running) < 2:
+            line = f"{names} alone at {self.fit.epochs} epochs (no comparison)"
+        if self.fit.deferred:
+            line += "; " + ", ".join(f"{d.backbone}/{d.loss}" for d in self.fit.deferred) + " deferred"
+        if self.budget_protocol:
+            line += "; budget protocol"
+        return line
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as data (``--dry-run --json``, ``apao_ray.plan_study``): the schedule, and per requested
+        method whether it runs (its trials, epochs, training samples, estimate) or is deferred (and why)."""
+        estimates, fit = self.cost_estimates(), self.fit
+        methods = []
+        for m in self.fitted_methods:
+            methods.append({"backbone": m.backbone, "loss": m.loss, "status": "run",
+                            "trials": self._search_trials(m) + len(self.run_repeat_seeds),
+                            "search_trials": self._search_trials(m), "epochs": fit.epochs,
+                            "train_samples": m.train_samples or None, "epoch_s": m.epoch_s,
+                            "estimate_s": estimates[(m.backbone, m.loss)]["cost/wall_seconds"],
+                            "peak_bytes": m.peak_bytes,
+                            "reason": "baseline, runs once" if m.is_baseline else "Optuna TPE + ASHA"})
+        by_key = {(m.backbone, m.loss): m for m in self.methods}
+        for d in fit.deferred:
+            methods.append({"backbone": d.backbone, "loss": d.loss, "status": "deferred", "trials": 0,
+                            "search_trials": 0, "epochs": 0, "train_samples": by_key[(d.backbone, d.loss)].train_samples
+                            or None, "epoch_s": d.epoch_s, "estimate_s": d.needs_s,
+                            "peak_bytes": by_key[(d.backbone, d.loss)].peak_bytes, "reason": d.reason})
+        return {"budget_s": self.budget_s, "estimate_s": fit.estimate_s, "slots": self.slots,
+                "answers": self.answers(), "compared_at_equal_epochs": True, "dataset": self.dataset,
+                "protocol": self.protocol, "precision": self.precision, "epochs": fit.epochs,
+                "asked_epochs": self.asked_epochs, "trials_per_tuned": fit.trials_per_tuned,
+                "asked_trials_per_tuned": self.asked_trials_per_tuned, "asha_grace_period": fit.asha_grace_period,
+                "train_samples": fit.train_samples, "seeds": [self.search_seed, *self.run_repeat_seeds],
+                "effective_batch_size": self.run_effective_batch_size, "budget_protocol": self.budget_protocol,
+                "changes": list(fit.changes), "num_trials": self.num_trials, "peak_bytes": self.peak_bytes,
+                "threads": self.threads, "start_order": [list(m) for m in self.start_order], "methods": methods}
+
+    def record(self) -> dict[str, Any]:
+        """What the study's MLflow parent run keeps of the plan (``outcomes.PLAN_TAG``): what it answers, the
+        schedule, the budget protocol, and why each deferred method has no trials (the table's rows)."""
+        return {"answers": self.answers(), "epochs": self.fit.epochs, "asked_epochs": self.asked_epochs,
+                "effective_batch_size": self.run_effective_batch_size, "budget_protocol": self.budget_protocol,
+                "budget_s": self.budget_s, "estimate_s": self.fit.estimate_s,
+                "deferred": {f"{d.backbone}/{d.loss}": d.reason for d in self.fit.deferred}}
 
     def text(self) -> str:
         fit, gib = self.fit, 2 ** 30
@@ -231,16 +179,17 @@ class Plan:
                  f"{'s' if self.threads > 1 else ''} each"]
         estimates = self.cost_estimates()
         for m in self.fitted_methods:
-            count = 1 if m.is_baseline else fit.trials_per_tuned
+            count = self._search_trials(m)
             kind = "baseline, runs to the end" if m.is_baseline else "Optuna TPE + ASHA"
             cost = estimates[(m.backbone, m.loss)]
             lines.append(f"  {m.backbone}/{m.loss:<16} {count} trial{'s' if count > 1 else ' '}  {fit.epochs} epoch{'s' if fit.epochs > 1 else ' '}  "
                          f"epoch ~{format_duration(m.epoch_s)}  trial ~{format_duration(m.trial_s(fit.epochs))}  "
                          f"peak ~{m.peak_bytes / gib:.1f} GiB  all its trials ~{format_duration(cost['cost/wall_seconds'])} "
                          f"wall, ~{format_duration(cost['cost/cpu_seconds'])} CPU  ({kind})")
-        if self.repeat_seeds:
-            lines.append(f"  then the best configuration of each method again on seeds {list(self.repeat_seeds)}: "
-                         f"{len(self.methods) * len(self.repeat_seeds)} trials of {fit.epochs} epochs")
+        lines += [f"  {d.backbone}/{d.loss:<16} {d.reason}" for d in fit.deferred]
+        if self.run_repeat_seeds:
+            lines.append(f"  then the best configuration of each method again on seeds {list(self.run_repeat_seeds)}: "
+                         f"{len(self.fitted_methods) * len(self.run_repeat_seeds)} trials of {fit.epochs} epochs")
         rungs = asha_rungs(fit.asha_grace_period, fit.epochs)
         lines.append(f"  ASHA compares each tuned method's trials at epochs {rungs}" if rungs else
                      f"  ASHA prunes nothing (grace {fit.asha_grace_period} epochs >= {fit.epochs} epochs)")
@@ -266,6 +215,9 @@ class Plan:
                              f"exceeds it; fitted: {', '.join(fit.changes)} (~{format_duration(fit.estimate_s)})")
             else:
                 lines.append(f"budget {format_duration(self.budget_s)}: the study fits")
+            lines.append(f"  answers: {self.answers()} (methods compared at equal epochs)")
+        if self.budget_protocol:
+            lines.append(f"  budget protocol: {self.budget_protocol}")
         if self.machine_bytes and self.peak_bytes > MEMORY_WARNING_FRACTION * self.machine_bytes:
             lines.append(f"  warning: ~{self.peak_bytes / gib:.1f} GiB at peak is over {MEMORY_WARNING_FRACTION:.0%} of this "
                          f"machine's {self.machine_bytes / gib:.1f} GiB; Ray's memory monitor kills workers at 95%: "
@@ -295,7 +247,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     """Probes each (backbone, loss) of a checked ``StudySpec`` and fits the study to its budget.
 
     Raises:
-        ValueError: the budget is too small for one epoch (naming the estimate).
+        ValueError: the budget is too small for ``min_epochs`` of any method (naming the estimate).
     """
     from .space import is_baseline
 
@@ -326,10 +278,13 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
             fixed_s=TRIAL_START_S + len(splits["test"]) * eval_s_per_user, peak_bytes=measured.peak_bytes,
             train_samples=train_samples, train_epoch_s=train_s, energy_kwh_per_cpu_s=measured.energy_kwh_per_cpu_s))
     fit = fit_budget(methods, base.train.epochs, search.trials_per_tuned, spec.asha_grace_period, slots,
-                     spec.budget_s, len(spec.repeat_seeds))
+                     spec.budget_s, len(spec.repeat_seeds), spec.min_epochs, base.train.effective_batch_size,
+                     base.train.batch_size)
     # the slowest method's trials start first: the makespan estimate (longest first) is then what Tune does,
     # and the longest trials never start last to overrun a budget
-    start_order = tuple((m.backbone, m.loss) for m in sorted(methods, key=lambda m: -m.epoch_s))
+    deferred = {(d.backbone, d.loss) for d in fit.deferred}
+    start_order = tuple((m.backbone, m.loss) for m in sorted(methods, key=lambda m: -m.epoch_s)
+                        if (m.backbone, m.loss) not in deferred)
     notes = []
     if spec.gpus_per_trial > 0 and "cuda" not in devices:
         notes.append("  note: probed on this machine's CPU (no GPU here): trials on GPUs will be faster")
@@ -341,8 +296,8 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
                 fit=fit, budget_s=spec.budget_s, probes_cached=cached, probes_observed=observed, notes=notes,
                 repeat_seeds=spec.repeat_seeds, allocator="/".join(sorted(a for a in allocators if a)),
                 threads=threads, machine_bytes=0 if spec.address else machine_memory_bytes(),
-                start_order=start_order,
-                side_by_side=side_by_side if observed < len(methods) else 1.0)
+                start_order=start_order, search_seed=spec.search_seed,
+                effective_batch_size=base.train.effective_batch_size, side_by_side=side_by_side if observed < len(methods) else 1.0)
 
 
 def cost_summary(plan: Plan, actual: dict[tuple[str, str], dict[str, float]]) -> str:

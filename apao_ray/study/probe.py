@@ -12,7 +12,7 @@ import sys
 import time
 
 from ..training.memory import allocator_in_use
-from .plan import PROBE_MAX_STEPS, PROBE_SECONDS, PROBE_STEPS, PROBE_TRIAL_SHARE
+from .probe_cache import PROBE_MAX_STEPS, PROBE_SECONDS, PROBE_STEPS, PROBE_TRIAL_SHARE
 
 
 class _Enough(Exception):

@@ -6,7 +6,8 @@ import io
 import json
 from typing import Any
 
-from ..names import REPEATS_TAG
+from ..analysis.results import EARLY_LEARNING, is_early_learning, popularity_check
+from ..names import PLAN_TAG, REPEATS_TAG
 from ..protocol import PROTOCOL_TAG, schedule_label
 from ..tracking import Tracker
 from . import plots
@@ -65,16 +66,21 @@ def paper_comparability(rows: list[dict[str, Any]]) -> str:
 
 
 def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None,
-               baseline: str | None = "ce", num_resamples: int = 10_000) -> list[dict[str, Any]]:
+               baseline: str | None = "ce", num_resamples: int = 10_000,
+               popularity: Any = None) -> list[dict[str, Any]]:
     """A row for every (backbone, loss) that the studies asked for: the best finished trial's, else one
     whose ``status`` says why none finished ("all 3 trials pruned", "failed: <reason>", ...).
 
     A finished row's test columns are the mean over its seeds (the best trial and its repeats with
     ``--seeds``; one seed: the trial's own values), with ``<metric> std``, ``seeds`` and ``n_seeds``, the
     paired difference against ``baseline`` on the test metric that matches ``metric`` (seeds pooled,
-    Holm-corrected; None: not computed), and the ``cost/*`` of every trial of the method summed (peak memory: the largest).
-    A method whose trials were all pruned keeps the validation (and, once tested on its best checkpoint,
-    test) metrics of its best pruned trial, so the table shows how far behind it was.
+    Holm-corrected; None: not computed; labelled ``early learning (not converged)`` when either method had not
+    converged), ``converged`` (``analysis.results.convergence`` of its seeds' validation curves; with
+    ``popularity``, the popularity baseline's per-user test NDCG@10, also ``popularity_check``), and the
+    ``cost/*`` of every trial of the method summed (peak memory: the largest). A method the plan deferred has a
+    row whose ``status`` is the plan's reason. A method whose trials were all pruned keeps the validation (and,
+    once tested on its best checkpoint, test) metrics of its best pruned trial, so the table shows how far behind
+    it was.
     """
     from ..analysis.export import trial_record
     from ..analysis.per_user import PER_USER_METRICS
@@ -87,15 +93,30 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     # the test metric that matches the selection metric (per-user tables hold Recall/NDCG@10/20)
     compared = metric.rsplit("/", 1)[-1] if metric.rsplit("/", 1)[-1] in PER_USER_METRICS else "ndcg_at_10"
     cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}
+    converged = {(m.backbone, m.loss): _convergence(m, popularity) for m in methods}
     for row, method in zip(rows, methods):  # both in best_rows' order
         row.update(seed_columns(method))
+        row["converged"] = converged[(method.backbone, method.loss)]
         if baseline:
-            row[significance_column(baseline, compared)] = cells[(method.backbone, method.loss)]
+            cell = cells[(method.backbone, method.loss)]
+            if method.loss != baseline and is_early_learning(row["converged"],
+                                                             converged.get((method.backbone, baseline), "")):
+                cell = f"{EARLY_LEARNING}: {cell}"  # a short run's figure: never shown bare
+            row[significance_column(baseline, compared)] = cell
     rows = _requested_rows(tracker, rows, children, metric, study_filter)
     costs = cost_totals(records)
     for row in rows:
         row.update({key: costs.get((row["backbone"], row["loss"]), {}).get(key) for key in COST_COLUMNS})
     return rows
+
+
+def _convergence(method: Any, popularity: Any) -> str:
+    """A method still learning steeply at its last epoch, or no better than recommending the most popular
+    items (per-user test NDCG@10 ``popularity``, when given), has not converged."""
+    curve = method.convergence
+    if curve != "converged" or popularity is None:
+        return curve
+    return popularity_check(method, popularity) or curve
 
 
 def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list[Any], metric: str,
@@ -104,12 +125,16 @@ def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list
     parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'" + study_filter,
                                          max_results=1000)
     requested: dict[tuple[str, str], None] = {}
+    deferred: dict[tuple[str, str], str] = {}  # the plan's reason a method has no trials
     for parent in parents:
         space = json.loads(parent.data.params.get("space", "{}"))
         requested.update({(b, l): None for b in space.get("backbones", ()) for l in space.get("losses", ())})
+        for name, reason in json.loads(parent.data.tags.get(PLAN_TAG, "{}")).get("deferred", {}).items():
+            deferred[tuple(name.split("/", 1))] = reason
     for backbone, loss in sorted(set(requested) - {(row["backbone"], row["loss"]) for row in rows}):
         runs = [run for run in children if (run.data.tags.get("backbone"), run.data.tags.get("loss")) == (backbone, loss)]
-        row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": why_none_finished(runs)}
+        status = deferred[(backbone, loss)] if not runs and (backbone, loss) in deferred else why_none_finished(runs)
+        row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": status}
         scored = [run for run in runs if run.data.metrics.get(metric) is not None]
         if scored:
             run = max(scored, key=lambda r: r.data.metrics[metric])
@@ -156,7 +181,7 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     significance = sorted({k for row in rows for k in row if k.startswith("vs ")})
     costs = [k for k in COST_COLUMNS if any(row.get(k) is not None for row in rows)]
     columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
-               "protocol", "schedule", "run_id"]
+               "protocol", "schedule", "converged", "run_id"]
     if any("status" in row for row in rows):
         columns.append("status")
     if fmt == "csv":

@@ -42,6 +42,13 @@ class RunSource:
                 self.tables[run_id] = None
         return self.tables.get(run_id)
 
+    def history(self, run_id: str, key: str) -> Any:
+        """(step -> value) of one metric of one run, from MLflow (empty without a tracker)."""
+        import pandas as pd
+
+        points = self.tracker.metric_history(run_id, key) if self.tracker is not None else []
+        return pd.Series(dict(points), dtype=float).sort_index()
+
 
 def seed_methods(source: RunSource, best_run_ids: list[str]) -> list[Method]:
     """One ``Method`` per best run (in their order): that run and the finished, tested repeats of its

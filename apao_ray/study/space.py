@@ -47,6 +47,8 @@ class SearchSpec:
     # that the longest trials do not start last and overrun a budget); methods not named follow, baselines
     # first. Only a new study's order: a resumed study keeps the allocation its searcher was pickled with.
     first: tuple[tuple[str, str], ...] = ()
+    # (backbone, loss) pairs the plan deferred (their trial does not fit the budget): no trials at all
+    deferred: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         for name, (low, high) in (("beta", self.beta), ("eta", self.eta), ("num_negatives", self.num_negatives)):
@@ -64,7 +66,7 @@ class SearchSpec:
     def allocation(self) -> list[tuple[str, str, bool]]:
         """(backbone, loss, is_paper_point) for every trial number, in order: one trial of every method
         (a tuned method's first is its paper point), then the tuned methods take turns."""
-        methods = [(b, l) for b in self.backbones for l in self.losses]
+        methods = [(b, l) for b in self.backbones for l in self.losses if (b, l) not in self.deferred]
         order = {method: i for i, method in enumerate(self.first)}
         methods.sort(key=lambda m: (order.get(m, len(order)), m[1] in TUNED_KNOBS))  # stable: as given otherwise
         tuned = [(b, l) for b, l in methods if l in TUNED_KNOBS]

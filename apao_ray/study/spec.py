@@ -47,6 +47,8 @@ class StudySpec:
         epochs, patience: per-trial schedule (the sweep's 20 / 5, not the paper's 200 / 20).
         budget: wall-clock budget ("3h", "90m", "1h30m" or seconds): the study is fitted to it and
             stopped at it. None: no budget.
+        min_epochs: the fewest epochs a budget may cut a trial to; a method whose one trial of them does
+            not fit is deferred (a table row without trials).
         protocol, protocol_knobs: the training protocol preset and knob overrides (docs/PROTOCOLS.md).
         max_concurrent: trials at once (None: the cluster's CPUs // cpus_per_trial).
         cpus_per_trial: CPUs (and torch threads) per trial. None: on this machine, its CPUs shared by the
@@ -94,6 +96,7 @@ class StudySpec:
     protocol: str = "paper"
     protocol_knobs: dict[str, Any] = field(default_factory=dict)
     budget: str | float | None = None
+    min_epochs: int = 3
     max_concurrent: int | None = None
     cpus_per_trial: float | None = None
     gpus_per_trial: float = 0.0
@@ -146,7 +149,8 @@ class StudySpec:
             if not ok:
                 raise ValueError(f"{name}={value!r} must be {kind} {'>' if above else '>='} {low:g}")
 
-        for name in ("num_samples", "epochs", "patience", "effective_batch_size", "beam_size", "asha_grace_period"):
+        for name in ("num_samples", "epochs", "patience", "effective_batch_size", "beam_size", "asha_grace_period",
+                     "min_epochs"):
             check(name, 1, integer=True)
         check("batch_size", 1, integer=True, optional=True)
         for name in ("seed", "max_failures", "retention_users"):
@@ -270,33 +274,21 @@ class StudySpec:
     def dataset_loaded(self) -> Any:
         return self.resolved["dataset"]
 
-    def options(self, epochs: int | None = None, trials_per_tuned: int | None = None,
-                asha_grace_period: int | None = None, max_concurrent: int | None = None,
-                command_line: list[str] | None = None, max_train_samples: int | None = None,
-                start_order: tuple[tuple[str, str], ...] = ()) -> Any:
-        """The driver's ``StudyOptions``, with a fitted schedule (and training subset) and the plan's
-        order of methods (``start_order``, slowest first) where given."""
+    def options(self, command_line: list[str] | None = None) -> Any:
+        """The driver's ``StudyOptions`` for the study as asked (``api.planned_options`` gives it the plan's
+        schedule)."""
         from .sweep import StudyOptions
 
         base, search = self.resolved["base"], self.resolved["search"]
-        if epochs is not None and epochs != base.train.epochs:
-            base = with_pretrain(base.replace(train=base.train.replace(epochs=epochs)), self.losses,
-                                 self.pretrain_ce_epochs)
-        if max_train_samples is not None:
-            base = base.replace(train=base.train.replace(max_train_samples=max_train_samples))
-        if trials_per_tuned is not None:
-            search = replace(search, trials_per_tuned=trials_per_tuned)
-        if start_order:
-            search = replace(search, first=tuple(start_order))
         budget = self.budget_s
         extra = {} if command_line is None else {"command_line": command_line}
         return StudyOptions(
             base=base, spec=search, study_name=self.resolved["study_name"], output_dir=self.resolved["output_dir"],
             tracking_uri=self.resolved["tracking_uri"], address=self.address, ray_dashboard=self.ray_dashboard,
-            max_concurrent=max_concurrent or self.max_concurrent or 1, cpus_per_trial=self.trial_cpus,
+            max_concurrent=self.max_concurrent or 1, cpus_per_trial=self.trial_cpus,
             gpus_per_trial=self.gpus_per_trial, time_budget_s=budget, max_failures=self.max_failures,
             memory_per_trial_bytes=int(self.memory_per_trial_gib * 2**30) if self.memory_per_trial_gib else None,
-            asha_grace_period=asha_grace_period or self.asha_grace_period, seed=self.search_seed,
+            asha_grace_period=self.asha_grace_period, seed=self.search_seed,
             repeat_seeds=self.repeat_seeds, overwrite=self.overwrite,
             retry_failed=self.retry_failed, enqueue_paper_setting=self.enqueue_paper_setting,
             optuna_storage=self.resolved["optuna_storage"], optuna_storage_given=self.optuna_storage is not None,

@@ -48,6 +48,7 @@ class StudyOptions:
     optuna_storage_given: bool = False  # the user named the storage (--optuna-storage): a resume must not swap it
     enqueue_paper_setting: bool = True  # each tuned method's first trial is the paper's setting
     dataset_record: dict[str, Any] | None = None  # logged as each run's MLflow dataset input
+    plan_record: dict[str, Any] | None = None  # the plan's record (Plan.record), a tag of the parent run
     command_line: list[str] = field(default_factory=lambda: invocation(sys.argv))
 
 
@@ -156,7 +157,8 @@ def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums:
 def space_param(spec: SearchSpec) -> str:
     """The searched space as the parent run records it; not the start order, which a resume may plan
     anew (the restored searcher keeps its own)."""
-    return json.dumps({k: v for k, v in spec.__dict__.items() if k != "first"}, default=list)
+    return json.dumps({k: v for k, v in spec.__dict__.items() if k != "first" and (k != "deferred" or v)},
+                      default=list)
 
 
 def seeds_param(options: StudyOptions) -> str:
@@ -185,6 +187,12 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
                                        "seeds": seeds_param(options)})
     else:
         tracker.reopen(parent_id)
+    if options.plan_record:
+        from ..names import PLAN_TAG
+        from .outcomes import BUDGET_PROTOCOL_TAG
+
+        tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(options.plan_record),
+                                     BUDGET_PROTOCOL_TAG: options.plan_record.get("budget_protocol") or "none"})
     tracker.set_tags(parent_id, {**run_tags(options.base),
                                  "command_line": redact(" ".join(options.command_line)), "code_version": code_version(),
                                  "dataset_checksums": json.dumps(dataset_checksums, sort_keys=True),
