@@ -8,8 +8,9 @@
 #   bash benchmarks/gpu/study.sh --install-only   # the install, then Ray, MLflow (SQLite) and Optuna without torch
 #
 # Environment: OUT (what comes back; default /tmp/apao-gpu-out), PYTHON (the Python that holds torch; default
-# python3), DATASET (office), BUDGET (the study's --budget, 6m), STUDY_LIMIT (seconds after which the sweep is
-# interrupted and what finished is exported, 450), SWEEP_FLAGS (more sweep flags, e.g. "--losses ce,apao_pointwise").
+# python3), DATASET (office), BUDGET (the study's --budget, 6m), GPUS_PER_TRIAL (0.25), CPUS_PER_TRIAL (4),
+# STUDY_LIMIT (seconds after which the sweep is interrupted and what finished is exported, 450), SWEEP_FLAGS
+# (more sweep flags, e.g. "--losses ce,apao_pointwise").
 # Writes into $OUT (at most 8 files come back): runner.log (versions, timings, pip's output), progress.log (the
 # sweep's output), gpu.csv (nvidia-smi every 10 s), export.tar.gz (export-study's folder), summary.json.
 set -uo pipefail
@@ -19,6 +20,8 @@ OUT=${OUT:-/tmp/apao-gpu-out}
 PYTHON=${PYTHON:-python3}
 DATASET=${DATASET:-office}
 BUDGET=${BUDGET:-6m}
+GPUS_PER_TRIAL=${GPUS_PER_TRIAL:-0.25}  # four trials per GPU (an H200: 1.25x one trial's throughput)
+CPUS_PER_TRIAL=${CPUS_PER_TRIAL:-4}     # 16 CPUs there: one trial per GPU quarter
 STUDY_LIMIT=${STUDY_LIMIT:-450}
 mode=${1:-gpu}
 case "$mode" in
@@ -39,7 +42,7 @@ tag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_i
 version=$("$PYTHON" -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
 wheels="$root/.gpu/wheels-$tag"
 [ -d "$wheels" ] || fail "no wheel set for $tag at $wheels: build it here with
-  python benchmarks/gpu/wheelset.py --python-version $version --datasets office,grocery
+  python benchmarks/gpu/wheelset.py --python-version $version --datasets office
 and carry .gpu/wheels-$tag (docs/gpu.md)"
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>&1 | tee -a "$OUT/runner.log"
@@ -48,24 +51,31 @@ and carry .gpu/wheels-$tag (docs/gpu.md)"
 # --system-site-packages would see the system's site-packages, not torch's; a .pth adds that environment's
 # site-packages (and the .pth files in it) after the venv's own, so what the wheel set installs comes first
 venv="$work/venv"
-"$PYTHON" -m venv "$venv" || fail "python -m venv"
+pip=("$venv/bin/python" -m pip)
+if ! "$PYTHON" -m venv "$venv" >>"$OUT/runner.log" 2>&1; then
+  # a Python without ensurepip (Debian's, without python3-venv): the machine's pip installs into the venv
+  log "python -m venv failed (output above); trying --without-pip and the machine's pip --python"
+  rm -rf "$venv"
+  "$PYTHON" -m venv --without-pip "$venv" || fail "python -m venv --without-pip"
+  pip=("$PYTHON" -m pip --python "$venv/bin/python")
+fi
 base_sites=$("$PYTHON" -c 'import sysconfig
 print(repr(sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})))')
 venv_site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 # (one line, executed by site.py in a function's scope: no comprehension, which would not see `site`)
 echo "import site; list(map(site.addsitedir, $base_sites))" > "$venv_site/zz_machine_site.pth"
 # Python < 3.12 puts setuptools 65 in a new venv, which would shadow the machine's (torch 2.13 asks >= 77)
-"$venv/bin/python" -m pip uninstall --quiet --yes setuptools >/dev/null 2>&1
+"${pip[@]}" uninstall --quiet --yes setuptools >/dev/null 2>&1
 
 # 3. only the carried wheels, resolved against what the machine already holds; no index, no pip config
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 unset PIP_FIND_LINKS PIP_INDEX_URL PIP_EXTRA_INDEX_URL
 t0=$(date +%s)
-"$venv/bin/python" -m pip install --no-index --find-links "$wheels" --no-cache-dir --quiet "$wheels"/*.whl \
+"${pip[@]}" install --no-index --find-links "$wheels" --no-cache-dir --quiet "$wheels"/*.whl \
   >>"$OUT/runner.log" 2>&1 || fail "pip install of the wheel set (its output above in runner.log)"
 install_s=$(( $(date +%s) - t0 ))
 log "wheel set installed in ${install_s}s"
-"$venv/bin/python" -m pip check >>"$OUT/runner.log" 2>&1 || log "pip check found problems (above)"
+"${pip[@]}" check >>"$OUT/runner.log" 2>&1 || log "pip check found problems (above)"
 "$venv/bin/python" -c 'import mlflow, optuna, ray, sqlalchemy
 print("ray", ray.__version__, "optuna", optuna.__version__, "mlflow", mlflow.__version__,
       "sqlalchemy", sqlalchemy.__version__)' 2>&1 | tee -a "$OUT/runner.log"
@@ -100,8 +110,8 @@ if [ $smoke = 1 ]; then
   flags=(--smoke)
 else
   study="$DATASET-gpu"
-  flags=(--dataset "$DATASET" --data-dir "$root/.gpu/datasets" --gpus-per-trial 0.25 --cpus-per-trial 4
-         --budget "$BUDGET")
+  flags=(--dataset "$DATASET" --data-dir "$root/.gpu/datasets" --gpus-per-trial "$GPUS_PER_TRIAL"
+         --cpus-per-trial "$CPUS_PER_TRIAL" --budget "$BUDGET")
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=timestamp,name,utilization.gpu,memory.used \
     --format=csv -l 10 >"$OUT/gpu.csv" 2>&1 &
 fi
