@@ -112,8 +112,9 @@ else
   study="$DATASET-gpu"
   flags=(--dataset "$DATASET" --data-dir "$root/.gpu/datasets" --gpus-per-trial "$GPUS_PER_TRIAL"
          --cpus-per-trial "$CPUS_PER_TRIAL" --budget "$BUDGET")
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=timestamp,name,utilization.gpu,memory.used \
-    --format=csv -l 10 >"$OUT/gpu.csv" 2>&1 &
+  if command -v nvidia-smi >/dev/null; then  # a job of this shell, so `jobs -p` below stops it
+    nvidia-smi --query-gpu=timestamp,name,utilization.gpu,memory.used --format=csv -l 10 >"$OUT/gpu.csv" 2>&1 &
+  fi
 fi
 t0=$(date +%s)
 # shellcheck disable=SC2086  # SWEEP_FLAGS is a list of flags
