@@ -15,8 +15,8 @@ This script writes, under the git-ignored ``.gpu/`` folder:
     python benchmarks/gpu/wheelset.py --python-version 3.12 --datasets office   # the GPU machine's
     python benchmarks/gpu/wheelset.py --python-version 3.11                     # this machine's check
 
-Versions are those the test suite runs here (shared/RAY_MLFLOW_NOTES.md); pip resolves the rest for the target
-Python. See docs/gpu.md for the run call and the sizes.
+Versions are those the test suite passed with (constraints.txt, and ``STORE_PINS``); pip resolves the rest for the
+target Python. See docs/gpu.md for the run call and the sizes.
 """
 from __future__ import annotations
 
@@ -43,10 +43,13 @@ CALL_LIMIT_BYTES = 64 * MIB  # the run tool's limit on the working tree plus car
 
 # ray[tune,train] without [default]: a study starts its local Ray without the dashboard (study/runner.py), the
 # only user of [default]'s State API; apao train keeps it and is not what the GPU call runs
-REQUIREMENTS = ["ray[tune,train]==2.60.0", "optuna==5.0.0", "mlflow-skinny==3.17.2",
+REQUIREMENTS = ["ray[tune,train]", "optuna", "mlflow-skinny",
                 # skinny declares no store: the SQLite store needs SQLAlchemy and Alembic, and imports cryptography
                 # (mlflow/store/model_registry/dbmodels/models.py: Fernet), found by the CPU check
-                "sqlalchemy==2.1.9", "alembic==1.20.1", "cryptography==50.0.2"]
+                "sqlalchemy", "alembic", "cryptography"]
+TESTED = ROOT / "constraints.txt"  # the versions the suite passed with: ray, optuna, mlflow-skinny, numpy, ...
+# the store's packages at the versions the suite's environment resolved (constraints.txt does not name them)
+STORE_PINS = ["sqlalchemy==2.1.9", "alembic==1.20.1", "cryptography==50.0.2"]
 # Size, not need: SQLAlchemy's pure-Python wheel is 2.0 MB against 4.5 MB for its compiled one, and a study
 # writes a few rows a second
 PURE_PYTHON = ["sqlalchemy"]
@@ -231,7 +234,8 @@ def build(python_version: str, preinstalled: list[str]) -> dict:
     wheels_dir, standin_dir = GPU_DIR / f"wheels-{tag}", GPU_DIR / f"standin-{tag}"
     for directory in (wheels_dir, standin_dir):
         shutil.rmtree(directory, ignore_errors=True)
-    everything = resolve(REQUIREMENTS + preinstalled, python_version, [])
+    tested = [line.strip() for line in TESTED.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    everything = resolve(REQUIREMENTS + preinstalled, python_version, tested + STORE_PINS)
     # what the preinstalled packages need, at the versions of the whole resolution
     pinned = [f"{name}=={version}" for name, version in everything.items()]
     standin = resolve(preinstalled, python_version, pinned) if preinstalled else {}
