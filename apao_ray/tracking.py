@@ -253,6 +253,12 @@ class Tracker:
             self.client.log_batch(run_id, metrics=linked)
         return info.model_uri
 
+    def logged_model_uri(self, run_id: str) -> str | None:
+        """The URI of the model the run last logged (``models:/<model id>``), if it logged one."""
+        outputs = self.client.get_run(run_id).outputs
+        models = outputs.model_outputs if outputs else []
+        return f"models:/{models[-1].model_id}" if models else None
+
     def register_best(self, model_uri: str, name: str, alias: str = "best") -> int:
         """Registers ``model_uri`` as a new version of ``name`` and points ``@alias`` at it."""
         previous = mlflow.get_tracking_uri()

@@ -150,9 +150,12 @@ class MlflowStudyCallback(tune.Callback):
         self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
         if (checkpoint / PER_USER_FILE).exists():  # absent in checkpoints from before it existed
             self.tracker.log_artifact(run_id, checkpoint / PER_USER_FILE)
-        config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
-        model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history,
-                                                 child_params(config, trial_choices(trial.config)), MODEL_METRICS)
+        # a trial completed again after a resume (the driver was killed before Tune saved its end) keeps its model
+        model_uri = self.tracker.logged_model_uri(run_id)
+        if model_uri is None:
+            config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
+            model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history,
+                                                     child_params(config, trial_choices(trial.config)), MODEL_METRICS)
         weights = {key: self.tracker.metric_history(run_id, key) for key in
                    (f"train/apao_weight_m{m}" for m in range(1, 5))}
         if any(weights.values()):
