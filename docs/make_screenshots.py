@@ -8,9 +8,9 @@ on 127.0.0.1, opens each page in headless Chromium and writes into ``docs/``:
   mlflow_child_run.png      an APAO trial's run: its params, metrics and logged model
   mlflow_model_page.png     that trial's logged model: its params and test metrics
   optuna_dashboard.png      optuna-dashboard's study page: the named objective, what it says of importance
-  optuna_dashboard_trial.png  its trials page: the first trial (the CE baseline) with its attributes
+  optuna_dashboard_trial.png  its trials page: the CE baseline's trial (no knobs) with its attributes
 
-    ./apao python docs/make_screenshots.py [--study-dir DIR]   (DIR: reuse a study this script ran before)
+    ./apao python docs/make_screenshots.py [--study-dir DIR]   (a study this script ran in DIR is reused)
 
 Needs chromium (``apt-get install chromium``) and optuna-dashboard (``pip install -e '.[dashboard]'``). Run it
 under the shared lock on a shared machine: the study trains for a minute or two.
@@ -96,13 +96,15 @@ def save(browser: Browser, name: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--study-dir", type=Path, help="a directory this script ran its study in before (reused)")
+    parser.add_argument("--study-dir", type=Path, help="where to run the study (default: a temporary directory); "
+                        "one that holds a study this script ran is reused")
     args = parser.parse_args(argv)
     if shutil.which("optuna-dashboard") is None and not (Path(sys.executable).parent / "optuna-dashboard").exists():
         parser.error("optuna-dashboard is not installed: pip install -e '.[dashboard]'")
     with ExitStack() as stack:
         directory = args.study_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="apao-shots-")))
-        stdout = (directory / "stdout.txt").read_text() if args.study_dir else run_study(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        stdout = (directory / "stdout.txt").read_text() if (directory / "stdout.txt").exists() else run_study(directory)
         link = re.search(r"then open (http://\S+)", stdout)
         dashboard = re.search(r"optuna-dashboard (sqlite:///\S+)", stdout)
         if not link or not dashboard:
@@ -154,8 +156,15 @@ def take_screenshots(browser: Browser, directory: Path, runs_url: str, mlflow_ba
     browser.resize(1600, 1700)
     browser.open(f"{optuna_base}/dashboard/studies/1", wait_for="val/ndcg_at_10", settle=3)
     save(browser, "optuna_dashboard.png")
+    import optuna
+
+    trials = optuna.load_study(study_name="apao-synthetic/synthetic-study", storage=f"sqlite:///{directory}/optuna.db").trials
+    baseline = next(trial.number for trial in trials if trial.user_attrs.get("loss") == "ce")
     browser.resize(1600, 1000)
-    browser.open(f"{optuna_base}/dashboard/studies/1/trials", wait_for="mlflow_run_id", settle=2)
+    browser.open(f"{optuna_base}/dashboard/studies/1/trials", wait_for="mlflow_run_id", settle=1)
+    browser.click_text(f"Trial {baseline}", selector="span, p, div")
+    browser.wait_for_text(f"Trial {baseline} (trial_id=")
+    time.sleep(1)
     save(browser, "optuna_dashboard_trial.png")
 
 if __name__ == "__main__":
