@@ -196,7 +196,11 @@ class PersistentOptunaSearch(OptunaSearch):
         from .outcomes import STUDY_TAG, TRIAL_TAG
 
         tracking_uri, experiment, study_name, seed = record
-        run_id = Tracker(tracking_uri, experiment).find_run({TRIAL_TAG: trial_id, STUDY_TAG: study_name})
+        try:  # a label: a tracking server that does not answer this once must not stop the search
+            run_id = Tracker(tracking_uri, experiment).find_run({TRIAL_TAG: trial_id, STUDY_TAG: study_name})
+        except Exception as error:  # MlflowException, a connection error
+            print(f"Optuna trial of {trial_id}: its MLflow run was not found ({error})", file=sys.stderr)
+            run_id = None
         return {"seed": seed, "tune_trial_id": trial_id, **({"mlflow_run_id": run_id} if run_id else {})}
 
     def restore(self, checkpoint_path: str) -> None:
