@@ -39,6 +39,7 @@ ROOT = DOCS.parent
 MAX_BYTES = 300_000
 # the MLflow UI's remembered choices (its useLocalStorage keys, "<key>_v<version>"): without them a fresh
 # browser opens the assistant panel over a third of the page on its first visit
+ASSISTANT_TEXT = "Ask questions about your"  # the open assistant panel's greeting
 MLFLOW_BROWSER_STATE = {"mlflow.assistant.fab.autoOpenedOnFirstLoad_v1": True, "mlflow.assistant.panelOpen_v1": False}
 
 
@@ -134,23 +135,34 @@ def take_screenshots(browser: Browser, directory: Path, runs_url: str, mlflow_ba
     (model,) = apao.outputs.model_outputs
     experiment = tracker.experiment_id
 
-    browser.open(mlflow_base, settle=0.5)
-    browser.set_local_storage(MLFLOW_BROWSER_STATE)
+    def open_mlflow(url: str, wait_for: str) -> None:
+        """Opens an MLflow page with the assistant panel closed (the app may write its own choice after ours)."""
+        for _ in range(3):
+            browser.set_local_storage(MLFLOW_BROWSER_STATE)
+            browser.open(url, settle=0.5)
+            browser.call("Page.reload")  # a new hash is no new page: the running app would keep its panel state
+            browser.wait_for_text(wait_for)
+            time.sleep(3)
+            if ASSISTANT_TEXT not in browser.evaluate("document.body.innerText"):
+                return
+        raise RuntimeError(f"the MLflow assistant panel stays open on {url}")
+
+    browser.open(mlflow_base, wait_for="Experiments", settle=2)  # the origin whose storage the UI reads
     browser.resize(2300, 560)  # every column of the view: the parent's per-method results, then each trial's
-    browser.open(runs_url, wait_for="study synthetic-study", settle=3)
+    open_mlflow(runs_url, "study synthetic-study")
     browser.evaluate("document.querySelector('.ag-row button')?.click()")  # the study row's expander
     browser.wait_for_text("tiger/ce")
     time.sleep(1.5)
     save(browser, "mlflow_runs_table.png")
 
     browser.resize(1600, 1900)  # down to its logged model
-    browser.open(f"{mlflow_base}/#/experiments/{experiment}/runs/{apao.info.run_id}?workflowType=machine_learning",
-                 wait_for="Parameters", settle=3)
+    open_mlflow(f"{mlflow_base}/#/experiments/{experiment}/runs/{apao.info.run_id}?workflowType=machine_learning",
+                "Parameters")
     save(browser, "mlflow_child_run.png")
 
     browser.resize(1600, 1100)
-    browser.open(f"{mlflow_base}/#/experiments/{experiment}/models/{model.model_id}?workflowType=machine_learning",
-                 wait_for="Metrics", settle=3)
+    open_mlflow(f"{mlflow_base}/#/experiments/{experiment}/models/{model.model_id}?workflowType=machine_learning",
+                "Metrics")
     save(browser, "mlflow_model_page.png")
 
     browser.resize(1600, 1700)
@@ -166,6 +178,7 @@ def take_screenshots(browser: Browser, directory: Path, runs_url: str, mlflow_ba
     browser.wait_for_text(f"Trial {baseline} (trial_id=")
     time.sleep(1)
     save(browser, "optuna_dashboard_trial.png")
+
 
 if __name__ == "__main__":
     sys.exit(main())
