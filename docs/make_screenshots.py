@@ -135,19 +135,27 @@ def take_screenshots(browser: Browser, directory: Path, runs_url: str, mlflow_ba
     (model,) = apao.outputs.model_outputs
     experiment = tracker.experiment_id
 
+    def close_assistant() -> None:
+        """A fresh browser's first visit opens the assistant panel and remembers it: the choice is overwritten
+        and the app loaded again, so that it reads the choice."""
+        browser.set_local_storage(MLFLOW_BROWSER_STATE)
+        browser.call("Page.reload")
+        browser.wait_for_text("Experiments")
+        time.sleep(1)
+
     def open_mlflow(url: str, wait_for: str) -> None:
-        """Opens an MLflow page with the assistant panel closed (the app may write its own choice after ours)."""
+        # a new hash is no new page load: a reload here would drop the runs table's shared view (the UI
+        # reads it only when the URL holds no search facets, and it writes them into the URL)
         for _ in range(3):
-            browser.set_local_storage(MLFLOW_BROWSER_STATE)
-            browser.open(url, settle=0.5)
-            browser.call("Page.reload")  # a new hash is no new page: the running app would keep its panel state
-            browser.wait_for_text(wait_for)
-            time.sleep(3)
+            browser.open(url, wait_for=wait_for, settle=3)
             if ASSISTANT_TEXT not in browser.evaluate("document.body.innerText"):
                 return
+            browser.open(mlflow_base, wait_for="Experiments", settle=1)
+            close_assistant()
         raise RuntimeError(f"the MLflow assistant panel stays open on {url}")
 
     browser.open(mlflow_base, wait_for="Experiments", settle=2)  # the origin whose storage the UI reads
+    close_assistant()
     browser.resize(2300, 560)  # every column of the view: the parent's per-method results, then each trial's
     open_mlflow(runs_url, "study synthetic-study")
     browser.evaluate("document.querySelector('.ag-row button')?.click()")  # the study row's expander
