@@ -32,10 +32,9 @@ PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests children by
 MODEL_NAME = "model"
 # The experiment's kind for MLflow 3 UIs that read it ("Machine learning": open on the runs table,
 # not the GenAI overview). MLflow 3.17's UI ignores it for a global "GenAI | Model training" switch,
-# remembered per browser, that a link sets with ?workflowType=machine_learning (runs_table_url)
+# remembered per browser, that a link sets with ?workflowType=machine_learning (mlflow_ui.runs_table_url)
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
-DEFAULT_UI_URL = "http://127.0.0.1:5000"  # where `mlflow ui` / `mlflow server` listen by default
 DATASET_CONTEXT_TAG = "mlflow.data.context"
 _DIGEST_LENGTH = 36  # MLflow's datasets table holds a digest of at most 36 characters
 _MAX_BATCH = 900  # log_batch accepts at most 1000 metrics
@@ -88,20 +87,6 @@ def redact(text: str) -> str:
     """Hides passwords in URLs (``http://user:***@host``) and values of token/password/secret flags:
     command lines are recorded as tags, and an MLflow server's users can read every tag."""
     return _SECRET_FLAG.sub(r"\g<flag>***", _URL_PASSWORD.sub(r"\g<head>:***@", text))
-
-
-def runs_table_url(tracking_uri: str, experiment_id: str) -> str:
-    """The UI's link to an experiment's runs table (an MLflow server's own address, else where
-    ``mlflow ui`` listens by default), with the switch that keeps MLflow 3.17 off its GenAI overview."""
-    base = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else DEFAULT_UI_URL
-    return f"{redact(base)}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
-
-
-def ui_hint(tracking_uri: str, experiment_id: str) -> str:
-    """How to look at a study's runs: the command that serves a database, and the runs table's link."""
-    serve = "" if tracking_uri.startswith(("http://", "https://")) else \
-        f"mlflow ui --backend-store-uri {redact(tracking_uri)}, then open "
-    return f"MLflow: {serve}{runs_table_url(tracking_uri, experiment_id)}"
 
 
 def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
@@ -236,8 +221,11 @@ class Tracker:
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 
-    def log_recommender(self, run_id: str, checkpoint_dir: str | Path, example_history: list[str]) -> str:
-        """Logs the final checkpoint as a pyfunc model (``runs:/<run>/model``); returns its URI."""
+    def log_recommender(self, run_id: str, checkpoint_dir: str | Path, example_history: list[str],
+                        params: dict[str, Any] | None = None, metric_prefixes: tuple[str, ...] = ()) -> str:
+        """Logs the final checkpoint as a pyfunc model (``runs:/<run>/model``), an output of the run (its page
+        lists it), with ``params`` (flattened) and the run's latest metrics whose names start with one of
+        ``metric_prefixes`` on the model's page too; returns its URI."""
         import numpy
         import torch
 
@@ -251,13 +239,25 @@ class Tracker:
                 info = mlflow.pyfunc.log_model(
                     name=MODEL_NAME, python_model=RecommenderModel(),
                     artifacts={"checkpoint": str(checkpoint_dir)}, code_paths=[package_dir],
-                    pip_requirements=requirements,
+                    pip_requirements=requirements, params={k: str(v) for k, v in flatten(params or {}).items()},
                     # (data, params): the signature then accepts predict(..., params={"k": ...})
                     input_example=(pd.DataFrame({"history": [example_history]}), {"k": 10, "skip_unknown": False}))
         finally:
             mlflow.set_tracking_uri(previous)
             self.reopen(run_id)  # start_run's context closed the run; its owner ends it
+        # the same points again, now naming the model: the run keeps one copy (an identical point is not
+        # added twice), and the model's page shows them
+        linked = [Metric(m.key, m.value, m.timestamp, m.step, model_id=info.model_id)
+                  for m in self.client.get_run(run_id).data._metric_objs if m.key.startswith(metric_prefixes)]
+        if metric_prefixes and linked:
+            self.client.log_batch(run_id, metrics=linked)
         return info.model_uri
+
+    def logged_model_uri(self, run_id: str) -> str | None:
+        """The URI of the model the run last logged (``models:/<model id>``), if it logged one."""
+        outputs = self.client.get_run(run_id).outputs
+        models = outputs.model_outputs if outputs else []
+        return f"models:/{models[-1].model_id}" if models else None
 
     def register_best(self, model_uri: str, name: str, alias: str = "best") -> int:
         """Registers ``model_uri`` as a new version of ``name`` and points ``@alias`` at it."""

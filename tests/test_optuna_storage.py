@@ -147,12 +147,22 @@ def _finished_study(values_by_params, tmp_path):
     return url
 
 
-def test_importances_need_two_trials_with_two_varied_knobs(tmp_path):
-    url = _finished_study([((0.3, 1e-4), 0.2)], tmp_path)
+def test_importances_need_ten_trials_of_a_method_with_two_varied_knobs_and_say_so(tmp_path, mlflow_uri):
+    rng = random.Random(3)
+    points = [((rng.uniform(0.05, 0.4), 10 ** rng.uniform(-5.3, -3.3)), rng.random()) for _ in range(9)]
+    url = _finished_study(points, tmp_path)
     importances = optuna_storage.param_importances(optuna_storage.load_study(url, "apao-x/s"))
-    assert importances == {"tiger/apao_pointwise": {"num_trials": 1, "skipped": importances["tiger/apao_pointwise"]["skipped"]}}
-    assert "1 complete trial(s)" in importances["tiger/apao_pointwise"]["skipped"]
+    assert importances == {"tiger/apao_pointwise": {"num_trials": 9, "skipped": importances["tiger/apao_pointwise"]["skipped"]}}
+    assert "9 complete trial(s), 2 varied knob(s): needs 10 and 2" in importances["tiger/apao_pointwise"]["skipped"]
     assert optuna_storage.importance_table(importances) == ""
+    tracker = Tracker(mlflow_uri, "apao-few")
+    summary = optuna_storage.log_study_artifacts(tracker, tracker.start_run("study s", {}), url, "apao-x/s")
+    assert "Optuna parameter importances" not in summary
+    assert "no parameter importance where a method has too few trials to mean something (tiger/apao_pointwise: 9" in summary
+    note = optuna_storage.importance_note(importances)
+    assert "at least 10 trials: no method here has that many" in note
+    study = optuna_storage.load_study(url, "apao-x/s")  # optuna-dashboard shows these beside its importance panel
+    assert study.user_attrs["parameter importance"] == note and study.user_attrs["mlflow_study_run_id"]
 
 
 def test_importances_plots_and_the_dashboard_command_reach_the_parent_run(tmp_path, mlflow_uri):
@@ -165,6 +175,8 @@ def test_importances_plots_and_the_dashboard_command_reach_the_parent_run(tmp_pa
     summary = optuna_storage.log_study_artifacts(tracker, parent, url, "apao-x/s")
     assert f"optuna-dashboard {url}" in summary
     assert "| tiger/apao_pointwise | 12 |" in summary
+    assert "at least 10 trials: tiger/apao_pointwise." in optuna_storage.load_study(url, "apao-x/s").user_attrs[
+        "parameter importance"]
     files = {a.path for a in tracker.client.list_artifacts(parent, "optuna")}
     assert files == {"optuna/param_importances.json", "optuna/optimization_history.png",
                      "optuna/slice_tiger_apao_pointwise.png", "optuna/param_importances_tiger_apao_pointwise.png"}
@@ -205,11 +217,11 @@ def test_dataset_input_carries_the_files_sha256_and_split_sizes(tmp_path, mlflow
 
 
 def test_the_ui_link_opens_the_runs_table_of_the_server_or_of_mlflow_ui():
-    from apao_ray.tracking import ui_hint
+    from apao_ray.mlflow_ui import ui_hint
 
-    assert ui_hint("sqlite:////tmp/x/mlflow.db", "3") == (
-        "MLflow: mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db, then open "
-        "http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning")
+    assert ui_hint("sqlite:////tmp/x/mlflow.db", "3", "my study") == (
+        "MLflow: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db, "
+        "then open http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=my%20study")
     assert ui_hint("http://user:pw@mlflow.lan:8080/", "7") == \
         "MLflow: http://user:***@mlflow.lan:8080/#/experiments/7/runs?workflowType=machine_learning"
 

@@ -125,8 +125,9 @@ def test_cost_is_summed_over_every_trial_of_a_method_and_peak_memory_is_the_larg
 
 
 def test_repeat_configs_read_back_as_the_searched_choices_and_tag_their_seed_and_origin():
-    from apao_ray.study.repeats import repeat_configs, seed_record
-    from apao_ray.study.space import trial_choices
+    from apao_ray.config import TrialConfig
+    from apao_ray.study.repeats import repeat_configs, seed_tags
+    from apao_ray.study.space import trial_choices, trial_config
 
     best = [{"backbone": "tiger", "loss": "ce", "beta": None, "eta": None, "num_negatives": None, "run_id": "a"},
             {"backbone": "tiger", "loss": "apao_pairwise", "beta": 0.2, "eta": 3e-5, "num_negatives": 17, "run_id": "b"}]
@@ -134,8 +135,9 @@ def test_repeat_configs_read_back_as_the_searched_choices_and_tag_their_seed_and
     assert len(configs) == 4 and [c["seed"] for c in configs] == [1, 2, 1, 2]
     assert trial_choices(configs[3]) == {"backbone": "tiger", "loss": "apao_pairwise", "beta": 0.2, "eta": 3e-5,
                                          "num_negatives": 17}
-    base = {"train": {"seed": 0, "epochs": 3}, "data": {"dataset": "synthetic"}}
-    tags, seeded = seed_record(configs[3], base)
-    assert tags == {"apao.seed": "2", "apao.repeats": "b"} and seeded["train"] == {"seed": 2, "epochs": 3}
-    assert base["train"]["seed"] == 0  # the shared base is not changed
-    assert seed_record({"backbone": "tiger", "loss": "ce"}, base) == ({"apao.seed": "0"}, base)
+    base = TrialConfig.from_dict({"train": {"seed": 0, "epochs": 3}, "data": {"dataset": "synthetic"}})
+    repeat = trial_config(base, configs[3])
+    assert (repeat.train.seed, repeat.train.epochs, repeat.loss.name, repeat.loss.num_negatives) == (2, 3, "apao_pairwise", 17)
+    assert seed_tags(configs[3], repeat.train.seed) == {"apao.seed": "2", "apao.repeats": "b"}
+    search = {"backbone": "tiger", "loss": "ce"}
+    assert trial_config(base, search).train.seed == 0 and seed_tags(search, 0) == {"apao.seed": "0"}

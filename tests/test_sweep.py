@@ -293,7 +293,20 @@ def test_optuna_storage_holds_each_trial_once_with_the_validation_metric_mlflow_
     first_tuned = next(t for t in trials if t.params)
     assert first_tuned.params == {"tiger__apao_pointwise__beta": 0.3, "tiger__apao_pointwise__eta": 1e-4}
     assert f"optuna-dashboard {url}" in study["stdout"]
-    assert "Optuna parameter importances" in study["stdout"]  # 3 apao_pointwise trials, beta and eta varied
+    # 3 apao_pointwise trials: too few for importance, and the study says so
+    assert "no parameter importance where a method has too few trials to mean something (tiger/apao_pointwise: " \
+        "3 complete trial(s)" in study["stdout"]
+    # what optuna-dashboard shows: the objective's name, and what each trial ran (baselines too) and where it is
+    assert optuna_study.metric_names == ["val/ndcg_at_10"]
+    assert "no method here has that many" in optuna_study.user_attrs["parameter importance"]
+    runs = {child.info.run_id: child for child in _children(study)}
+    for trial in trials:
+        run = runs[trial.user_attrs["mlflow_run_id"]]
+        assert (trial.user_attrs["backbone"], trial.user_attrs["loss"], trial.user_attrs["seed"]) == \
+            (run.data.tags["backbone"], run.data.tags["loss"], 0)
+        assert trial.user_attrs["tune_trial_id"] == run.data.tags["apao.trial_id"]
+        assert trial.value == pytest.approx(run.data.metrics["best/val/ndcg_at_10"], rel=1e-9)
+    assert {t.user_attrs["loss"] for t in trials if not t.params} == {"ce"}
 
 
 @pytest.mark.e2e
@@ -345,3 +358,42 @@ def test_a_study_interrupted_in_its_repeat_phase_resumes_it_without_duplicates(t
     children = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "apao-synthetic").child_runs()
     assert len(children) == 4 and sorted(run.data.tags["apao.seed"] for run in children) == ["0", "0", "1", "1"]
     assert searched <= {run.data.tags.get("apao.trial_id") for run in children}  # the search's runs were kept
+
+
+@pytest.mark.e2e
+def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
+    """The names a user reads in the MLflow UI: a child's params are its own config (no study-base value
+    beside its real one), its name says method and knobs, its model carries them; the parent holds each
+    method's headline metrics and the printed link opens a view with those columns."""
+    from apao_ray.config import TrialConfig
+    from apao_ray.tracking import flatten
+
+    tracker = study["tracker"]
+    parent = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")[0]
+    every_base_param = {f"base.{name}" for name in flatten(TrialConfig().to_dict())}
+    for child in _children(study):
+        params, loss = child.data.params, child.data.tags["loss"]
+        knobs = {"beta", "eta"} if loss == "apao_pointwise" else set()
+        assert set(params) == (every_base_param - {"base.loss.name", "base.model.backbone"}
+                               - {f"base.loss.{knob}" for knob in knobs}) | {"backbone", "loss"} | knobs
+        assert (params["backbone"], params["loss"], params["base.train.epochs"]) == ("tiger", loss, "3")
+        expected_name = "tiger/ce" if loss == "ce" else \
+            f"tiger/apao_pointwise b={float(params['beta']):.3g} eta={float(params['eta']):.2g}"
+        assert child.info.run_name == expected_name
+        if child.info.status != "FINISHED":
+            continue
+        (output,) = child.outputs.model_outputs  # the run's page lists its model
+        model = tracker.client.get_logged_model(output.model_id)
+        assert model.params == params and child.data.tags["apao.model_uri"] == f"models:/{output.model_id}"
+        assert {m.key: m.value for m in model.metrics} == {k: v for k, v in child.data.metrics.items()
+                                                           if k.startswith(("test/", "best/val/"))}
+    for loss in ("ce", "apao_pointwise"):
+        assert {f"best/tiger/{loss}/{key}" for key in ("val/ndcg_at_10", "test/ndcg_at_10", "test/recall_at_10")} \
+            <= set(parent.data.metrics)
+    link = f"/#/experiments/{tracker.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=synthetic-study"
+    assert link in study["stdout"]
+    view = json.loads(tracker.client.get_experiment(tracker.experiment_id).tags["mlflow.sharedViewState.synthetic-study"])
+    assert view["selectedColumns"][:4] == ["metrics.`best/tiger/ce/val/ndcg_at_10`", "metrics.`best/tiger/ce/test/ndcg_at_10`",
+                                           "metrics.`best/tiger/apao_pointwise/val/ndcg_at_10`",
+                                           "metrics.`best/tiger/apao_pointwise/test/ndcg_at_10`"]
+    assert view["columnOrder"][:3] == ["attributes.`Run Name`", "runDateAndNestInfo", "duration"]

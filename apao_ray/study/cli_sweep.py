@@ -254,9 +254,11 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     print(result.cost_summary, file=sys.stderr)
     if result.optuna_summary:
         print(result.optuna_summary)
-    from ..tracking import Tracker, experiment_name, ui_hint
+    from ..mlflow_ui import ui_hint, view_key
+    from ..tracking import Tracker, experiment_name
 
-    print(ui_hint(result.tracking_uri, Tracker(result.tracking_uri, experiment_name(spec.resolved["base"].data.dataset)).experiment_id))
+    tracker = Tracker(result.tracking_uri, experiment_name(spec.resolved["base"].data.dataset))
+    print(ui_hint(result.tracking_uri, tracker.experiment_id, view_key(result.study_name)))
     return 0
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from ray import tune
 
+from ..config import TrialConfig
 from ..names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, REPEATS_TAG, RESUMED_HISTORY_KEY,
                      SEED_TAG, WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ..tracking import Tracker
@@ -17,14 +18,28 @@ from . import interrupt, plots
 from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
                        PREVIOUS_ERROR_TAG, PREVIOUS_OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, STOPPED_BY_TUNE,
                        STUDY_TAG, TERMINAL, TRIAL_TAG, describe, failure_outcome, is_final_report)
-from .repeats import seed_record
+from .repeats import seed_tags
 from .scheduler import pruned_epoch
-from .space import trial_choices
+from .space import trial_choices, trial_config
+
+MODEL_METRICS = ("test/", "best/val/")  # what a trial's logged model shows on its page: how it tests, why chosen
+
 
 def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
     """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished."""
     matches = sorted((train_root / train_run_name(trial_id)).glob("**/epoch_*_final"))
     return matches[-1] if matches else None
+
+
+def child_params(config: TrialConfig, choices: dict[str, Any]) -> dict[str, Any]:
+    """A child run's params: the config the trial trained (``base.*``, the study's base with the trial's
+    backbone, loss, knobs and seed in it) and its choices (``backbone``, ``loss``, ``beta``...), each value once:
+    a ``base.loss.name`` or ``base.loss.beta`` beside ``loss`` and ``beta`` would show the study's base, not this trial."""
+    base = config.to_dict()
+    del base["model"]["backbone"], base["loss"]["name"]
+    for knob in choices:
+        base["loss"].pop(knob, None)
+    return {"base": base, **choices}
 
 
 class MlflowStudyCallback(tune.Callback):
@@ -62,13 +77,13 @@ class MlflowStudyCallback(tune.Callback):
                 self._reopen(run_id)
         if run_id is None:
             choices = trial_choices(trial.config)
-            seed_tags, base = seed_record(trial.config, self.trial_params["base"])
-            params = {**self.trial_params, "base": base, **choices}
-            name = describe(choices) + (f" seed={seed_tags[SEED_TAG]}" if REPEATS_TAG in seed_tags else "")
+            config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
+            seeds = seed_tags(trial.config, config.train.seed)
+            name = describe(choices) + (f" seed={seeds[SEED_TAG]}" if REPEATS_TAG in seeds else "")
             run_id = self.tracker.start_run(name, {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name,
                                                    "backbone": choices["backbone"], "loss": choices["loss"],
-                                                   **seed_tags, **getattr(self, "run_tags", {})},
-                                            params, parent_run_id=self.parent_run_id)
+                                                   **seeds, **getattr(self, "run_tags", {})},
+                                            child_params(config, choices), parent_run_id=self.parent_run_id)
             if self.dataset_record:
                 self.tracker.log_dataset(run_id, self.dataset_record)
         self.run_ids[trial.trial_id] = run_id
@@ -135,7 +150,12 @@ class MlflowStudyCallback(tune.Callback):
         self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
         if (checkpoint / PER_USER_FILE).exists():  # absent in checkpoints from before it existed
             self.tracker.log_artifact(run_id, checkpoint / PER_USER_FILE)
-        model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history)
+        # a trial completed again after a resume (the driver was killed before Tune saved its end) keeps its model
+        model_uri = self.tracker.logged_model_uri(run_id)
+        if model_uri is None:
+            config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
+            model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history,
+                                                     child_params(config, trial_choices(trial.config)), MODEL_METRICS)
         weights = {key: self.tracker.metric_history(run_id, key) for key in
                    (f"train/apao_weight_m{m}" for m in range(1, 5))}
         if any(weights.values()):
@@ -145,6 +165,9 @@ class MlflowStudyCallback(tune.Callback):
         self.tracker.set_tags(run_id, {OUTCOME_TAG: "finished", "apao.checkpoint": str(checkpoint),
                                        "apao.model_uri": model_uri})
         self.tracker.end_run(run_id, "FINISHED")
+        # the study's row answers while it runs: each method's best trial so far (the study's end logs it again)
+        log_study_summary(self.tracker, self.parent_run_id, self.study_name,
+                          f"best/val/{self.trial_params['base']['train']['metric']}")
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         run_id = self._run_for(trial)
@@ -218,6 +241,18 @@ def dataset_record_of(dataset: Any, data_dir: str | None = None) -> dict[str, An
 def summary_metric_name(backbone: str, loss: str, metric: str) -> str:
     """``best/tiger/ce/val/ndcg_at_10`` for ``best/val/ndcg_at_10``; ``best/tiger/ce/test/recall_at_10``."""
     return f"best/{backbone}/{loss}/{metric.removeprefix('best/')}"
+
+
+def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: str) -> list[str]:
+    """The runs table's columns for a study: per method, the parent's validation and test summary (the
+    collapsed study row answers), then each trial's validation and test metric, outcome and model."""
+    from ..mlflow_ui import column
+
+    test = "test/" + metric.rsplit("/", 1)[-1]
+    per_method = [column("metrics", summary_metric_name(backbone, loss, key))
+                  for backbone in backbones for loss in losses for key in (metric, test)]
+    return [*per_method, column("metrics", metric), column("metrics", test), column("metrics", "test/recall_at_10"),
+            column("tags", OUTCOME_TAG), column("attributes", "Models")]
 
 
 def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str, metric: str) -> dict[str, float]:

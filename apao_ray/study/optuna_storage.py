@@ -16,6 +16,7 @@ Two things the storage changes, handled here:
 from __future__ import annotations
 
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ OPTUNA_STUDY_TAG = "apao.optuna_study"
 # drawn near the best of them and away from 3 others. With fewer, the bad density is mostly Optuna's
 # prior and TPE is a random draw with extra steps.
 STARTUP_TRIALS_PER_METHOD = 4
+# PED-ANOVA (optuna.importance's default) compares a method's top 10% of trials with all of them: below 10
+# trials that "top" is one trial, and the shares say which knob that one trial happened to move
+MIN_TRIALS_FOR_IMPORTANCE = 10
 
 
 def resolve_storage_url(url: str | None, tracking_uri: str, output_dir: Path) -> str:
@@ -148,17 +152,56 @@ class PerMethodTPESampler(BaseSampler):
         self._tpe_for(trial.number).after_trial(study, trial, state, values)
 
 
+def objective_name(metric: str) -> str:
+    """What optuna-dashboard calls the objective: ``val/ndcg_at_10`` for the searched ``best/val/ndcg_at_10``
+    (each trial's value is its best epoch's)."""
+    return metric.removeprefix("best/")
+
+
 class PersistentOptunaSearch(OptunaSearch):
-    """``OptunaSearch`` whose restore puts back the Optuna trials a killed driver left behind, and whose
+    """``OptunaSearch`` whose restore puts back the Optuna trials a killed driver left behind, whose
     intermediate values are keyed by epoch (Ray's are by ``training_iteration``, which restarts at 1 when a
-    trial resumes: Optuna then ignored the resumed epochs as steps already reported)."""
+    trial resumes: Optuna then ignored the resumed epochs as steps already reported), and whose trials say
+    what they ran: the objective's name, and user attributes (``backbone`` and ``loss`` from the space; ``seed``,
+    ``tune_trial_id`` and ``mlflow_run_id`` here) set while the trial runs (Optuna refuses to change a finished trial)."""
+
+    def set_run_record(self, tracking_uri: str, experiment: str, study_name: str, seed: int) -> None:
+        """Where each trial's MLflow run is (found by its Tune trial id) and the seed search trials train on."""
+        self._run_record = (tracking_uri, experiment, study_name, seed)
+
+    def suggest(self, trial_id: str) -> dict | None:
+        config = super().suggest(trial_id)
+        if self._ot_study.metric_names is None:
+            with warnings.catch_warnings():  # experimental since Optuna 3.2, still in 5.0
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self._ot_study.set_metric_names([objective_name(self.metric)])
+        return config
 
     def on_trial_result(self, trial_id: str, result: dict) -> None:
         if result.get("done") or TIME_ATTR not in result or self.metric not in result:
             return  # the final (test) report repeats the last epoch; its value reaches on_trial_complete
         if trial_id in self._completed_trials:
             return super().on_trial_result(trial_id, result)  # Ray's own warning
-        self._ot_trials[trial_id].report(result[self.metric], int(result[TIME_ATTR]))
+        trial = self._ot_trials[trial_id]
+        if "mlflow_run_id" not in trial.user_attrs:  # the MLflow run exists once the trial reports
+            for key, value in self._trial_attrs(trial_id).items():
+                trial.set_user_attr(key, value)
+        trial.report(result[self.metric], int(result[TIME_ATTR]))
+
+    def _trial_attrs(self, trial_id: str) -> dict[str, Any]:
+        record = getattr(self, "_run_record", None)  # None in a searcher pickled before it existed
+        if record is None:
+            return {}
+        from ..tracking import Tracker
+        from .outcomes import STUDY_TAG, TRIAL_TAG
+
+        tracking_uri, experiment, study_name, seed = record
+        try:  # a label: a tracking server that does not answer this once must not stop the search
+            run_id = Tracker(tracking_uri, experiment).find_run({TRIAL_TAG: trial_id, STUDY_TAG: study_name})
+        except Exception as error:  # MlflowException, a connection error
+            print(f"Optuna trial of {trial_id}: its MLflow run was not found ({error})", file=sys.stderr)
+            run_id = None
+        return {"seed": seed, "tune_trial_id": trial_id, **({"mlflow_run_id": run_id} if run_id else {})}
 
     def restore(self, checkpoint_path: str) -> None:
         super().restore(checkpoint_path)
@@ -241,14 +284,16 @@ def varied_params(study: optuna.Study) -> list[str]:
 
 def param_importances(study: optuna.Study) -> dict[str, dict[str, Any]]:
     """Per method: ``{"num_trials", "importances": {knob: share}}`` from ``optuna.importance``
-    (its default evaluator, PED-ANOVA), or ``"skipped"`` saying why there are none (fewer than 2
-    complete trials, or fewer than 2 knobs that varied: importance ranks knobs against each other)."""
+    (its default evaluator, PED-ANOVA), or ``"skipped"`` saying why there are none (fewer than
+    ``MIN_TRIALS_FOR_IMPORTANCE`` complete trials, or fewer than 2 knobs that varied: importance ranks knobs
+    against each other)."""
     result: dict[str, dict[str, Any]] = {}
     for method, sub in method_studies(study).items():
         num_trials, varied = len(sub.trials), varied_params(sub)
         entry: dict[str, Any] = {"num_trials": num_trials}
-        if num_trials < 2 or len(varied) < 2:
-            entry["skipped"] = f"{num_trials} complete trial(s), {len(varied)} varied knob(s): needs 2 and 2"
+        if num_trials < MIN_TRIALS_FOR_IMPORTANCE or len(varied) < 2:
+            entry["skipped"] = (f"{num_trials} complete trial(s), {len(varied)} varied knob(s): needs "
+                                f"{MIN_TRIALS_FOR_IMPORTANCE} and 2")
         else:
             try:
                 entry["importances"] = dict(optuna.importance.get_param_importances(sub, params=varied))
@@ -289,10 +334,28 @@ def log_study_artifacts(tracker: Any, parent_run_id: str, storage_url: str, stud
         tracker.log_figure(parent_run_id, figure, f"optuna/{name}.png")
         plots.close(figure)
     table = importance_table(importances)
-    # PED-ANOVA compares the top 10% of a method's trials with all of them: below ~10 trials it has
-    # one or two "top" trials, and the shares say little
-    lines = [f"Optuna parameter importances (optuna.importance, share per knob; fewer than 10 trials of a method "
-             f"make them rough):\n{table}"] if table else []
-    lines.append(f"Optuna study {study_name!r}: {dashboard_command(storage_url)}  (pip install -e '.[dashboard]' installs it)")
+    lines = [f"Optuna parameter importances (optuna.importance, share per knob, per method):\n{table}"] if table else []
+    skipped = "; ".join(f"{method}: {entry['skipped']}" for method, entry in importances.items() if "skipped" in entry)
+    if skipped:
+        lines.append(f"no parameter importance where a method has too few trials to mean something ({skipped})")
+    note = importance_note(importances)
+    explain_study(study, note, parent_run_id)
+    lines.append(f"Optuna study {study_name!r}: {dashboard_command(storage_url)}  (pip install -e '.[dashboard]' "
+                 f"installs it; its importance panel pools every method's trials)")
     return "\n".join(lines)
 
+
+def importance_note(importances: dict[str, dict[str, Any]]) -> str:
+    """What optuna-dashboard's study page says of importance: which methods have enough trials for it."""
+    enough = [method for method, entry in importances.items() if "importances" in entry]
+    return (f"Parameter importance means something per method with at least {MIN_TRIALS_FOR_IMPORTANCE} trials: "
+            f"{', '.join(enough) if enough else 'no method here has that many'}.\n"
+            "optuna-dashboard's Hyperparameter Importance panel pools every method's trials; read the per-method "
+            "importances (optuna/param_importances.json on the MLflow study run) instead")
+
+
+def explain_study(study: optuna.Study, note: str, parent_run_id: str) -> None:
+    """Study user attributes, the box optuna-dashboard shows beside the study's importance panel: what
+    importance means here, and the MLflow run that holds the study."""
+    study.set_user_attr("parameter importance", note)
+    study.set_user_attr("mlflow_study_run_id", parent_run_id)

@@ -29,13 +29,9 @@ def repeat_configs(best: list[dict[str, Any]], seeds: tuple[int, ...]) -> list[d
     return configs
 
 
-def seed_record(config: dict[str, Any], base: dict[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
-    """A child run's seed tags and the ``base`` param it logs: a repeat's seed and the run it repeats,
-    a search trial's seed from the base config."""
-    if SEED_KEY not in config:
-        return {SEED_TAG: str(base["train"]["seed"])}, base
-    seeded = {**base, "train": {**base["train"], "seed": int(config[SEED_KEY])}}
-    return {SEED_TAG: str(config[SEED_KEY]), REPEATS_TAG: str(config[REPEATS_KEY])}, seeded
+def seed_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
+    """A child run's seed tags: the seed it trained on, and for a repeat the run it repeats."""
+    return {SEED_TAG: str(seed), **({REPEATS_TAG: str(config[REPEATS_KEY])} if REPEATS_KEY in config else {})}
 
 
 def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any], metric: str,

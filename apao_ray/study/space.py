@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import TrialConfig
+
 # loss -> the knobs a study tunes for it (SPEC §3, §5); losses absent here are baselines
 TUNED_KNOBS: dict[str, tuple[str, ...]] = {
     "apao_pointwise": ("beta", "eta"),
@@ -114,6 +116,8 @@ class DefineByRun:
 
     def __call__(self, trial: Any) -> dict[str, Any]:
         backbone, loss, _ = self.allocation[trial.number % len(self.allocation)]
+        trial.set_user_attr("backbone", backbone)  # a baseline has no knobs: these say what it ran
+        trial.set_user_attr("loss", loss)
         for knob in TUNED_KNOBS.get(loss, ()):
             name = param_name(backbone, loss, knob)
             low, high = getattr(self.spec, knob)
@@ -135,6 +139,18 @@ def trial_choices(config: dict[str, Any]) -> dict[str, Any]:
     for knob in TUNED_KNOBS.get(loss, ()):
         choices[knob] = config[param_name(backbone, loss, knob)]
     return choices
+
+
+def trial_config(base: TrialConfig, config: dict[str, Any]) -> TrialConfig:
+    """What a trial trains: the study's base config with the trial's backbone, loss and knobs, and a
+    repeat's seed (a search trial trains on the base's)."""
+    choices = trial_choices(config)
+    loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items() if k in _KNOB_NAMES})
+    train = base.train.replace(seed=int(config[SEED_KEY])) if SEED_KEY in config else base.train
+    return TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, train, base.protocol)
+
+
+_KNOB_NAMES = {knob for knobs in TUNED_KNOBS.values() for knob in knobs}
 
 
 def is_baseline(loss: str) -> bool:

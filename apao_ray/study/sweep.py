@@ -14,7 +14,7 @@ from typing import Any
 from ..config import TrialConfig
 from ..protocol import run_tags
 from ..tracking import redact
-from . import interrupt
+from . import interrupt, space
 from .scheduler import PerMethodASHA
 from .space import REPEATS_KEY, SEED_KEY, SearchSpec, trial_choices
 from .trial import Resources
@@ -69,18 +69,11 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Resources
         from .outcomes import describe
         from .trial import run_in_tune_actor
 
-        choices = trial_choices(config)
-        loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items()
-                                                          if k in ("beta", "eta", "num_negatives")})
-        # a repeat of a configuration on another seed (repeats.py) names its seed; a search trial takes the base's
-        train = base.train.replace(seed=int(config[SEED_KEY])) if SEED_KEY in config else base.train
-        trial_config = TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, train,
-                                   base.protocol)
         from ..names import train_run_name
 
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
-        run_in_tune_actor(trial_config, name=name, storage_path=train_root, resources=resources,
-                          progress_label=f"[{describe(choices)}] ")
+        run_in_tune_actor(space.trial_config(base, config), name=name, storage_path=train_root, resources=resources,
+                          progress_label=f"[{describe(trial_choices(config))}] ")
 
     return apao_trial
 
@@ -193,6 +186,11 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
 
         tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(options.plan_record),
                                      BUDGET_PROTOCOL_TAG: options.plan_record.get("budget_protocol") or "none"})
+    from ..mlflow_ui import save_runs_view, view_key
+    from .mlflow_callback import study_columns
+
+    save_runs_view(tracker, view_key(options.study_name), study_columns(
+        options.spec.backbones, options.spec.losses, f"best/val/{options.base.train.metric}"))
     tracker.set_tags(parent_id, {**run_tags(options.base),
                                  "command_line": redact(" ".join(options.command_line)), "code_version": code_version(),
                                  "dataset_checksums": json.dumps(dataset_checksums, sort_keys=True),
@@ -283,6 +281,8 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
                                      optuna_storage.OPTUNA_STUDY_TAG: optuna_name})
         searcher = optuna_storage.make_searcher(options.spec, metric, storage_url, optuna_name, options.seed,
                                                 options.enqueue_paper_setting)
+        searcher.set_run_record(options.tracking_uri, experiment_name(options.base.data.dataset), options.study_name,
+                                options.base.train.seed)
         note = optuna_storage.startup_note(options.spec)
         if note:
             print(note, file=sys.stderr)
