@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BACKBONE_NAMES
+from ..paths import absolute_data_dir_env
 from ..protocol import KNOBS
 from .cli_protocol import add_protocol_arguments
 from .cli_train import add_common_arguments
@@ -41,6 +42,10 @@ examples:
   python -m apao_ray sweep --dataset grocery --resume     # after Ctrl-C or a lost driver: continue the study
 then: python -m apao_ray best --dataset grocery ;  mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db
 (studies/sweep.py and ./apao sweep take the same flags)
+
+exit codes: 0 the study ran and at least one trial finished (failed trials are counted on the summary line and
+their reasons are in the table's status column); 1 no trial finished (the table says why each failed); 2 input
+refused before anything ran; 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM, its state saved for --resume
 """
 DEFAULTS = {f.name: f.default for f in fields(StudySpec)}
 
@@ -127,9 +132,12 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
     parser.add_argument("--max-failures", type=non_negative_int, default=DEFAULTS["max_failures"],
                         help="restarts of a failed trial from its checkpoint (default %(default)s)")
     parser.add_argument("--memory-per-trial", type=positive_float, metavar="GIB",
-                        help="memory cap per trial in GiB: reserved in Ray and enforced in the worker, so a trial "
-                             "that needs more fails as 'out of memory' instead of taking the node down "
-                             "(a worker with torch loaded already maps ~1.5 GiB) (default: no cap)")
+                        help="memory cap per trial in GiB, counting what the trial itself allocates: the memory its "
+                             "worker maps past what it mapped when the trial started, torch and Ray loaded (0.5-2.5 GiB, "
+                             "by allocator; not counted), whether touched yet or not; the same under every allocator "
+                             "(APAO_RAY_ALLOCATOR). A trial that needs more fails as 'out of memory', naming the cap "
+                             "and what it held, instead of the node's OOM killer taking processes; Ray reserves the "
+                             "cap for the trial's scheduling (default: no cap)")
     parser.add_argument("--asha-grace-period", type=positive_int, default=DEFAULTS["asha_grace_period"],
                         help="epochs before ASHA may stop a trial (default %(default)s; a quarter of the epochs "
                              "when --budget shortens them); a trial is only compared with trials "
@@ -217,6 +225,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     parser = build_parser(prog)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    absolute_data_dir_env()  # the trials and the plan's probes run in other working directories
     given = given_flags(parser, argv)
     if {"seed", "seeds"} <= given:
         parser.error(f"--seed {args.seed} and --seeds {','.join(map(str, args.seeds))} were both given; give --seeds "
@@ -239,6 +248,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     failed = sum(str(status).startswith("failed") for status in result.trials.get("status", []))
     print(f"study {result.study_name}: {len(result.trials)} trials ({failed} failed); best per (backbone, loss) "
           "by validation:", file=sys.stderr)
+    none_finished = failed == len(result.trials)  # every trial failed (or none ran)
     print(format_rows(table_records(result.table), "markdown"))
     print(result.cost_summary, file=sys.stderr)
     if result.optuna_summary:
@@ -246,7 +256,10 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     from ..tracking import Tracker, experiment_name, ui_hint
 
     print(ui_hint(result.tracking_uri, Tracker(result.tracking_uri, experiment_name(spec.resolved["base"].data.dataset)).experiment_id))
-    return 0
+    if none_finished:
+        print(f"study {result.study_name}: no trial finished ({failed} failed; why: the status column above); "
+              "exit code 1", file=sys.stderr)
+    return 1 if none_finished else 0
 
 
 def table_records(table: Any) -> list[dict[str, Any]]:

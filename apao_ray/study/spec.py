@@ -217,7 +217,8 @@ class StudySpec:
         study_name = check_plain_name("study", self.study_name or f"{dataset_label(self.dataset)}-study")
         dataset = load_dataset(self.dataset, self.data_dir, allow_download=not self.data_dir)  # given: it is there
         base = TrialConfig(
-            DataConfig(dataset=canonical_dataset(self.dataset), data_dir=str(Path(self.data_dir).resolve()) if self.data_dir else None),
+            # where the driver found the files: the trials read them there, from any working directory, never downloading
+            DataConfig(dataset=canonical_dataset(self.dataset), data_dir=dataset.data_dir),
             ModelConfig(**(TINY_MODEL if self.model_size == "tiny" else {})),
             LossConfig(num_negatives=negatives[1]),
             TrainConfig(epochs=self.epochs, patience=self.patience, batch_size=self.batch_size,
