@@ -256,10 +256,23 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     from ..tracking import Tracker, experiment_name, ui_hint
 
     print(ui_hint(result.tracking_uri, Tracker(result.tracking_uri, experiment_name(spec.resolved["base"].data.dataset)).experiment_id))
+    print_failures(result.trials)
     if none_finished:
         print(f"study {result.study_name}: no trial finished ({failed} failed; why: the status column above); "
               "exit code 1", file=sys.stderr)
     return 1 if none_finished else 0
+
+
+def print_failures(trials: Any) -> None:
+    """Each failed trial and why, one line each (the table keeps one reason per method)."""
+    from .outcomes import describe
+
+    failed = [row for row in table_records(trials) if str(row.get("status")).startswith("failed")]
+    if failed:
+        print(f"failed trials ({len(failed)}):", file=sys.stderr)
+    for row in failed:
+        name = describe({key: value for key, value in row.items() if value is not None})
+        print(f"  {name}: {row['status']}", file=sys.stderr)
 
 
 def table_records(table: Any) -> list[dict[str, Any]]:
