@@ -47,13 +47,18 @@ def _env(allocator: str) -> dict:
     return {**clean, **memory.allocator_env(allocator, clean)}
 
 
+def _run(script: str, allocator: str) -> dict:
+    """Runs ``script`` in a new process on ``allocator``; returns the JSON it printed last."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=_env(allocator))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @needs_glibc
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_free_blocks_stay_resident_until_released(allocator):
-    done = subprocess.run([sys.executable, "-c", _FRAGMENT], capture_output=True, text=True, timeout=120,
-                          env=_env(allocator))
-    assert done.returncode == 0, done.stderr[-2000:]
-    run = json.loads(done.stdout.strip().splitlines()[-1])
+    run = _run(_FRAGMENT, allocator)
     assert run["allocator"] == allocator
     # the freed blocks stayed resident until the trim gave them back
     assert run["released"] and run["freed"] - run["trimmed"] > 400 * 2**20
@@ -80,10 +85,7 @@ def test_releaser_trims_above_its_soft_limit_at_most_once_per_interval_except_un
     """glibc keeps what is freed: trimmed above the soft limit, at most once per interval. tcmalloc returns
     free spans by itself, and a periodic release of all of them only made the next steps fault them in again
     (APAO-pairwise 1.19x faster without): there only the explicit releases at phase boundaries remain."""
-    done = subprocess.run([sys.executable, "-c", _RELEASER], capture_output=True, text=True, timeout=120,
-                          env=_env(allocator))
-    assert done.returncode == 0, done.stderr[-2000:]
-    run = json.loads(done.stdout.strip().splitlines()[-1])
+    run = _run(_RELEASER, allocator)
     assert run["allocator"] == allocator
     assert run["periodic"] == (0 if allocator == "tcmalloc" else 1)
     assert run["below"] == 0 and run["explicit"] == 1  # below the limit no trim; an explicit release always
@@ -107,10 +109,7 @@ _REALLOCATE = textwrap.dedent("""
 
 @functools.lru_cache(maxsize=None)  # the system allocator's count is every caching allocator's baseline
 def _reallocation_faults(allocator: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _REALLOCATE], capture_output=True, text=True, timeout=120,
-                          env=_env(allocator))
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _run(_REALLOCATE, allocator)
 
 
 @needs_glibc
@@ -153,10 +152,7 @@ _CAPPED = textwrap.dedent("""
 @needs_glibc
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_the_memory_cap_counts_what_the_trial_allocates_after_its_start_under_every_allocator(allocator):
-    done = subprocess.run([sys.executable, "-c", _CAPPED], capture_output=True, text=True, timeout=120,
-                          env=_env(allocator))
-    assert done.returncode == 0, done.stderr[-2000:]
-    run = json.loads(done.stdout.strip().splitlines()[-1])
+    run = _run(_CAPPED, allocator)
     assert run["allocator"] == allocator
     assert run["failed_at"] == 0.3 and run["is_out_of_memory"], run
     # the cap and what the trial held of it (0.3 GiB of tensors; up to the cap with the allocator's own reserve)

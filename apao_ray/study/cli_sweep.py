@@ -43,9 +43,9 @@ examples:
 then: python -m apao_ray best --dataset grocery ;  mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db
 (studies/sweep.py and ./apao sweep take the same flags)
 
-exit codes: 0 the study ran and at least one trial finished (failed trials are counted on the summary line and
-their reasons are in the table's status column); 1 no trial finished (the table says why each failed); 2 input
-refused before anything ran; 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM, its state saved for --resume
+exit codes: 0 the study ran and at least one trial finished (failed trials are counted and listed, each with its
+reason); 1 no trial finished (its table and that list say why); 2 input refused before anything ran; 130 / 143
+stopped by SIGINT (Ctrl-C) / SIGTERM, its state saved for --resume
 """
 DEFAULTS = {f.name: f.default for f in fields(StudySpec)}
 
