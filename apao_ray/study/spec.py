@@ -39,7 +39,9 @@ class StudySpec:
 
     Args:
         dataset: a known dataset name (any case) or "synthetic".
-        data_dir: directory holding the dataset; given, it must hold it (no download, no fall-back).
+        data_dir: directory holding the dataset; given, it must hold it (no download, no fall-back). Relative
+            paths here and below are the caller's: resolved once, where the study starts; the trials get the
+            absolute directory the dataset was found in.
         backbones, losses: the methods: every (backbone, loss) pair is studied.
         num_samples: Optuna trials per tuned (backbone, loss); baselines run once.
         beta, eta, negatives: search ranges (low, high); negatives only for losses that use them
@@ -53,6 +55,8 @@ class StudySpec:
             trials that can run at once (min of the trials, max_concurrent and the CPUs), at least 1 each, and
             no more than the CPUs not busy now (load average), so a lone trial on an idle 2-CPU machine trains
             on both; 1 on a cluster.
+        memory_per_trial_gib: a cap on what each trial allocates past its worker's start (torch and Ray loaded),
+            the same under every allocator (training/memory.py MemoryCap); reserved in Ray's scheduling too.
         tracking_uri: MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db).
         output_dir: Ray Tune state and checkpoints.
         address: a Ray cluster to join (None: a local Ray on this machine).
