@@ -11,6 +11,8 @@ import importlib
 import json
 import sys
 
+from .paths import absolute_data_dir_env
+
 # name -> ("module:function", help): a pass-through main(argv, prog=...) with its own --help
 PASS_THROUGH = {
     "sweep": ("apao_ray.study.cli_sweep:main", "the main job: a hyperparameter study (plan, then Ray Tune + Optuna + MLflow)"),
@@ -76,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    absolute_data_dir_env()  # here, where the command starts: what it starts runs in other directories
     if argv and argv[0] in PASS_THROUGH:  # the subcommand's own parser reads the rest (and its --help)
         target, _ = PASS_THROUGH[argv[0]]
         module, function = target.split(":")

@@ -23,6 +23,18 @@ def user_cache_dir() -> Path:
     return Path(base) / "apao_ray"
 
 
+def absolute_data_dir_env(environ: dict[str, str] | None = None) -> str | None:
+    """Makes ``$APAO_DATA_DIR`` absolute, against the directory the command started in; returns it (None: unset).
+
+    Called once where a command starts: the processes it starts (Ray workers, plan probes, test subprocesses)
+    have other working directories, and a relative directory read there is another directory, or none.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get(DATA_DIR_ENV):
+        environ[DATA_DIR_ENV] = str(Path(environ[DATA_DIR_ENV]).expanduser().resolve())
+    return environ.get(DATA_DIR_ENV) or None
+
+
 def data_dir_candidates(data_dir: str | os.PathLike | None = None) -> list[Path]:
     """Directories searched for datasets: an explicit ``data_dir`` alone (a dataset missing there is an
     error or a download into it, never another copy found elsewhere), else ``$APAO_DATA_DIR``, ./data, cache."""

@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from apao_ray.paths import DATA_DIR_ENV, absolute_data_dir_env
+
 ROOT = Path(__file__).resolve().parents[1]
-SHARED_DATASETS = Path(os.environ.get("APAO_DATA_DIR") or ROOT.parent / "shared" / "datasets")
+absolute_data_dir_env()  # as each command does where it starts: tests change directory, their subprocesses run elsewhere
+SHARED_DATASETS = Path(os.environ.get(DATA_DIR_ENV) or ROOT.parent / "shared" / "datasets").resolve()
 
 # quiet, deterministic Ray for every test process and the subprocesses they start
 for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "disabled",

@@ -1,7 +1,6 @@
 """Item catalog: level-specific tokens, collisions, and the array trie against brute force."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
@@ -9,8 +8,8 @@ import pytest
 import torch
 
 from apao_ray.data import NUM_SPECIAL_TOKENS, Catalog, load_dataset
+from conftest import SHARED_DATASETS
 
-SHARED_DATASETS = Path(os.environ.get("APAO_DATA_DIR") or Path(__file__).parents[1].parent / "shared" / "datasets")
 needs_shared = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
                                   reason=f"shared datasets not found at {SHARED_DATASETS}")
 

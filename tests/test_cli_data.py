@@ -13,9 +13,9 @@ import pytest
 
 from apao_ray import cli, paths
 from apao_ray.data import files
+from conftest import SHARED_DATASETS
 
 REPO = Path(__file__).parents[1]
-SHARED_DATASETS = Path(os.environ.get("APAO_DATA_DIR") or REPO.parent / "shared" / "datasets").resolve()
 needs_shared = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
                                   reason=f"shared datasets not found at {SHARED_DATASETS}")
 

@@ -7,7 +7,6 @@ nothing here reads the user's files or the network.
 from __future__ import annotations
 
 import json
-import os
 import socket
 from pathlib import Path
 
@@ -18,8 +17,8 @@ from apao_ray import paths
 from apao_ray.data import files, load_dataset
 from apao_ray.data.files import CHECKSUMS, known_dataset_names, locate, parse_index, parse_interactions
 from apao_ray.data.synthetic import make_synthetic
+from conftest import SHARED_DATASETS
 
-SHARED_DATASETS = Path(os.environ.get("APAO_DATA_DIR") or Path(__file__).parents[1].parent / "shared" / "datasets")
 needs_shared = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
                                   reason=f"shared datasets not found at {SHARED_DATASETS}")
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import shutil
 import socket
 import threading
@@ -20,8 +19,8 @@ import pytest
 from apao_ray import paths
 from apao_ray.data import files, load_dataset
 from apao_ray.data.files import CHECKSUMS, download
+from conftest import SHARED_DATASETS
 
-SHARED_DATASETS = Path(os.environ.get("APAO_DATA_DIR") or Path(__file__).parents[1].parent / "shared" / "datasets")
 pytestmark = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
                                 reason=f"shared datasets not found at {SHARED_DATASETS}")
 OFFICE_FILES = list(CHECKSUMS["Office"])  # inter, then index: the order download fetches them
@@ -182,5 +181,25 @@ def test_closed_port_is_a_connection_error_and_leaves_nothing(env, monkeypatch):
 def test_allow_download_false_never_contacts_the_mirror(mirror, env):
     with pytest.raises(FileNotFoundError, match="not found"):
         load_dataset("office", allow_download=False)
+    assert mirror.requests == []
+    assert files_under(cache_root(env)) == []
+
+
+@pytest.mark.parametrize("where", ["the driver's directory", "none"])
+def test_a_trial_never_downloads_and_names_where_it_looked(mirror, env, where):
+    """What a Ray worker runs (run_trial) with the files missing: the trial fails naming the directory,
+    and nothing is asked of the mirror, whether the driver gave a directory or (an old config) none."""
+    from apao_ray.config import DataConfig, ModelConfig, TrainConfig, TrialConfig
+    from apao_ray.training.hooks import TrainingHooks
+    from apao_ray.training.loop import run_trial
+    from conftest import TINY_MODEL
+
+    gone = env / "moved-away"
+    gone.mkdir()
+    config = TrialConfig(DataConfig(dataset="office", data_dir=str(gone) if where != "none" else None),
+                         ModelConfig(**TINY_MODEL), train=TrainConfig(epochs=1, max_train_samples=64, eval_max_users=8,
+                                                                      retention_users=0, precision="fp32"))
+    with pytest.raises(FileNotFoundError, match=str(gone) if where != "none" else str(cache_root(env))):
+        run_trial(config, TrainingHooks(env / "run", verbose=False))
     assert mirror.requests == []
     assert files_under(cache_root(env)) == []

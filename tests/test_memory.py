@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -46,13 +47,18 @@ def _env(allocator: str) -> dict:
     return {**clean, **memory.allocator_env(allocator, clean)}
 
 
+def _run(script: str, allocator: str) -> dict:
+    """Runs ``script`` in a new process on ``allocator``; returns the JSON it printed last."""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env=_env(allocator))
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 @needs_glibc
 @pytest.mark.parametrize("allocator", ALLOCATORS)
 def test_free_blocks_stay_resident_until_released(allocator):
-    done = subprocess.run([sys.executable, "-c", _FRAGMENT], capture_output=True, text=True, timeout=120,
-                          env=_env(allocator))
-    assert done.returncode == 0, done.stderr[-2000:]
-    run = json.loads(done.stdout.strip().splitlines()[-1])
+    run = _run(_FRAGMENT, allocator)
     assert run["allocator"] == allocator
     # the freed blocks stayed resident until the trim gave them back
     assert run["released"] and run["freed"] - run["trimmed"] > 400 * 2**20
@@ -79,10 +85,7 @@ def test_releaser_trims_above_its_soft_limit_at_most_once_per_interval_except_un
     """glibc keeps what is freed: trimmed above the soft limit, at most once per interval. tcmalloc returns
     free spans by itself, and a periodic release of all of them only made the next steps fault them in again
     (APAO-pairwise 1.19x faster without): there only the explicit releases at phase boundaries remain."""
-    done = subprocess.run([sys.executable, "-c", _RELEASER], capture_output=True, text=True, timeout=120,
-                          env=_env(allocator))
-    assert done.returncode == 0, done.stderr[-2000:]
-    run = json.loads(done.stdout.strip().splitlines()[-1])
+    run = _run(_RELEASER, allocator)
     assert run["allocator"] == allocator
     assert run["periodic"] == (0 if allocator == "tcmalloc" else 1)
     assert run["below"] == 0 and run["explicit"] == 1  # below the limit no trim; an explicit release always
@@ -106,10 +109,7 @@ _REALLOCATE = textwrap.dedent("""
 
 @functools.lru_cache(maxsize=None)  # the system allocator's count is every caching allocator's baseline
 def _reallocation_faults(allocator: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", _REALLOCATE], capture_output=True, text=True, timeout=120,
-                          env=_env(allocator))
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return _run(_REALLOCATE, allocator)
 
 
 @needs_glibc
@@ -119,6 +119,46 @@ def test_a_caching_allocator_reuses_large_blocks_without_page_faults(allocator):
     system, cached = _reallocation_faults("system"), _reallocation_faults(allocator)
     assert system["allocator"] == "system" and cached["allocator"] == allocator
     assert system["faults"] >= 20 and cached["faults"] < system["faults"] / 10, (system, cached)
+
+
+# a worker that already maps 1 GiB before its trial (as torch and Ray do, 0.5-2.5 GiB by allocator) gets a 0.5 GiB cap
+_CAPPED = textwrap.dedent("""
+    import json, threading
+    import torch
+    from apao_ray.training import memory
+    from apao_ray.training.loop import is_out_of_memory
+
+    GIB = 2**30
+    ballast = torch.ones(GIB // 4)  # mapped and touched before the cap: not the trial's
+
+    def trial(out):
+        cap = memory.MemoryCap(GIB // 2)
+        held = []
+        for size in (0.1, 0.2, 0.3):  # 0.3 GiB held fits; 0.3 more passes the cap
+            try:
+                held.append(torch.ones(int(size * GIB) // 4))
+            except Exception as error:
+                out["failed_at"], out["is_out_of_memory"] = size, is_out_of_memory(error)
+                break
+        out["describe"] = cap.describe()
+        out["allocator"] = memory.allocator_in_use()
+
+    out = {}
+    thread = threading.Thread(target=trial, args=(out,)); thread.start(); thread.join()  # as in a Ray worker
+    print(json.dumps(out))
+""")
+
+
+@needs_glibc
+@pytest.mark.parametrize("allocator", ALLOCATORS)
+def test_the_memory_cap_counts_what_the_trial_allocates_after_its_start_under_every_allocator(allocator):
+    run = _run(_CAPPED, allocator)
+    assert run["allocator"] == allocator
+    assert run["failed_at"] == 0.3 and run["is_out_of_memory"], run
+    # the cap and what the trial held of it (0.3 GiB of tensors; up to the cap with the allocator's own reserve)
+    cap, held, start, peak = re.match(r"memory cap (\S+) GiB: (\S+) GiB allocated past the worker's (\S+) GiB at the "
+                                      r"trial's start, resident peak \+(\S+) GiB$", run["describe"]).groups()
+    assert cap == "0.50" and 0.29 <= float(held) <= 0.5 and float(start) > 1.0 and 0.29 <= float(peak) <= 0.5, run
 
 
 def test_allocator_choice_auto_prefers_tcmalloc_and_respects_the_users_own(monkeypatch):

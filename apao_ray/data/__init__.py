@@ -40,6 +40,8 @@ class Dataset:
         num_interactions: total interactions in the file.
         checksums: file name -> SHA-256 of the files read (empty for synthetic).
         notes: how a dataset directory was read (five-core filter, semantic-ID source), for stats.
+        data_dir: the absolute directory a dataset named by name was found (or downloaded) in, which the processes
+            that train are given (``DataConfig.data_dir``); None for synthetic data and a dataset given as a path.
     """
 
     name: str
@@ -49,6 +51,7 @@ class Dataset:
     num_interactions: int
     checksums: dict[str, str] = field(default_factory=dict)
     notes: dict[str, str] = field(default_factory=dict)
+    data_dir: str | None = None
 
     def stats(self) -> dict[str, object]:
         num_users, num_items = len(self.user_ids), self.catalog.num_items
@@ -104,18 +107,21 @@ def load_dataset(name: str, data_dir: str | None = None, max_history: int = 20,
     if not isinstance(name, str):
         raise ValueError(f"dataset name must be a string, got {name!r}")
     notes: dict[str, str] = {}
+    found_in = None
     if name.lower() == SYNTHETIC:
         item_ids, codes, user_ids, sequences = make_synthetic(seed=synthetic_seed)
         checksums: dict[str, str] = {}
     else:
         # with a data_dir, a name stays inside it (a path there is rejected, never followed out of it)
-        files = locate_directory(name) if is_dataset_path(name) and not data_dir \
-            else locate(name, data_dir, allow_download=allow_download)
+        by_path = is_dataset_path(name) and not data_dir
+        files = locate_directory(name) if by_path else locate(name, data_dir, allow_download=allow_download)
         item_ids, codes = parse_index(files.require_index())
         item_index = {item: i for i, item in enumerate(item_ids)}
         user_ids, sequences, notes = read_sequences(files, item_index, min_interactions)
         checksums = files.checksums()
+        found_in = None if by_path else str(files.inter_path.parent.parent.resolve())
     catalog = Catalog.from_codes(item_ids, codes)
     splits = build_splits(sequences, max_history=max_history)
     return Dataset(name=dataset_label(name), catalog=catalog, splits=splits, user_ids=tuple(user_ids),
-                   num_interactions=int(sum(len(s) for s in sequences)), checksums=checksums, notes=notes)
+                   num_interactions=int(sum(len(s) for s in sequences)), checksums=checksums, notes=notes,
+                   data_dir=found_in)

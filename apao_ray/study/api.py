@@ -5,6 +5,7 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .outcomes import short_reason
 from .plan import Plan, cost_summary, make_plan, method_config, record_observed, validation_users
 from .spec import StudySpec
 
@@ -152,7 +153,7 @@ def trial_row(row: dict[str, Any]) -> dict[str, Any]:
     """One trial's choices and final metrics, flat, with how it ended."""
     metrics = {k: v for k, v in row["metrics"].items() if "/" in k or k == "epoch"}
     if row["error"]:
-        status = f"failed: {row['error'].strip().splitlines()[-1][:200]}"
+        status = f"failed: {short_reason(row['error'])}"
     else:
         status = "finished" if "test/ndcg_at_10" in metrics else "stopped"
     return {**row["choices"], "seed": row.get("seed"), "repeats": row.get("repeats"), **metrics, "status": status}

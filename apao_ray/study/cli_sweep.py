@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import BACKBONE_NAMES
+from ..paths import absolute_data_dir_env
 from ..protocol import KNOBS
 from .cli_protocol import add_protocol_arguments
 from .cli_train import add_common_arguments
@@ -43,6 +44,10 @@ examples:
   python -m apao_ray sweep --dataset grocery --resume     # after Ctrl-C or a lost driver: continue the study
 then: python -m apao_ray best --dataset grocery ;  mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db
 (studies/sweep.py and ./apao sweep take the same flags)
+
+exit codes: 0 the study ran and at least one trial finished (failed trials are counted and listed, each with its
+reason); 1 no trial finished (its table and that list say why); 2 input refused before anything ran; 130 / 143
+stopped by SIGINT (Ctrl-C) / SIGTERM, its state saved for --resume
 """
 DEFAULTS = {f.name: f.default for f in fields(StudySpec)}
 
@@ -134,9 +139,12 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
     parser.add_argument("--max-failures", type=non_negative_int, default=DEFAULTS["max_failures"],
                         help="restarts of a failed trial from its checkpoint (default %(default)s)")
     parser.add_argument("--memory-per-trial", type=positive_float, metavar="GIB",
-                        help="memory cap per trial in GiB: reserved in Ray and enforced in the worker, so a trial "
-                             "that needs more fails as 'out of memory' instead of taking the node down "
-                             "(a worker with torch loaded already maps ~1.5 GiB) (default: no cap)")
+                        help="memory cap per trial in GiB, counting what the trial itself allocates: the memory its "
+                             "worker maps past what it mapped when the trial started, torch and Ray loaded (0.5-2.5 GiB, "
+                             "by allocator; not counted), whether touched yet or not; the same under every allocator "
+                             "(APAO_RAY_ALLOCATOR). A trial that needs more fails as 'out of memory', naming the cap "
+                             "and what it held, instead of the node's OOM killer taking processes; Ray reserves the "
+                             "cap for the trial's scheduling (default: no cap)")
     parser.add_argument("--asha-grace-period", type=positive_int, default=DEFAULTS["asha_grace_period"],
                         help="epochs before ASHA may stop a trial (default %(default)s; a quarter of the epochs "
                              "when --budget shortens them); a trial is only compared with trials "
@@ -224,6 +232,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     parser = build_parser(prog)
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
+    absolute_data_dir_env()  # the trials and the plan's probes run in other working directories
     given = given_flags(parser, argv)
     if {"seed", "seeds"} <= given:
         parser.error(f"--seed {args.seed} and --seeds {','.join(map(str, args.seeds))} were both given; give --seeds "
@@ -250,6 +259,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     failed = sum(str(status).startswith("failed") for status in result.trials.get("status", []))
     print(f"study {result.study_name}: {len(result.trials)} trials ({failed} failed); best per (backbone, loss) "
           "by validation:", file=sys.stderr)
+    none_finished = failed == len(result.trials)  # every trial failed (or none ran)
     print(format_rows(table_records(result.table), "markdown"))
     print(result.cost_summary, file=sys.stderr)
     if result.optuna_summary:
@@ -259,7 +269,23 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
 
     tracker = Tracker(result.tracking_uri, experiment_name(spec.resolved["base"].data.dataset))
     print(ui_hint(result.tracking_uri, tracker.experiment_id, view_key(result.study_name)))
-    return 0
+    print_failures(result.trials)
+    if none_finished:
+        print(f"study {result.study_name}: no trial finished ({failed} failed; why: the status column above); "
+              "exit code 1", file=sys.stderr)
+    return 1 if none_finished else 0
+
+
+def print_failures(trials: Any) -> None:
+    """Each failed trial and why, one line each (the table keeps one reason per method)."""
+    from .outcomes import describe
+
+    failed = [row for row in table_records(trials) if str(row.get("status")).startswith("failed")]
+    if failed:
+        print(f"failed trials ({len(failed)}):", file=sys.stderr)
+    for row in failed:
+        name = describe({key: value for key, value in row.items() if value is not None})
+        print(f"  {name}: {row['status']}", file=sys.stderr)
 
 
 def table_records(table: Any) -> list[dict[str, Any]]:

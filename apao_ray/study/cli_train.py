@@ -11,6 +11,7 @@ from typing import Any
 
 from ..config import BACKBONE_NAMES, PRECISIONS, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from ..data import canonical_dataset, dataset_label, known_dataset_names
+from ..paths import absolute_data_dir_env
 from ..protocol import check_select_by, protocol_tag, resolved_knobs
 from .cli_protocol import add_protocol_arguments, apply_protocol_arguments
 from .cli_types import non_negative_float, non_negative_int, positive_int
@@ -141,6 +142,7 @@ def _abs(path: str | None) -> str | None:
 def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    absolute_data_dir_env()  # the trial's workers run in other working directories
     apply_smoke(args)
     try:
         config = trial_config_from_args(args)
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
 
         # fails fast on bad data; an explicit --data-dir must hold the dataset (no download, no fall-back)
         dataset = load_dataset(config.data.dataset, config.data.data_dir, allow_download=not config.data.data_dir)
+        # where the files were found: the trial's workers read them there, from any working directory
+        config = config.replace(data=config.data.replace(data_dir=dataset.data_dir))
         check_against_catalog(config, dataset.catalog, args.num_negatives)
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))

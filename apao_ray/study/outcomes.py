@@ -43,6 +43,14 @@ def failure_outcome(reason: str) -> str:
     return "failed"
 
 
+def short_reason(error: str, width: int = 200) -> str:
+    """A failed trial's error in one line for a table: its last line, without the wrapper the trial's driver
+    raised it in (``apao_ray.training.worker.TrialFailedError: ``), cut at ``width`` characters."""
+    line = (error.strip().splitlines() or ["unknown error"])[-1]
+    wrapper, _, reason = line.partition(" ")
+    return (reason if wrapper.endswith("TrialFailedError:") else line)[:width]
+
+
 def describe(choices: dict[str, Any]) -> str:
     """Run name that says backbone/loss/beta/eta/N, e.g. ``tiger/apao_pairwise b=0.2 eta=3e-05 N=100``."""
     parts = [f"{choices['backbone']}/{choices['loss']}"]

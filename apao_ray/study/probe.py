@@ -39,7 +39,7 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
     torch.set_num_threads(max(1, threads))
     config = TrialConfig.from_dict(config_dict)
     dataset = load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
-                           config.data.synthetic_seed)
+                           config.data.synthetic_seed, allow_download=False)  # the driver found the files
     trial_samples = config.train.epochs * min(len(dataset.splits["train"]),
                                               config.train.max_train_samples or len(dataset.splits["train"]))
     device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")

@@ -41,7 +41,8 @@ def evaluate_checkpoint(directory: str, num_threads: int = 1) -> dict[str, float
 
     limit_threads(num_threads)
     config = TrialConfig.from_dict(json.loads((Path(directory) / CONFIG_FILE).read_text()))
-    dataset = load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history, config.data.synthetic_seed)
+    dataset = load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history, config.data.synthetic_seed,
+                           allow_download=False)  # in a Ray task: the driver found the files
     state, best_weights, _ = load_checkpoint(directory)
     device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
     model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels)

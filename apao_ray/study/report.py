@@ -11,6 +11,7 @@ from ..names import PLAN_TAG, REPEATS_TAG
 from ..protocol import PROTOCOL_TAG, schedule_label
 from ..tracking import Tracker
 from . import plots
+from .outcomes import short_reason
 from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
     significance_column
 
@@ -56,7 +57,10 @@ def _schedule(params: dict[str, str]) -> str:
 def paper_comparability(rows: list[dict[str, Any]]) -> str:
     """One line saying whether the test columns compare with paper Table 1: only when every row
     trained on the paper's schedule (200 epochs, patience 20), whichever protocol it followed."""
-    short = sorted({str(row.get("schedule")) for row in rows if row.get("schedule") != "paper"})
+    rows = [row for row in rows if row.get("schedule")]  # a method without a finished trial has no test columns
+    if not rows:
+        return "test columns: none, no trial finished"
+    short = sorted({str(row["schedule"]) for row in rows if row["schedule"] != "paper"})
     protocols = sorted({str(row.get("protocol")) for row in rows})
     if not short:
         return (f"test columns: the paper's schedule (200 epochs, patience 20), protocol {protocols}: "
@@ -158,7 +162,7 @@ def why_none_finished(runs: list[Any]) -> str:
     if failed:
         reason = failed[0].data.tags.get("apao.error") or failed[0].data.tags.get("apao.outcome", "unknown error")
         counts = f"{len(failed)} of {len(runs)} trials " if len(runs) > 1 else ""
-        return f"{counts}failed: {reason.strip().splitlines()[-1][:200]}"
+        return f"{counts}failed: {short_reason(reason)}"
     kinds: dict[str, int] = {}
     for outcome in outcomes:
         kind = outcome.split(":")[0].split(" at epoch")[0]

@@ -39,7 +39,9 @@ class StudySpec:
 
     Args:
         dataset: a known dataset name (any case) or "synthetic".
-        data_dir: directory holding the dataset; given, it must hold it (no download, no fall-back).
+        data_dir: directory holding the dataset; given, it must hold it (no download, no fall-back). Relative
+            paths here and below are the caller's: resolved once, where the study starts; the trials get the
+            absolute directory the dataset was found in.
         backbones, losses: the methods: every (backbone, loss) pair is studied.
         num_samples: Optuna trials per tuned (backbone, loss); baselines run once.
         beta, eta, negatives: search ranges (low, high); negatives only for losses that use them
@@ -55,6 +57,8 @@ class StudySpec:
             trials that can run at once (min of the trials, max_concurrent and the CPUs), at least 1 each, and
             no more than the CPUs not busy now (load average), so a lone trial on an idle 2-CPU machine trains
             on both; 1 on a cluster.
+        memory_per_trial_gib: a cap on what each trial allocates past its worker's start (torch and Ray loaded),
+            the same under every allocator (training/memory.py MemoryCap); reserved in Ray's scheduling too.
         tracking_uri: MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db).
         output_dir: Ray Tune state and checkpoints.
         address: a Ray cluster to join (None: a local Ray on this machine).
@@ -221,7 +225,8 @@ class StudySpec:
         study_name = check_plain_name("study", self.study_name or f"{dataset_label(self.dataset)}-study")
         dataset = load_dataset(self.dataset, self.data_dir, allow_download=not self.data_dir)  # given: it is there
         base = TrialConfig(
-            DataConfig(dataset=canonical_dataset(self.dataset), data_dir=str(Path(self.data_dir).resolve()) if self.data_dir else None),
+            # where the driver found the files: the trials read them there, from any working directory, never downloading
+            DataConfig(dataset=canonical_dataset(self.dataset), data_dir=dataset.data_dir),
             ModelConfig(**(TINY_MODEL if self.model_size == "tiny" else {})),
             LossConfig(num_negatives=negatives[1]),
             TrainConfig(epochs=self.epochs, patience=self.patience, batch_size=self.batch_size,

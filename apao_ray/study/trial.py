@@ -37,7 +37,8 @@ class TrialStartError(RuntimeError):
 class Resources:
     """Per-trial compute: workers (data parallel), CPUs, (fractional) GPUs and a memory cap per worker.
 
-    ``memory_bytes`` is reserved in Ray's scheduling and enforced in the worker (RLIMIT_DATA).
+    ``memory_bytes`` is reserved in Ray's scheduling and enforced in the worker on what the trial allocates past
+    the worker's start (training/memory.py MemoryCap).
     """
 
     num_workers: int = 1

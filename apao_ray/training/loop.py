@@ -121,8 +121,9 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     train_cfg, loss_cfg = config.train, config.loss
     meter = CostMeter(hooks.device)  # wall, CPU seconds, peak memory, energy: setup and test included
     torch.manual_seed(train_cfg.seed)
+    # never a download here, in a worker: the command that started the trial found the files (config.data.data_dir)
     dataset = dataset or load_dataset(config.data.dataset, config.data.data_dir, config.data.max_history,
-                                      config.data.synthetic_seed)
+                                      config.data.synthetic_seed, allow_download=False)
     catalog = dataset.catalog
     device = hooks.device
     tensors = catalog.tensors(device)

@@ -18,6 +18,11 @@ them and returns free spans to the OS at its own pace, so under tcmalloc the rel
 boundaries (its periodic release cost APAO-pairwise 1.19x); where tcmalloc is not installed, glibc is told
 to keep them (no mmap, no automatic trim), and the releaser returns what is free past its soft limit.
 Measured in benchmarks/RESULTS.md.
+
+A trial's memory cap (:class:`MemoryCap`) counts what the trial allocates past what its worker maps when the
+trial starts: a worker with torch and Ray loaded maps 1-2.5 GiB before it trains (more under glibc, whose
+per-thread arenas and thread stacks are counted as mapped), so a cap on the whole process meant a different
+thing under each allocator and refused small trials under glibc.
 """
 from __future__ import annotations
 
@@ -113,6 +118,59 @@ def resident_bytes() -> int | None:
             return int(statm.read().split()[1]) * _PAGE
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of /proc/self/status (``VmData``, ``VmHWM``) in bytes (Linux), else None."""
+    try:
+        with open("/proc/self/status") as status:
+            return next((int(line.split()[1]) * 1024 for line in status if line.startswith(field + ":")), None)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class MemoryCap:
+    """Caps what this process allocates from now on at ``max_bytes`` past what it maps now.
+
+    Enforced by the kernel on the data segment (RLIMIT_DATA at today's ``VmData`` + ``max_bytes``): heap, tensors,
+    thread stacks and anything else mapped private and writable, counted when allocated, touched or not. An
+    allocation past it fails at once (torch: "can't allocate memory", Python: MemoryError), so the trial fails as
+    out of memory instead of the node's OOM killer taking down whatever it picks. A resident-memory watchdog would
+    only act between steps, after a step's peak had already been taken from the machine.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        import resource
+
+        if max_bytes <= 0:
+            raise ValueError(f"memory cap {max_bytes} bytes must be > 0")
+        self.max_bytes = max_bytes
+        self.start_bytes = _status_bytes("VmData")
+        if self.start_bytes is None:  # no /proc (macOS): the cap is Ray's reservation alone
+            return
+        try:  # the resident high-water mark from here on (a reused worker process carries its last trial's)
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")
+        except OSError:
+            pass
+        self.start_resident = resident_bytes() or 0
+        _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        limit = self.start_bytes + max_bytes
+        resource.setrlimit(resource.RLIMIT_DATA, (limit if hard == resource.RLIM_INFINITY else min(limit, hard), hard))
+
+    def describe(self) -> str:
+        """The cap, what the trial held of it now (where an allocation failed) and its resident peak, e.g.
+        ``memory cap 2.50 GiB: 2.45 GiB allocated past the worker's 2.53 GiB at the trial's start, resident peak +2.45 GiB``."""
+        gib = 2**30
+        text = f"memory cap {self.max_bytes / gib:.2f} GiB"
+        now, peak = _status_bytes("VmData"), _status_bytes("VmHWM")
+        if self.start_bytes is None or now is None:
+            return text
+        text += (f": {(now - self.start_bytes) / gib:.2f} GiB allocated past the worker's {self.start_bytes / gib:.2f} GiB "
+                 "at the trial's start")
+        if peak is not None:
+            text += f", resident peak +{max(0, peak - self.start_resident) / gib:.2f} GiB"
+        return text
 
 
 def release_free_memory() -> bool:

@@ -17,27 +17,14 @@ from torch import nn
 from ..config import TrialConfig
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
 from .hooks import TrainingHooks
-from .loop import TrialOutOfMemoryError, run_trial
-from .memory import allocator_in_use
+from .loop import TrialOutOfMemoryError, is_out_of_memory, run_trial
+from .memory import MemoryCap, allocator_in_use
 from .steps import NonFiniteLossError
 
 
 class TrialFailedError(RuntimeError):
     """A trial stopped for a reason a restart from its checkpoint cannot fix (non-finite loss,
     out of memory); raised once by the trial's driver, never retried by Ray Train."""
-
-
-def limit_memory(max_bytes: int) -> None:
-    """Caps this process's data segment (RLIMIT_DATA): allocations past it fail with an error the
-    loop reports as out of memory, instead of the kernel's OOM killer taking down the node."""
-    import resource
-
-    with open("/proc/self/status") as status:
-        in_use = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:"))
-    if max_bytes <= in_use:
-        raise ValueError(f"memory cap {max_bytes / 2**30:.2f} GiB is below what this worker already maps "
-                         f"({in_use / 2**30:.2f} GiB of data segment with torch and Ray loaded); raise it")
-    resource.setrlimit(resource.RLIMIT_DATA, (max_bytes, resource.getrlimit(resource.RLIMIT_DATA)[1]))
 
 
 def worker_facts(node_id: str) -> dict[str, Any]:
@@ -151,18 +138,29 @@ def quiet_report_log(level: str) -> None:
     logging.getLogger(context.__file__).setLevel(level)
 
 
-def setup_worker(loop_config: dict[str, Any]) -> None:
-    """Threads, warnings and memory cap of a process about to train a trial."""
+def setup_worker(loop_config: dict[str, Any]) -> MemoryCap | None:
+    """Threads, warnings and memory cap of a process about to train a trial; returns the cap (None: none)."""
     limit_threads(int(loop_config.get("cpus_per_worker") or 1))
     os.environ.setdefault("PYTHONWARNINGS", "ignore::DeprecationWarning")
-    if loop_config.get("max_memory_bytes"):
-        limit_memory(int(loop_config["max_memory_bytes"]))
+    # after torch and Ray are loaded: the cap counts what the trial itself allocates (training/memory.py)
+    return MemoryCap(int(loop_config["max_memory_bytes"])) if loop_config.get("max_memory_bytes") else None
 
 
-def leave_failure(loop_config: dict[str, Any], error: BaseException) -> str:
+def stops_for_good(error: BaseException) -> bool:
+    """A failure a restart from the checkpoint would meet again: a non-finite loss, an allocation failure."""
+    return isinstance(error, NonFiniteLossError) or is_out_of_memory(error)
+
+
+def leave_failure(loop_config: dict[str, Any], error: BaseException, cap: MemoryCap | None = None) -> str:
     """Writes why a trial failed for a reason a restart from its checkpoint would meet again (non-finite loss,
-    out of memory) where its driver finds it, and returns that reason."""
+    out of memory; with the cap and what the trial held of it) where its driver finds it, and returns that reason."""
     reason = f"{type(error).__name__}: {error}"
+    if is_out_of_memory(error):
+        message = str(error) if isinstance(error, TrialOutOfMemoryError) else \
+            "out of memory outside an epoch's training and validation: " + (str(error).strip().splitlines() or [""])[0][:300]
+        # the cap first: a table shows a failure's first 200 characters
+        noted = f"out of memory ({cap.describe()})" if cap is not None else "out of memory"
+        reason = f"{TrialOutOfMemoryError.__name__}: {noted}{message.removeprefix('out of memory')}"
     failure_file = Path(loop_config["failure_file"])
     failure_file.parent.mkdir(parents=True, exist_ok=True)
     failure_file.write_text(reason)
@@ -179,7 +177,7 @@ def train_in_tune_actor(loop_config: dict[str, Any]) -> dict[str, Any]:
     failure_file = Path(loop_config["failure_file"])
     if failure_file.exists():
         raise TrialFailedError(failure_file.read_text())
-    setup_worker(loop_config)
+    cap = setup_worker(loop_config)
     config = TrialConfig.from_dict(loop_config["trial"])
     device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
     hooks = TuneTrialHooks(loop_config["output_dir"], device, verbose=loop_config.get("verbose", True),
@@ -187,26 +185,29 @@ def train_in_tune_actor(loop_config: dict[str, Any]) -> dict[str, Any]:
     hooks.progress_label = loop_config.get("progress_label", "")
     try:
         return run_trial(config, hooks)
-    except (NonFiniteLossError, TrialOutOfMemoryError) as error:
-        raise TrialFailedError(leave_failure(loop_config, error)) from None
+    except Exception as error:  # noqa: BLE001 - re-raised unless a restart would meet it again
+        if not stops_for_good(error):
+            raise
+        raise TrialFailedError(leave_failure(loop_config, error, cap)) from None
     finally:
         hooks.close()
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Entry point given to ``TorchTrainer``; ``loop_config = {"trial": TrialConfig dict, ...}``."""
-    setup_worker(loop_config)
+    cap = setup_worker(loop_config)
     quiet_report_log(loop_config.get("ray_log_level", "INFO"))
     hooks = RayTrainHooks(verbose=loop_config.get("verbose", True),
                           scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX))
     hooks.progress_label = loop_config.get("progress_label", "")
     try:
         run_trial(TrialConfig.from_dict(loop_config["trial"]), hooks)
-    except (NonFiniteLossError, TrialOutOfMemoryError) as error:
-        if hooks.world_size > 1:  # ranks must stop together: a lone rank returning would stall the rest
+    except Exception as error:  # noqa: BLE001 - re-raised unless a restart would meet it again
+        # ranks must stop together: a lone rank returning would stall the rest
+        if not stops_for_good(error) or hooks.world_size > 1:
             raise
         # Ray Train restarts a worker after any exception (up to max_failures), and these would recur
         # from the checkpoint: end the run and leave the reason where the driver raises it once
-        leave_failure(loop_config, error)
+        leave_failure(loop_config, error, cap)
     finally:  # the checkpoints were uploaded by report(): nothing in scratch is needed any more
         hooks.close()
