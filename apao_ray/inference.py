@@ -166,9 +166,11 @@ def served_request(model_input: Any, k: Any, num_semantic_ids: int) -> tuple[lis
     return rows, int(k)
 
 
-def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None) -> Recommender:
-    """Loads a model logged by a study: an MLflow URI (``runs:/<id>/model``, ``models:/<name>@best``),
-    a local final-checkpoint directory or an ``export --format hf`` directory. ``precision`` (fp32/bf16/auto) defaults to the trial's."""
+def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None,
+                     tracking_uri: str | None = None) -> Recommender:
+    """Loads a model logged by a study: an MLflow URI (``runs:/<id>/model``, ``models:/<name>@best``,
+    looked up in ``tracking_uri``, default MLflow's), a local final-checkpoint directory or an
+    ``export --format hf`` directory. ``precision`` (fp32/bf16/auto) defaults to the trial's."""
     if Path(model_uri).is_dir():
         from .export import TRIAL_CONFIG_FILE
 
@@ -177,4 +179,4 @@ def load_recommender(model_uri: str, device: str = "cpu", precision: str | None 
         return Recommender.from_checkpoint(model_uri, device, precision)
     from .tracking import load_checkpoint_dir_from_model
 
-    return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri), device, precision)
+    return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri, tracking_uri), device, precision)

@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from .paths import add_tracking_uri_argument
+
 
 def serve_command(model_uri: str, host: str, port: int, workers: int) -> list[str]:
     """MLflow's own command line for the scoring server, run by this interpreter."""
@@ -57,6 +59,5 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "usually holds 5000)")
     parser.add_argument("--workers", type=int, default=1, help="server processes, each holding the model "
                         "(default %(default)s)")
-    parser.add_argument("--tracking-uri", help="where the model is registered (default: $MLFLOW_TRACKING_URI, "
-                        "then ./mlflow.db)")
+    add_tracking_uri_argument(parser, "where a models:/ or runs:/ URI is looked up")
     parser.set_defaults(handler=_run)

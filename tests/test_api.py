@@ -342,7 +342,7 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
         assert row["test/ndcg_at_10 std"] == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5)
         assert row["cost/wall_seconds"] > 0 and row["cost/cpu_seconds"] > 0 and row["cost/peak_rss_mb"] > 0
     assert table.loc["ce", "vs ce test/ndcg_at_10"] == "baseline"
-    assert re.fullmatch(r"[+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\], p_holm = [\d.e+-]+",
+    assert re.fullmatch(r"[+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\], p_holm = [\d.e+-]+ \(Holm over \d+ comparisons?: .+\)",
                         table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]), table.loc["apao_pointwise"]
     assert re.search(r"tiger/apao_pointwise +[\d.]+ / [\d.]+ +[\d.]+ / [\d.]+ +\d+ / \d+", result.cost_summary), \
         result.cost_summary

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cli_types import positive_int
+from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export
 from .results import (SELECTION_METRIC, TEST_METRICS, TRIAL_CHOICES, Method, Paired, compare_methods, finished_trials,
                       group_methods, unfinished_trials)
@@ -210,8 +212,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--study", action="extend", nargs="+", metavar="NAME",
                         help="study names, one per seed (--study A B or --study A --study B)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--tracking-uri", default=None,
-                        help="read MLflow (default when --exports is absent: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    add_tracking_uri_argument(source, "MLflow store to read when --exports is absent")
     source.add_argument("--exports", action="extend", nargs="+", metavar="DIR",
                         help="export directories, or folders of them (e.g. benchmarks/results); --exports A B "
                              "or --exports A --exports B")
@@ -219,5 +220,5 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--baseline", default="ce", help="loss every other method is compared with (default ce)")
     parser.add_argument("--trials", choices=TRIAL_CHOICES, default="best",
                         help="per (study, backbone, loss): the best trial by validation NDCG@10, or all (default best)")
-    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--resamples", type=positive_int, default=10_000, help="bootstrap resamples (default 10000)")
     parser.set_defaults(handler=_main)
