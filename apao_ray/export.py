@@ -204,7 +204,7 @@ def _run(args: argparse.Namespace) -> int:
     tracking_uri = resolve_tracking_uri(args.tracking_uri)
     if not Path(args.model).is_dir():  # an MLflow URI: fail naming it, before MLflow creates an empty store
         require_model(args.model, tracking_uri)
-    recommender = load_recommender(args.model, precision="fp32", tracking_uri=tracking_uri)
+    recommender = load_recommender(args.model, tracking_uri=tracking_uri)  # fp32, as the server and load_recommender
     directory = export_hf(recommender, args.to)
     kind = "T5ForConditionalGeneration" if recommender.config.model.backbone == "tiger" else "LlamaForCausalLM"
     print(f"wrote {directory}: {kind} ({recommender.catalog.num_items:,} items); load it with "

@@ -263,7 +263,7 @@ class Tracker:
                     artifacts={"checkpoint": str(checkpoint_dir)}, code_paths=[package_dir],
                     pip_requirements=requirements,
                     # (data, params): the signature then accepts predict(..., params={"k": ...})
-                    input_example=(pd.DataFrame({"history": [example_history]}), {"k": 10, "skip_unknown": False}))
+                    input_example=(pd.DataFrame({"history": [example_history]}), dict(SERVED_PARAMS)))
         finally:
             self.reopen(run_id)  # start_run's context closed the run; its owner ends it
         return info.model_uri
@@ -322,6 +322,10 @@ def dataset_entity(record: dict[str, Any]) -> Dataset:
                    record.get("schema"), record.get("profile"))
 
 
+# the params a served request may give (predict's ``params``) and their defaults; serve refuses others
+SERVED_PARAMS = {"k": 10, "skip_unknown": False}
+
+
 class RecommenderModel(mlflow.pyfunc.PythonModel):
     """pyfunc wrapper: predict on a DataFrame with a ``history`` column of item-id lists.
 
@@ -367,6 +371,21 @@ def require_model(model_uri: str, tracking_uri: str) -> None:
             reason = str(getattr(error, "message", error)).splitlines()[0]
             raise ValueError(f"model {model_uri!r} not found in {redact(tracking_uri)}: {reason}. Registered models: "
                              f"{sorted(names)} (models:/<name>@best, runs:/<run id>/model or a model directory)") from None
+
+
+def download_model(model_uri: str, tracking_uri: str) -> str:
+    """A logged model's local directory (downloaded from ``tracking_uri`` as ``mlflow models serve`` does)."""
+    from mlflow.tracking.artifact_utils import _download_artifact_from_uri
+
+    with tracking_at(tracking_uri):
+        return _download_artifact_from_uri(model_uri)
+
+
+def scoring_app(model_directory: str) -> Any:
+    """MLflow's own scoring server (the FastAPI app ``mlflow models serve`` runs) for a local model directory."""
+    from mlflow.pyfunc import scoring_server
+
+    return scoring_server.init(scoring_server.load_model_with_mlflow_config(model_directory))
 
 
 def load_checkpoint_dir_from_model(model_uri: str, tracking_uri: str | None = None) -> str:

@@ -58,7 +58,7 @@ BAD_INPUTS = [
     (["serve", "models:/ghost@best", "--tracking-uri", "{store}"], "'models:/ghost@best' not found"),
     (["serve", "/no/such/model"], "'/no/such/model': no such directory"),
     (["serve", "models:/ghost@best", "--port", "70000"], "--port 70000"),
-    (["serve", "models:/ghost@best", "--workers", "0"], "--workers 0"),
+    (["serve", "models:/ghost@best", "--workers", "0"], "--workers: '0' must be an integer >= 1"),
     (["tokenize", "--dataset", "/no/such/data"], "/no/such/data does not exist"),
     (["tokenize", "--dataset", ".", "--levels", "0"], "--levels: '0' must be an integer >= 1"),
     (["tokenize", "--dataset", ".", "--codes", "x"], "--codes: 'x' is not an integer"),

@@ -203,13 +203,14 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     from apao_ray.training.precision import autocast
 
     mlflow.set_tracking_uri(study["uri"])
-    recommender = apao_ray.load_recommender("models:/apao-synthetic-tiger-apao_pointwise@best")
+    # precision="trial": decoding as the trial evaluated (load_recommender's default is fp32, test_export.py)
+    recommender = apao_ray.load_recommender("models:/apao-synthetic-tiger-apao_pointwise@best", precision="trial")
     # the trial's own evaluation path: its final checkpoint's weights through beam_search on test batches
     run = study["tracker"].client.get_run(next(r["run_id"] for r in rows if r["loss"] == "apao_pointwise"))
-    trial = Recommender.from_checkpoint(run.data.tags["apao.checkpoint"])
+    trial = Recommender.from_checkpoint(run.data.tags["apao.checkpoint"], precision="trial")
     dataset = load_dataset("synthetic")
     batch = next(iter_batches(dataset.catalog, dataset.splits["test"], 8))
-    with autocast(trial.precision, "cpu"):  # the trial evaluated (and the recommender decodes) in its own precision
+    with autocast(trial.precision, "cpu"):  # the trial evaluated in its own precision
         beam = beam_search(trial.model, batch.history_ids, batch.history_mask, dataset.catalog.tensors(), 20)
     expected = [[dataset.catalog.item_ids[dataset.catalog.sem_items[s]] for s in row[:10]] for row in beam.sem_ids.tolist()]
     histories = [[dataset.catalog.item_ids[i] for i in h if i >= 0] for h in dataset.splits["test"].histories[:8]]
