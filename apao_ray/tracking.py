@@ -342,10 +342,10 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         from .inference import served_request
 
-        params = params or {}
+        params = {**SERVED_PARAMS, **(params or {})}
         try:
-            histories, k = served_request(model_input, params.get("k", 10), self.recommender.catalog.num_semantic_ids)
-            recommended = self.recommender.recommend(histories, k=k, skip_unknown=bool(params.get("skip_unknown")))
+            histories, k = served_request(model_input, params["k"], self.recommender.catalog.num_semantic_ids)
+            recommended = self.recommender.recommend(histories, k=k, skip_unknown=bool(params["skip_unknown"]))
         except ValueError as error:
             raise MlflowException.invalid_parameter_value(str(error)) from error
         return pd.DataFrame({"items": [[item for item, _ in row] for row in recommended],
