@@ -51,6 +51,7 @@ def _data_stats(args: argparse.Namespace) -> int:
 
 def register(commands: argparse._SubParsersAction) -> None:
     """``data stats``: dataset figures."""
+    from .cli_types import int_at_least, positive_int
     from .data import known_dataset_names
 
     data = commands.add_parser("data", help="dataset utilities").add_subparsers(dest="data_command", required=True)
@@ -59,8 +60,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                        "directory path (./mydata) with <Name>.inter.json or an interactions table")
     stats.add_argument("--data-dir", help="directory holding <Name>/<Name>.inter.json (default: $APAO_DATA_DIR, "
                                           "./data, then the user cache; downloaded if absent)")
-    stats.add_argument("--max-history", type=int, default=20, help="history truncation (default %(default)s)")
-    stats.add_argument("--min-interactions", type=int, help="k of the k-core filter on an interactions table "
+    stats.add_argument("--max-history", type=positive_int, default=20, help="history truncation (default %(default)s)")
+    stats.add_argument("--min-interactions", type=int_at_least(3), help="k of the k-core filter on an interactions table "
                        "(default: what tokenize recorded, else 5, the paper's five-core)")
     stats.add_argument("--json", action="store_true", help="print JSON instead of a table")
     stats.set_defaults(handler=_data_stats)

@@ -9,7 +9,8 @@
 
 It is HF ``generate`` with beam search (beam = max(k, the trained beam size)) and a
 ``prefix_allowed_tokens_fn`` that walks the catalog trie, so only real semantic IDs come out:
-the same search as ``apao_ray.load_recommender(...).recommend`` (the tests check the top 10).
+the same search as ``apao_ray.load_recommender(...).recommend`` and the served model, all in fp32
+(the tests check the top 10, also for a model trained in bf16).
 """
 from __future__ import annotations
 

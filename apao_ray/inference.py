@@ -23,6 +23,13 @@ from .protocol import decoding_scoring
 from .training.checkpoint import BEST_MODEL_FILE, CONFIG_FILE, load_catalog_arrays
 from .training.precision import autocast, resolve_precision
 
+# What a loaded model decodes in unless told otherwise: fp32, whatever the trial trained in. bf16
+# autocast rounds per operation, so two implementations of one model (ours, the transformers export,
+# in load_recommender, the served model and recommend_hf.py) rank near-ties differently: on this
+# repo's tiny TIGER 22/40 top-10 lists of the export equalled ours in bf16, 40/40 in fp32.
+INFERENCE_PRECISION = "fp32"
+TRIAL_PRECISION = "trial"  # precision= value: decode in the trial's own precision
+
 
 class Recommender:
     """A trained backbone + its catalog, recommending with the constrained beam search (SPEC §4).
@@ -30,8 +37,9 @@ class Recommender:
     Attributes:
         config: the trial's configuration.
         catalog: the items the model can recommend.
-        precision: ``fp32`` or ``bf16``, what the beam search computes in; by default the
-            trial's own (its test metrics were computed so), ``auto`` resolved for ``device``.
+        precision: ``fp32`` or ``bf16``, what the beam search computes in; by default fp32
+            (``INFERENCE_PRECISION``), ``trial`` for the trial's own (its test metrics were computed
+            so), ``auto`` resolved for ``device``.
     """
 
     def __init__(self, model: torch.nn.Module, catalog: Catalog, config: TrialConfig, device: str = "cpu",
@@ -40,7 +48,8 @@ class Recommender:
         self.catalog = catalog
         self.config = config
         self.device = torch.device(device)
-        self.precision = resolve_precision(precision or config.train.precision, self.device)
+        chosen = config.train.precision if precision == TRIAL_PRECISION else precision or INFERENCE_PRECISION
+        self.precision = resolve_precision(chosen, self.device)
         self._tensors = catalog.tensors(self.device)
         self._item_tokens = catalog.item_tokens
 
@@ -166,9 +175,12 @@ def served_request(model_input: Any, k: Any, num_semantic_ids: int) -> tuple[lis
     return rows, int(k)
 
 
-def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None) -> Recommender:
-    """Loads a model logged by a study: an MLflow URI (``runs:/<id>/model``, ``models:/<name>@best``),
-    a local final-checkpoint directory or an ``export --format hf`` directory. ``precision`` (fp32/bf16/auto) defaults to the trial's."""
+def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None,
+                     tracking_uri: str | None = None) -> Recommender:
+    """Loads a model logged by a study: an MLflow URI (``runs:/<id>/model``, ``models:/<name>@best``,
+    looked up in ``tracking_uri``, default MLflow's), a local final-checkpoint directory or an
+    ``export --format hf`` directory. ``precision`` (fp32/bf16/auto, or ``trial``: the trial's own)
+    defaults to fp32, what the export and the served model decode in (``INFERENCE_PRECISION``)."""
     if Path(model_uri).is_dir():
         from .export import TRIAL_CONFIG_FILE
 
@@ -177,4 +189,4 @@ def load_recommender(model_uri: str, device: str = "cpu", precision: str | None 
         return Recommender.from_checkpoint(model_uri, device, precision)
     from .tracking import load_checkpoint_dir_from_model
 
-    return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri), device, precision)
+    return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri, tracking_uri), device, precision)

@@ -4,8 +4,11 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 DATA_DIR_ENV = "APAO_DATA_DIR"
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+DEFAULT_DB_NAME = "mlflow.db"
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -51,3 +54,11 @@ def download_dir(data_dir: str | os.PathLike | None = None) -> Path:
     """Where a missing dataset is downloaded: the first explicit location, else the cache."""
     return data_dir_candidates(data_dir)[0] if (data_dir or os.environ.get(DATA_DIR_ENV)) \
         else user_cache_dir() / "datasets"
+
+
+def add_tracking_uri_argument(parser: Any, purpose: str = "MLflow store to read") -> None:
+    """``--tracking-uri`` with one default for every command that reads MLflow (resolved by
+    ``tracking.resolve_tracking_uri``, which never creates a store)."""
+    parser.add_argument("--tracking-uri", default=None, metavar="URI",
+                        help=f"{purpose} (default: ${TRACKING_URI_ENV}, else sqlite:///$PWD/{DEFAULT_DB_NAME}; "
+                             "a plain path is a SQLite file)")

@@ -26,8 +26,8 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunS
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
-DEFAULT_DB_NAME = "mlflow.db"
+from .paths import DEFAULT_DB_NAME, TRACKING_URI_ENV
+
 PARENT_TAG = "mlflow.parentRunId"  # what the MLflow UI nests children by
 MODEL_NAME = "model"
 # The experiment's kind for MLflow 3 UIs that read it ("Machine learning": open on the runs table,
@@ -140,6 +140,18 @@ def quiet_mlflow():
             os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
 
 
+@contextlib.contextmanager
+def tracking_at(tracking_uri: str | None):
+    """MLflow's fluent API (models:/ URIs, log_model) pointed at ``tracking_uri`` for a block (None: unchanged)."""
+    previous = mlflow.get_tracking_uri()
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+
 class Tracker:
     """Thin wrapper over ``MlflowClient`` for one experiment."""
 
@@ -232,18 +244,15 @@ class Tracker:
         package_dir = str(Path(__file__).resolve().parent)
         requirements = [f"torch=={torch.__version__.split('+')[0]}", f"numpy=={numpy.__version__}",
                         f"pandas=={pd.__version__}", f"mlflow=={mlflow.__version__}"]
-        previous = mlflow.get_tracking_uri()
-        mlflow.set_tracking_uri(self.tracking_uri)
         try:
-            with mlflow.start_run(run_id=run_id), quiet_mlflow():
+            with tracking_at(self.tracking_uri), mlflow.start_run(run_id=run_id), quiet_mlflow():
                 info = mlflow.pyfunc.log_model(
                     name=MODEL_NAME, python_model=RecommenderModel(),
                     artifacts={"checkpoint": str(checkpoint_dir)}, code_paths=[package_dir],
                     pip_requirements=requirements, params={k: str(v) for k, v in flatten(params or {}).items()},
                     # (data, params): the signature then accepts predict(..., params={"k": ...})
-                    input_example=(pd.DataFrame({"history": [example_history]}), {"k": 10, "skip_unknown": False}))
+                    input_example=(pd.DataFrame({"history": [example_history]}), dict(SERVED_PARAMS)))
         finally:
-            mlflow.set_tracking_uri(previous)
             self.reopen(run_id)  # start_run's context closed the run; its owner ends it
         # the same points again, now naming the model: the run keeps one copy (an identical point is not
         # added twice), and the model's page shows them
@@ -259,16 +268,24 @@ class Tracker:
         models = outputs.model_outputs if outputs else []
         return f"models:/{models[-1].model_id}" if models else None
 
-    def register_best(self, model_uri: str, name: str, alias: str = "best") -> int:
-        """Registers ``model_uri`` as a new version of ``name`` and points ``@alias`` at it."""
-        previous = mlflow.get_tracking_uri()
-        mlflow.set_tracking_uri(self.tracking_uri)
-        try:
+    def register_best(self, model_uri: str, name: str, alias: str = "best") -> tuple[int, bool]:
+        """Points ``name@alias`` at ``model_uri``, registering it as a new version unless the alias already
+        points to a version logged by the same run (re-running ``best`` on an unchanged study adds nothing).
+
+        Returns:
+            (the version the alias points to, whether it is new).
+        """
+        with tracking_at(self.tracking_uri):
+            run_id = mlflow.models.get_model_info(model_uri).run_id
+            try:
+                current = self.client.get_model_version_by_alias(name, alias)
+            except MlflowException:  # no such model or alias yet
+                current = None
+            if current is not None and run_id and current.run_id == run_id:
+                return int(current.version), False
             version = mlflow.register_model(model_uri, name)
-        finally:
-            mlflow.set_tracking_uri(previous)
         self.client.set_registered_model_alias(name, alias, version.version)
-        return int(version.version)
+        return int(version.version), True
 
     def child_runs(self, parent_run_id: str | None = None, filter_string: str = "") -> list[Any]:
         parts = [f"tags.`{PARENT_TAG}` = '{parent_run_id}'"] if parent_run_id else [f"tags.`{PARENT_TAG}` != ''"]
@@ -305,6 +322,10 @@ def dataset_entity(record: dict[str, Any]) -> Dataset:
                    record.get("schema"), record.get("profile"))
 
 
+# the params a served request may give (predict's ``params``) and their defaults; serve refuses others
+SERVED_PARAMS = {"k": 10, "skip_unknown": False}
+
+
 class RecommenderModel(mlflow.pyfunc.PythonModel):
     """pyfunc wrapper: predict on a DataFrame with a ``history`` column of item-id lists.
 
@@ -321,10 +342,10 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
         from .inference import served_request
 
-        params = params or {}
+        params = {**SERVED_PARAMS, **(params or {})}
         try:
-            histories, k = served_request(model_input, params.get("k", 10), self.recommender.catalog.num_semantic_ids)
-            recommended = self.recommender.recommend(histories, k=k, skip_unknown=bool(params.get("skip_unknown")))
+            histories, k = served_request(model_input, params["k"], self.recommender.catalog.num_semantic_ids)
+            recommended = self.recommender.recommend(histories, k=k, skip_unknown=bool(params["skip_unknown"]))
         except ValueError as error:
             raise MlflowException.invalid_parameter_value(str(error)) from error
         return pd.DataFrame({"items": [[item for item, _ in row] for row in recommended],
@@ -332,28 +353,45 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
 
 
 def require_model(model_uri: str, tracking_uri: str) -> None:
-    """Fails, naming the URI and the registered models, when ``model_uri`` is no logged model there."""
+    """Fails, naming the URI and the registered models, when ``model_uri`` is no logged model there;
+    never creates a store (MLflow's client creates an empty SQLite file where it finds none)."""
     is_tracked = model_uri.startswith(("models:/", "runs:/"))
+    if not is_tracked and ":/" not in model_uri and not Path(model_uri).exists():
+        raise ValueError(f"model {model_uri!r}: no such directory; give models:/<name>@best, runs:/<run id>/model "
+                         "or a model directory")
     database = tracking_uri[len("sqlite:///"):] if tracking_uri.startswith("sqlite:///") else None
-    if is_tracked and database and not Path(database).is_file():  # MLflow would create an empty one
+    if is_tracked and database and not Path(database).is_file():
         raise ValueError(f"model {model_uri!r}: no MLflow database at {database}; pass --tracking-uri or set "
                          f"${TRACKING_URI_ENV}")
-    previous = mlflow.get_tracking_uri()
-    mlflow.set_tracking_uri(tracking_uri)
-    try:
-        mlflow.models.get_model_info(model_uri)  # reads the MLmodel file only
-    except (MlflowException, OSError) as error:
-        names = [m.name for m in MlflowClient(tracking_uri).search_registered_models()] if is_tracked else []
-        reason = str(getattr(error, "message", error)).splitlines()[0]
-        raise ValueError(f"model {model_uri!r} not found in {redact(tracking_uri)}: {reason}. Registered models: "
-                         f"{sorted(names)} (models:/<name>@best, runs:/<run id>/model or a model directory)") from None
-    finally:
-        mlflow.set_tracking_uri(previous)
+    with tracking_at(tracking_uri):
+        try:
+            mlflow.models.get_model_info(model_uri)  # reads the MLmodel file only
+        except (MlflowException, OSError) as error:
+            names = [m.name for m in MlflowClient(tracking_uri).search_registered_models()] if is_tracked else []
+            reason = str(getattr(error, "message", error)).splitlines()[0]
+            raise ValueError(f"model {model_uri!r} not found in {redact(tracking_uri)}: {reason}. Registered models: "
+                             f"{sorted(names)} (models:/<name>@best, runs:/<run id>/model or a model directory)") from None
 
 
-def load_checkpoint_dir_from_model(model_uri: str) -> str:
-    """Downloads a logged model and returns its local checkpoint directory."""
-    return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().checkpoint_dir
+def download_model(model_uri: str, tracking_uri: str) -> str:
+    """A logged model's local directory (downloaded from ``tracking_uri`` as ``mlflow models serve`` does)."""
+    from mlflow.tracking.artifact_utils import _download_artifact_from_uri
+
+    with tracking_at(tracking_uri):
+        return _download_artifact_from_uri(model_uri)
+
+
+def scoring_app(model_directory: str) -> Any:
+    """MLflow's own scoring server (the FastAPI app ``mlflow models serve`` runs) for a local model directory."""
+    from mlflow.pyfunc import scoring_server
+
+    return scoring_server.init(scoring_server.load_model_with_mlflow_config(model_directory))
+
+
+def load_checkpoint_dir_from_model(model_uri: str, tracking_uri: str | None = None) -> str:
+    """Downloads a logged model (from ``tracking_uri``, default MLflow's) and returns its local checkpoint directory."""
+    with tracking_at(tracking_uri):
+        return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().checkpoint_dir
 
 
 def study_experiment(tracking_uri: str, study: str) -> str | None:
@@ -365,6 +403,11 @@ def study_experiment(tracking_uri: str, study: str) -> str | None:
         if runs:
             return experiment.name
     return None
+
+
+def experiment_names(tracking_uri: str) -> list[str]:
+    """Names of the experiments in the store (for messages naming what exists)."""
+    return sorted(e.name for e in MlflowClient(tracking_uri).search_experiments())
 
 
 def studies_in(tracking_uri: str) -> list[str]:

@@ -1,6 +1,7 @@
 """Shared fixtures: the synthetic dataset, tiny configs, a quiet environment for Ray/MLflow."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
@@ -81,8 +82,9 @@ def pytest_xdist_auto_num_workers(config) -> int:
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 
 
-def train_tiny(backbone: str, output_dir: Path, dataset) -> Path:
-    """A tiny ``backbone`` trained with CE for 2 short epochs (seconds on a CPU): its final checkpoint directory."""
+def train_tiny(backbone: str, output_dir: Path, dataset, precision: str = "fp32") -> Path:
+    """A tiny ``backbone`` trained with CE for 2 short epochs (seconds on a CPU) in ``precision``: its final
+    checkpoint directory."""
     import torch
 
     from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
@@ -91,7 +93,7 @@ def train_tiny(backbone: str, output_dir: Path, dataset) -> Path:
     torch.set_num_threads(1)
     config = TrialConfig(DataConfig(), ModelConfig(backbone=backbone, **TINY_MODEL), LossConfig(name="ce"),
                          TrainConfig(epochs=2, batch_size=128, effective_batch_size=128, lr=3e-3, max_train_samples=768,
-                                     eval_max_users=32, retention_users=8, precision="fp32"))
+                                     eval_max_users=32, retention_users=8, precision=precision))
     run_trial(config, TrainingHooks(output_dir, verbose=False), dataset)
     return next((output_dir / "checkpoints").glob("epoch_*_final"))
 
@@ -158,6 +160,80 @@ def mlflow_sqlite(directory: Path, name: str = "mlflow.db") -> str:
     directory.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(Path(_MLFLOW_TEMPLATE[0].name) / "mlflow.db", directory / name)
     return f"sqlite:///{directory / name}"
+
+
+def register_tiny(root: Path, dataset, backbone: str = "tiger", precision: str = "fp32") -> dict:
+    """A tiny model trained, logged and registered as ``models:/apao-synthetic-<backbone>-ce@best`` in a fresh
+    SQLite store under ``root``: ``{"tracking_uri", "model_uri", "checkpoint", "dir"}``."""
+    from apao_ray.tracking import Tracker
+
+    checkpoint = train_tiny(backbone, root / "trial", dataset, precision)
+    tracker = Tracker(mlflow_sqlite(root), "apao-synthetic")
+    run_id = tracker.start_run(f"{backbone}/ce", {})
+    model_uri = tracker.log_recommender(run_id, checkpoint, list(dataset.catalog.item_ids[:3]))
+    tracker.end_run(run_id)
+    name = f"apao-synthetic-{backbone}-ce"
+    tracker.register_best(model_uri, name)
+    return {"tracking_uri": tracker.tracking_uri, "model_uri": f"models:/{name}@best", "checkpoint": checkpoint,
+            "dir": root}
+
+
+@contextlib.contextmanager
+def serving(registered: dict, *flags: str):
+    """``python -m apao_ray serve MODEL_URI FLAGS`` on a free port until /ping answers: its URL; then the
+    server's whole process group is stopped."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    from apao_ray.study.runner import stable_free_port
+
+    port = stable_free_port()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": registered["tracking_uri"]}
+    log = open(registered["dir"] / f"server-{port}.log", "w+")
+    process = subprocess.Popen([sys.executable, "-m", "apao_ray", "serve", registered["model_uri"], "--port", str(port),
+                                *flags], cwd=registered["dir"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True)  # its own group: uvicorn's workers die with it
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/ping", timeout=2):
+                    break
+            except OSError:
+                log.seek(0)
+                assert process.poll() is None, f"the server exited {process.returncode}:\n{log.read()[-3000:]}"
+                assert time.time() < deadline, f"{url}/ping did not answer in 180 s:\n{log.read()[-3000:]}"
+                time.sleep(0.5)
+        yield url
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(process.pid, sig)
+                process.wait(timeout=20)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+
+
+def post(url: str, body: dict | bytes) -> tuple[int, dict]:
+    """POST ``body`` (a dict as JSON, or raw bytes) to a served model's /invocations: (status, JSON answer)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"{url}/invocations", data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 def run_script(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None):

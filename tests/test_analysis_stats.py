@@ -79,8 +79,10 @@ def test_pooled_over_seeds_averages_each_users_difference():
 
 
 def test_text_and_holm_family():
-    family = with_holm([Comparison(0.0041, 0.0012, 0.0070, 0.001, 100), Comparison(-0.001, -0.003, 0.001, 0.4, 100)])
-    assert family[0].text() == "+0.0041 [0.0012, 0.0070], p_holm = 0.002"
+    family = with_holm([Comparison(0.0041, 0.0012, 0.0070, 0.001, 100), Comparison(-0.001, -0.003, 0.001, 0.4, 100)],
+                       "2 methods x 1 metric")
+    # the family beside the p-value: the same comparison has another p_holm in a larger family
+    assert family[0].text() == "+0.0041 [0.0012, 0.0070], p_holm = 0.002 (Holm over 2 comparisons: 2 methods x 1 metric)"
     assert family[1].p_holm == pytest.approx(0.4)
     assert Comparison(0.0041, 0.0012, 0.0070, 0.0001, 100).text() == "+0.0041 [0.0012, 0.0070], p = 1.0e-04"
 

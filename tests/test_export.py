@@ -13,7 +13,8 @@ import torch
 
 from apao_ray.data.batches import encode_histories
 from apao_ray.inference import load_recommender
-from conftest import ROOT, train_tiny
+from apao_ray.training.precision import cpu_has_native_bf16
+from conftest import ROOT, post, register_tiny, run_script, serving, train_tiny
 
 pytest.importorskip("transformers", reason="export --format hf needs the hf extra (pip install 'apao_ray[hf]')")
 pytestmark = pytest.mark.e2e  # trains and exports real models: minutes on 2 CPUs
@@ -104,3 +105,28 @@ def test_load_recommender_reads_the_export_directory(trained, exported, syntheti
     for mine, theirs in zip(from_checkpoint.recommend(histories, k=10), from_export.recommend(histories, k=10)):
         assert [i for i, _ in theirs] == [i for i, _ in mine]
         np.testing.assert_allclose([s for _, s in theirs], [s for _, s in mine], atol=1e-5)
+
+
+@pytest.mark.skipif(not cpu_has_native_bf16(), reason="needs a CPU with native bf16 (AVX512-BF16 or AMX): only there "
+                    "does a trial train in bf16, whose decoding the export and the server must not follow")
+@pytest.mark.parametrize("backbone", ["tiger", "llama"])
+def test_a_bf16_trial_ranks_alike_exported_loaded_and_served(backbone, synthetic, tmp_path_factory):
+    """The three ways to use a model give identical top-10 lists: bf16 autocast rounds per operation, so the
+    transformers port and our model rank near-ties differently in bf16 (22/40 lists equal on a tiny TIGER);
+    all three decode in fp32 (inference.INFERENCE_PRECISION)."""
+    registered = register_tiny(tmp_path_factory.mktemp(f"bf16-{backbone}"), synthetic, backbone, precision="bf16")
+    target = registered["dir"] / "hf"
+    done = run_script(["-m", "apao_ray", "export", "--model", registered["model_uri"], "--tracking-uri",
+                       registered["tracking_uri"], "--to", str(target)], cwd=registered["dir"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    histories = real_histories(synthetic, 40)
+    hf_snippet = snippet(target)
+    model, mapping = hf_snippet.load(target)
+    exported = [[item for item, _ in row] for row in hf_snippet.recommend(model, mapping, histories, k=10)]
+    loaded = load_recommender(registered["model_uri"], tracking_uri=registered["tracking_uri"])
+    assert loaded.config.train.precision == "bf16"  # the trial trained in bf16
+    with serving(registered) as url:
+        status, answer = post(url, {"dataframe_records": [{"history": h} for h in histories], "params": {"k": 10}})
+    assert status == 200, answer
+    served = [row["items"] for row in answer["predictions"]]
+    assert exported == [[item for item, _ in row] for row in loaded.recommend(histories, k=10)] == served

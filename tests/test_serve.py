@@ -3,81 +3,26 @@ and a bad request gets HTTP 400 whose message names the bad value."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 
 import pytest
 
-from apao_ray.study.runner import stable_free_port
-from conftest import ROOT, mlflow_sqlite, run_script, train_tiny
+from conftest import post, register_tiny, run_script, serving
 
 pytestmark = pytest.mark.e2e  # trains a tiny model and starts MLflow's scoring server: ~1 minute on 2 CPUs
 MODEL_NAME = "apao-synthetic-tiger-ce"
+MAX_BODY_BYTES, MAX_USERS = 65536, 40  # small limits: the tests reach them cheaply
 
 
 @pytest.fixture(scope="module")
 def registered(synthetic, tmp_path_factory):
     """A tiny TIGER logged and registered as ``models:/apao-synthetic-tiger-ce@best`` in a fresh SQLite store."""
-    from apao_ray.tracking import Tracker
-
-    root = tmp_path_factory.mktemp("serve")
-    checkpoint = train_tiny("tiger", root / "trial", synthetic)
-    tracker = Tracker(mlflow_sqlite(root), "apao-synthetic")
-    run_id = tracker.start_run("tiger/ce", {})
-    model_uri = tracker.log_recommender(run_id, checkpoint, list(synthetic.catalog.item_ids[:3]))
-    tracker.end_run(run_id)
-    tracker.register_best(model_uri, MODEL_NAME)
-    return {"tracking_uri": tracker.tracking_uri, "model_uri": f"models:/{MODEL_NAME}@best", "dir": root}
+    return register_tiny(tmp_path_factory.mktemp("serve"), synthetic)
 
 
 @pytest.fixture(scope="module")
 def server(registered):
-    """``python -m apao_ray serve models:/...@best`` on a free port; killed (its whole process group) afterwards."""
-    port = stable_free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": registered["tracking_uri"]}
-    log = open(registered["dir"] / "server.log", "w+")
-    process = subprocess.Popen([sys.executable, "-m", "apao_ray", "serve", registered["model_uri"], "--port", str(port)],
-                               cwd=registered["dir"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                               start_new_session=True)  # its own group: MLflow's CLI and its uvicorn die together
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/ping", timeout=2):
-                    break
-            except OSError:
-                log.seek(0)
-                assert process.poll() is None, f"the server exited {process.returncode}:\n{log.read()[-3000:]}"
-                assert time.time() < deadline, f"{url}/ping did not answer in 180 s:\n{log.read()[-3000:]}"
-                time.sleep(0.5)
+    with serving(registered, "--max-body-bytes", str(MAX_BODY_BYTES), "--max-users", str(MAX_USERS)) as url:
         yield url
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(process.pid, sig)
-                process.wait(timeout=20)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        log.close()
-
-
-def post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"{url}/invocations", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 def test_the_server_recommends_what_load_recommender_does(server, registered, synthetic):
@@ -116,3 +61,41 @@ def test_an_unknown_model_fails_naming_its_uri(registered):
                        registered["tracking_uri"]], cwd=registered["dir"], timeout=120)
     assert done.returncode == 2, done.stderr
     assert "models:/no-such-model@best" in done.stderr and MODEL_NAME in done.stderr, done.stderr
+
+
+def test_a_body_over_the_limit_is_a_413_naming_it_and_nothing_is_echoed(server):
+    body = b'{"dataframe_records": [{"history": ["' + b"x" * (MAX_BODY_BYTES + 10) + b'"]}]}'  # also malformed
+    status, answer = post(server, body)
+    assert status == 413, answer
+    assert f"{MAX_BODY_BYTES:,} bytes" in answer["message"] and "xxxx" not in json.dumps(answer)
+
+
+def test_malformed_json_is_a_400_that_echoes_nothing(server):
+    status, answer = post(server, b'{"dataframe_records": [{"history": ["secret-token-1", ')
+    assert status == 400 and "not valid JSON" in answer["message"], answer
+    assert "secret-token-1" not in json.dumps(answer)
+
+
+def test_item_ids_may_be_json_integers_as_in_the_dataset_file(server, synthetic):
+    split = synthetic.splits["test"]
+    history = [synthetic.catalog.item_ids[i] for i in split.histories[3] if i >= 0]
+    assert all(item.isdigit() for item in history)  # the synthetic catalog's ids are integers in its file
+    as_strings = post(server, {"dataframe_records": [{"history": history}], "params": {"k": 5}})
+    as_integers = post(server, {"dataframe_split": {"columns": ["history"], "data": [[[int(i) for i in history]]]},
+                                "params": {"k": 5}})
+    assert as_strings[0] == as_integers[0] == 200, (as_strings, as_integers)
+    assert as_integers[1]["predictions"] == as_strings[1]["predictions"]
+
+
+def test_an_unknown_param_is_refused_with_the_allowed_names(server):
+    status, answer = post(server, {"dataframe_records": [{"history": ["1"]}], "params": {"topk": 5}})
+    assert status == 400, answer
+    assert "unknown params ['topk']; allowed: ['k', 'skip_unknown']" in answer["message"]
+
+
+def test_more_users_than_the_cap_is_a_clear_400(server):
+    status, answer = post(server, {"dataframe_records": [{"history": ["1"]}] * (MAX_USERS + 1)})
+    assert status == 400, answer
+    assert f"{MAX_USERS + 1} users in one request; at most {MAX_USERS}" in answer["message"]
+    status, answer = post(server, {"dataframe_records": [{"history": ["1"]}] * MAX_USERS, "params": {"k": 1}})
+    assert status == 200 and len(answer["predictions"]) == MAX_USERS, answer

@@ -203,13 +203,14 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     from apao_ray.training.precision import autocast
 
     mlflow.set_tracking_uri(study["uri"])
-    recommender = apao_ray.load_recommender("models:/apao-synthetic-tiger-apao_pointwise@best")
+    # precision="trial": decoding as the trial evaluated (load_recommender's default is fp32, test_export.py)
+    recommender = apao_ray.load_recommender("models:/apao-synthetic-tiger-apao_pointwise@best", precision="trial")
     # the trial's own evaluation path: its final checkpoint's weights through beam_search on test batches
     run = study["tracker"].client.get_run(next(r["run_id"] for r in rows if r["loss"] == "apao_pointwise"))
-    trial = Recommender.from_checkpoint(run.data.tags["apao.checkpoint"])
+    trial = Recommender.from_checkpoint(run.data.tags["apao.checkpoint"], precision="trial")
     dataset = load_dataset("synthetic")
     batch = next(iter_batches(dataset.catalog, dataset.splits["test"], 8))
-    with autocast(trial.precision, "cpu"):  # the trial evaluated (and the recommender decodes) in its own precision
+    with autocast(trial.precision, "cpu"):  # the trial evaluated in its own precision
         beam = beam_search(trial.model, batch.history_ids, batch.history_mask, dataset.catalog.tensors(), 20)
     expected = [[dataset.catalog.item_ids[dataset.catalog.sem_items[s]] for s in row[:10]] for row in beam.sem_ids.tolist()]
     histories = [[dataset.catalog.item_ids[i] for i in h if i >= 0] for h in dataset.splits["test"].histories[:8]]
@@ -217,10 +218,11 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     assert [[item for item, _ in row] for row in got] == expected
     scores = np.array([[score for _, score in row] for row in got])
     assert np.allclose(scores, beam.scores[:, :10].numpy(), atol=1e-5)
-    # the same model as a plain MLflow pyfunc on a DataFrame
+    # the same model as a plain MLflow pyfunc on a DataFrame: load_recommender's default (fp32) decoding
     frame = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model").predict(
         pd.DataFrame({"history": histories[:3]}), params={"k": 5})
-    assert [list(items) for items in frame["items"]] == [row[:5] for row in expected[:3]]
+    in_fp32 = apao_ray.load_recommender("models:/apao-synthetic-tiger-apao_pointwise@best").recommend(histories[:3], k=5)
+    assert [list(items) for items in frame["items"]] == [[item for item, _ in row] for row in in_fp32]
     with pytest.raises(ValueError, match="not in the model's catalog"):
         recommender.recommend([["no-such-item"]])
 

@@ -27,6 +27,8 @@ from typing import Any, Iterator
 
 import pandas as pd
 
+from ..cli_types import positive_int
+from ..paths import add_tracking_uri_argument
 from .per_user import PER_USER_FILE, read_per_user
 
 STUDY_FILE = "study.json"
@@ -40,15 +42,16 @@ _SKIPPED_TAGS = ("mlflow.log-model.history", "mlflow.source.", "mlflow.user")
 def snapshot(tracking_uri: str) -> Iterator[str]:
     """A read-only view of the store: a SQLite database is copied (sqlite's online backup, consistent
     while a study writes to it) into a temporary directory; other URIs are used as they are."""
-    from ..tracking import resolve_tracking_uri
+    from ..tracking import check_tracking_uri, resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     if not uri.startswith("sqlite:///"):
+        check_tracking_uri(uri)  # a server that does not answer: one line now, not MLflow's retries
         yield uri
         return
     source = Path(uri[len("sqlite:///"):])
     if not source.exists():
-        raise FileNotFoundError(f"tracking URI {tracking_uri!r}: database {source} does not exist")
+        raise FileNotFoundError(f"tracking URI {uri!r}: database {source} does not exist; pass --tracking-uri or set $MLFLOW_TRACKING_URI")
     with tempfile.TemporaryDirectory(prefix="apao-export-") as tmp:
         copy = Path(tmp) / "mlflow.db"
         with contextlib.closing(sqlite3.connect(f"file:{source}?mode=ro", uri=True, timeout=60)) as src, \
@@ -134,9 +137,9 @@ def export_study(tracking_uri: str, study: str, to_dir: str | Path, recompute_pe
     Raises:
         ValueError: no study of that name in the store (the message lists those that exist).
     """
-    from ..tracking import Tracker, quiet_mlflow, redact, studies_in, study_experiment
+    from ..tracking import Tracker, quiet_mlflow, redact, resolve_tracking_uri, studies_in, study_experiment
 
-    to_dir = Path(to_dir)
+    to_dir, tracking_uri = Path(to_dir), resolve_tracking_uri(tracking_uri)
     with snapshot(tracking_uri) as uri, quiet_mlflow():  # one download bar per trial otherwise
         experiment = study_experiment(uri, study)
         if experiment is None:
@@ -229,12 +232,10 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("export-study", help="write a study's results as small files (for benchmarks/results/)",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", required=True, help="study name (the sweep's --study-name)")
-    parser.add_argument("--tracking-uri", default=None,
-                        help="MLflow store (default: $MLFLOW_TRACKING_URI, else ./mlflow.db); a SQLite file is read "
-                             "from a snapshot copy")
+    add_tracking_uri_argument(parser, "MLflow store to read (a SQLite file is read from a snapshot copy)")
     parser.add_argument("--to", required=True, help="export directory, e.g. benchmarks/results/<study>/")
     parser.add_argument("--recompute-per-user", action="store_true",
                         help="for finished trials that logged no per-user test table (runs made before it existed), "
                              "test their best checkpoint again (default: off)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads for --recompute-per-user (default 1)")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads for --recompute-per-user (default 1)")
     parser.set_defaults(handler=_main)

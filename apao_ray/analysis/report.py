@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cli_types import positive_int
 from ..names import PLAN_TAG
+from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
                       compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials)
@@ -241,8 +243,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--study", action="extend", nargs="+", metavar="NAME",
                         help="study names, one per seed (--study A B or --study A --study B)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--tracking-uri", default=None,
-                        help="read MLflow (default when --exports is absent: $MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    add_tracking_uri_argument(source, "MLflow store to read when --exports is absent")
     source.add_argument("--exports", action="extend", nargs="+", metavar="DIR",
                         help="export directories, or folders of them (e.g. benchmarks/results); --exports A B "
                              "or --exports A --exports B")
@@ -250,7 +251,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--baseline", default="ce", help="loss every other method is compared with (default ce)")
     parser.add_argument("--trials", choices=TRIAL_CHOICES, default="best",
                         help="per (study, backbone, loss): the best trial by validation NDCG@10, or all (default best)")
-    parser.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--resamples", type=positive_int, default=10_000, help="bootstrap resamples (default 10000)")
     parser.add_argument("--grid", action="store_true",
                         help="write grid.md instead: every cell of paper Table 1 with ours at the full protocol, the "
                              "paired difference against CE, the paper's figure and the cell's status (needs --exports)")

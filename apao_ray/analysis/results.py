@@ -287,9 +287,19 @@ def _holm(results: list[Paired]) -> None:
     for dataset in {r.method.dataset for r in results}:
         mine = [r for r in results if r.method.dataset == dataset]
         pooled = [r for r in mine if r.pooled is not None]
-        for r, corrected in zip(pooled, with_holm([r.pooled for r in pooled])):
+        for r, corrected in zip(pooled, with_holm([r.pooled for r in pooled], _family(pooled, f"{dataset}, seeds pooled"))):
             r.pooled = corrected
         for seed in {s for r in mine for s in r.per_seed}:
             family = [r for r in mine if seed in r.per_seed]
-            for r, corrected in zip(family, with_holm([r.per_seed[seed] for r in family])):
+            for r, corrected in zip(family, with_holm([r.per_seed[seed] for r in family],
+                                                      _family(family, f"{dataset}, seed {seed}"))):
                 r.per_seed[seed] = corrected
+
+
+def _family(results: list[Paired], scope: str) -> str:
+    """``3 methods x 1 metric (ndcg_at_10) vs ce, office, seeds pooled``: what one Holm family holds."""
+    methods = {(r.method.backbone, r.method.label) for r in results}
+    metrics = sorted({r.metric for r in results})
+    baselines = sorted({r.baseline.loss for r in results})
+    return (f"{len(methods)} method{'s' if len(methods) != 1 else ''} x {len(metrics)} "
+            f"metric{'s' if len(metrics) != 1 else ''} ({', '.join(metrics)}) vs {', '.join(baselines)}, {scope}")

@@ -30,6 +30,8 @@ class Comparison:
         p_value: two-sided Wilcoxon signed-rank p (1.0 when every difference is 0).
         p_holm: ``p_value`` after Holm's correction in its family (= p_value until corrected).
         num_users: paired users.
+        holm_family: the family ``p_holm`` corrects over, e.g. ``3 comparisons: 3 methods x 1 metric``:
+            printed beside it, as one comparison gets different p_holm in families of different sizes.
     """
 
     mean_difference: float
@@ -38,12 +40,15 @@ class Comparison:
     p_value: float
     num_users: int
     p_holm: float | None = None
+    holm_family: str = ""
 
     def text(self) -> str:
-        """``+0.0041 [0.0012, 0.0070], p_holm = 0.003`` (``p = ...`` before the correction)."""
-        p = self.p_holm if self.p_holm is not None else self.p_value
-        label = "p_holm" if self.p_holm is not None else "p"
-        return f"{self.mean_difference:+.4f} [{self.ci_low:.4f}, {self.ci_high:.4f}], {label} = {_p_text(p)}"
+        """``+0.0041 [0.0012, 0.0070], p_holm = 0.003 (Holm over 3 comparisons: ...)`` (``p = ...`` before the
+        correction)."""
+        head = f"{self.mean_difference:+.4f} [{self.ci_low:.4f}, {self.ci_high:.4f}]"
+        if self.p_holm is None:
+            return f"{head}, p = {_p_text(self.p_value)}"
+        return f"{head}, p_holm = {_p_text(self.p_holm)} (Holm over {self.holm_family or 'its family'})"
 
 
 def _p_text(p: float) -> str:
@@ -135,8 +140,11 @@ def holm(p_values: list[float]) -> list[float]:
     return result.tolist()
 
 
-def with_holm(comparisons: list[Comparison]) -> list[Comparison]:
-    """The comparisons of one family with ``p_holm`` filled in."""
+def with_holm(comparisons: list[Comparison], family: str = "") -> list[Comparison]:
+    """The comparisons of one family with ``p_holm`` filled in; ``family`` says what they are
+    (``3 methods x 1 metric``), recorded as ``holm_family`` with their count."""
     from dataclasses import replace
 
-    return [replace(c, p_holm=p) for c, p in zip(comparisons, holm([c.p_value for c in comparisons]))]
+    size = f"{len(comparisons)} comparison{'s' if len(comparisons) != 1 else ''}"
+    named = f"{size}: {family}" if family else size
+    return [replace(c, p_holm=p, holm_family=named) for c, p in zip(comparisons, holm([c.p_value for c in comparisons]))]

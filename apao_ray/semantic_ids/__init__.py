@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cli_types import int_at_least, non_negative_int, positive_int
 from .embeddings import DEFAULT_ENCODER, describe_source, item_vectors
 from .quantize import QuantizerReport, report, semantic_ids
 
@@ -99,8 +100,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", required=True, help="dataset directory: <Name>.inter.json or an interactions "
                         "table (.csv/.tsv/.parquet: user, item, timestamp), and item texts (<Name>.item.json or items.json)")
-    parser.add_argument("--levels", type=int, default=4, help="code levels per semantic ID (default 4, as the paper)")
-    parser.add_argument("--codes", type=int, default=256, help="codes per level (default 256, as the paper)")
+    parser.add_argument("--levels", type=positive_int, default=4, help="code levels per semantic ID (default 4, as the paper)")
+    parser.add_argument("--codes", type=int_at_least(2), default=256, help="codes per level (default 256, as the paper)")
     parser.add_argument("--embeddings", help="item vectors: .npy (rows in the item-text file's order) or .parquet "
                         "(item column + embedding list or numeric columns); default: computed from the item texts")
     parser.add_argument("--encoder", default=DEFAULT_ENCODER, help=f"text encoder when no --embeddings: "
@@ -109,8 +110,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--disambiguate", action="store_true", help="make the last level a counter among items "
                         "sharing the other levels (TIGER), so that no two items share an ID (default: off; "
                         "collisions are reported)")
-    parser.add_argument("--seed", type=int, default=0, help="k-means and SVD seed (default 0)")
-    parser.add_argument("--min-interactions", type=int, default=5, help="k of the k-core filter on an interactions "
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="k-means and SVD seed (default 0)")
+    parser.add_argument("--min-interactions", type=int_at_least(3), default=5, help="k of the k-core filter on an interactions "
                         "table (default 5, the paper's five-core); recorded, and used again when the dataset loads")
     parser.add_argument("--output", help="index file to write (default <dir>/<Name>.index.rq-kmeans.json, or the "
                         "directory's existing index with --overwrite)")

@@ -4,18 +4,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from ..config import BACKBONE_NAMES
-from ..paths import absolute_data_dir_env
+from ..paths import absolute_data_dir_env, add_tracking_uri_argument
 from ..protocol import KNOBS
 from .cli_protocol import add_protocol_arguments
 from .cli_train import add_common_arguments
-from .cli_types import non_negative_float, non_negative_int, positive_int
+from ..cli_types import non_negative_float, non_negative_int, positive_int
 from .plan import parse_duration
 from .spec import QUICK_SETTINGS, StudySpec, quick_negatives
 
@@ -162,8 +161,7 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
                         "failed (e.g. killed for memory), each from its last epoch checkpoint; without it they stay "
                         "failed")
     parser.add_argument("--overwrite", action="store_true", help="start the study again from scratch")
-    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
-                        help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db)")
+    add_tracking_uri_argument(parser, "MLflow store the study records to")
     parser.add_argument("--optuna-storage", metavar="URL",
                         help="SQLAlchemy URL (or SQLite file path) of the searcher's Optuna study (default: optuna.db "
                              "beside a SQLite MLflow database, else in --output-dir); open it with optuna-dashboard URL")
@@ -328,8 +326,7 @@ def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
     parser.add_argument("--baseline", default="ce", help="loss every method is compared with, per user on the test "
                         "metric of --metric, seeds pooled, Holm-corrected (default %(default)s)")
     parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown", help="default %(default)s")
-    parser.add_argument("--tracking-uri", default=os.environ.get("MLFLOW_TRACKING_URI"),
-                        help="default $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db")
+    add_tracking_uri_argument(parser)
     parser.add_argument("--no-register", action="store_true", help="do not register/alias the best models")
     return parser
 
@@ -346,16 +343,24 @@ def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> i
         check_tracking_uri(uri)
         if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
             raise ValueError(f"no MLflow database at {uri}; run a study first or pass --tracking-uri")
+        experiment = experiment_name(args.dataset.lower())
+        tracker = Tracker.existing(uri, experiment)  # never creates the experiment it reads
+        if tracker is None:
+            from ..tracking import experiment_names
+
+            raise ValueError(f"--dataset {args.dataset}: no experiment {experiment!r} in {uri}; experiments there: "
+                             f"{experiment_names(uri)}")
     except (ValueError, ConnectionError) as error:
         parser.error(str(error))
-    tracker = Tracker(uri, experiment_name(args.dataset.lower()))
     rows = table_rows(tracker, args.metric, args.study_name, args.baseline)
     if not rows:
         print(f"no finished trials for dataset {args.dataset!r} in {uri}", file=sys.stderr)
         return 1
     if not args.no_register:
-        for row, name in zip(rows, register_best(tracker, rows, dataset_label(args.dataset))):
-            if name:
-                row["registered_model"] = name
+        for row, registered in zip(rows, register_best(tracker, rows, dataset_label(args.dataset))):
+            if registered:
+                row["registered_model"], version, is_new = registered
+                print(f"{row['registered_model']}: version {version} "
+                      f"{'registered' if is_new else 'unchanged (already this run)'}", file=sys.stderr)
     print(format_rows(rows, args.format))
     return 0

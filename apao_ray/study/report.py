@@ -184,11 +184,13 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     spread = [k + STD_SUFFIX for k in TEST_COLUMNS] if any((row.get("n_seeds") or 0) > 1 for row in rows) else []
     significance = sorted({k for row in rows for k in row if k.startswith("vs ")})
     costs = [k for k in COST_COLUMNS if any(row.get(k) is not None for row in rows)]
+    registered = ["registered_model"] if any(row.get("registered_model") for row in rows) else []
     columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
-               "protocol", "schedule", "converged", "run_id"]
+               "protocol", "schedule", "converged", "run_id", *registered]
     if any("status" in row for row in rows):
         columns.append("status")
     if fmt == "csv":
+        columns.insert(columns.index("seeds") + 1, "n_seeds")
         buffer = io.StringIO()
         writer = csv.DictWriter(buffer, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -198,21 +200,32 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
         raise ValueError(f"unknown format {fmt!r}; choose from ['csv', 'json', 'markdown']")
     cell = lambda v: "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))  # noqa: E731
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(_seeds_cell(row) if c == "seeds" else cell(row.get(c)) for c in columns) + " |"
+              for row in rows]
     return "\n".join(lines + ["", paper_comparability(rows)])
 
 
-def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str, alias: str = "best") -> list[str | None]:
-    """Registers each row's model as ``apao-<dataset>-<backbone>-<loss>`` with ``@best``."""
-    names = []
+def _seeds_cell(row: dict[str, Any]) -> str:
+    """``7 (1 seed)``, ``0,1,2 (3 seeds)``: which seeds and how many (a bare ``7`` reads as a count)."""
+    if not row.get("seeds"):
+        return "-"
+    count = row.get("n_seeds") or len(str(row["seeds"]).split(","))
+    return f"{row['seeds']} ({count} seed{'s' if count != 1 else ''})"
+
+
+def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
+                  alias: str = "best") -> list[tuple[str, int, bool] | None]:
+    """Points ``apao-<dataset>-<backbone>-<loss>@best`` at each row's model; per row, its
+    ``(models:/<name>@best, version, whether the version is new)``, None without a model."""
+    registered: list[tuple[str, int, bool] | None] = []
     for row in rows:
         if not row.get("model_uri"):  # a method without a finished trial has no model
-            names.append(None)
+            registered.append(None)
             continue
         name = f"apao-{dataset}-{row['backbone']}-{row['loss']}"
-        tracker.register_best(row["model_uri"], name, alias)
-        names.append(f"models:/{name}@{alias}")
-    return names
+        version, is_new = tracker.register_best(row["model_uri"], name, alias)
+        registered.append((f"models:/{name}@{alias}", version, is_new))
+    return registered
 
 
 def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str, Any]], beam_size: int) -> None:

@@ -17,6 +17,15 @@ def bounded_number(text: str, cast: type, low: float) -> Any:
     return value
 
 
+def int_at_least(low: int) -> Any:
+    """An argparse type: an integer >= ``low`` (``--codes``: at least 2)."""
+    def parse(text: str) -> int:
+        return bounded_number(text, int, low)
+
+    parse.__name__ = f"integer >= {low}"  # argparse names the type in its messages
+    return parse
+
+
 def positive_int(text: str) -> int:
     return bounded_number(text, int, 1)
 

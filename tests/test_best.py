@@ -1,0 +1,62 @@
+"""``python -m apao_ray best`` on a real SQLite store holding real logged models: it prints the registered
+``models:/<name>@best`` URIs, registering an unchanged best again adds no version, and the seeds column
+says which seeds and how many."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apao_ray.study import cli_sweep
+from conftest import mlflow_sqlite, train_tiny
+
+pytestmark = pytest.mark.e2e  # trains a tiny model and logs MLflow models: ~30 s on 2 CPUs
+NAME = "apao-synthetic-tiger-ce"
+
+
+def _trial(tracker, parent, checkpoint, example, value: float, seed: int) -> str:
+    """A finished CE trial of study ``s`` with ``checkpoint`` logged as its model."""
+    run = tracker.start_run(f"t{value}", {"apao.study": "s", "backbone": "tiger", "loss": "ce"},
+                            {"base.train.seed": seed, "base.data.dataset": "synthetic"}, parent_run_id=parent)
+    tracker.log_metrics(run, {"best/val/ndcg_at_10": value, "test/ndcg_at_10": value / 2,
+                              "test/recall_at_10": value}, 1)
+    tracker.set_tags(run, {"apao.model_uri": tracker.log_recommender(run, checkpoint, example)})
+    tracker.end_run(run)
+    return run
+
+
+def _best(uri: str, capsys, *flags: str) -> tuple[str, str]:
+    assert cli_sweep.best_main(["--dataset", "synthetic", "--tracking-uri", uri, *flags]) == 0
+    captured = capsys.readouterr()
+    return captured.out, captured.err
+
+
+def test_best_prints_uris_registers_once_per_run_and_names_its_seeds(synthetic, tmp_path, capsys):
+    from apao_ray.tracking import Tracker
+
+    checkpoint = train_tiny("tiger", tmp_path / "trial", synthetic)
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-synthetic")
+    space = {"backbones": ["tiger"], "losses": ["ce"]}
+    parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study"}, {"space": json.dumps(space)})
+    example = list(synthetic.catalog.item_ids[:3])
+    first = _trial(tracker, parent, checkpoint, example, 0.3, seed=7)
+
+    out, err = _best(tracker.tracking_uri, capsys)
+    assert f"models:/{NAME}@best: version 1 registered" in err, err
+    header, _, row = out.splitlines()[:3]
+    cells = dict(zip(header.strip("|").split(" | "), row.strip("|").split(" | ")))
+    assert cells["registered_model"].strip() == f"models:/{NAME}@best"
+    assert cells["seeds"].strip() == "7 (1 seed)"  # a bare 7 reads as a count
+
+    out, err = _best(tracker.tracking_uri, capsys, "--format", "json")  # the same best again: no new version
+    assert f"models:/{NAME}@best: version 1 unchanged" in err, err
+    assert json.loads(out)[0]["registered_model"] == f"models:/{NAME}@best"
+    versions = tracker.client.search_model_versions(f"name = '{NAME}'")
+    assert [(int(v.version), v.run_id) for v in versions] == [(1, first)]
+
+    better = _trial(tracker, parent, checkpoint, example, 0.5, seed=7)  # a new best: a new version, the alias moves
+    out, err = _best(tracker.tracking_uri, capsys, "--format", "csv")
+    assert f"models:/{NAME}@best: version 2 registered" in err, err
+    assert tracker.client.get_model_version_by_alias(NAME, "best").run_id == better
+    header, row = out.splitlines()[:2]
+    assert dict(zip(header.split(","), row.split(",")))["n_seeds"] == "1"
