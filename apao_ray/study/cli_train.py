@@ -62,9 +62,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def train_config_from_args(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    one_step = (args.batch_size or 0) * getattr(args, "num_workers", 1)  # a micro-batch on every worker
     values = dict(epochs=args.epochs, patience=args.patience, batch_size=args.batch_size,
-                  effective_batch_size=max(args.effective_batch_size, args.batch_size or 0), lr=args.lr,
-                  beam_size=args.beam_size, seed=args.seed, max_train_samples=args.max_train_samples,
+                  effective_batch_size=max(args.effective_batch_size, one_step), lr=args.lr, beam_size=args.beam_size,
+                  seed=args.seed, max_train_samples=args.max_train_samples,
                   eval_max_users=args.eval_max_users, precision=args.precision, group_by_length=args.group_by_length)
     values.update(overrides)
     return values
@@ -75,7 +76,8 @@ def apply_smoke(args: argparse.Namespace) -> None:
     if args.smoke:
         args.dataset, args.model_size = "synthetic", "tiny"
         args.epochs = min(args.epochs, 3)
-        args.batch_size, args.effective_batch_size = 128, 128
+        # one optimizer step of 128 samples, whatever the workers
+        args.batch_size, args.effective_batch_size = max(1, 128 // getattr(args, "num_workers", 1)), 128
 
 
 def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:

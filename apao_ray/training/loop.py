@@ -1,9 +1,9 @@
 """One trial's training loop (SPEC §5), with no Ray in it: train, validate, checkpoint,
 early-stop, then test the best epoch once. ``TrainingHooks`` decide where it runs.
 
-Determinism: the sample order and the negatives of epoch e are functions of (seed, e), and the
-torch RNG (dropout) is checkpointed, so a run resumed from its epoch-e checkpoint continues
-exactly as an uninterrupted one (same CPU, same thread count).
+Determinism: the sample order, the negatives and dropout's random stream of epoch e are functions of
+(seed, e) (and the rank: steps.py), so a run resumed from its epoch-e checkpoint continues exactly as an
+uninterrupted one (same CPU, same thread count), on every data-parallel rank.
 """
 from __future__ import annotations
 

@@ -51,6 +51,11 @@ def average_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def seed_of(*keys: int) -> int:
+    """A 32-bit seed that is a function of ``keys`` (e.g. seed, epoch, rank), well mixed."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
+
+
 class PositionNegatives:
     """An epoch's negatives, drawn by position in the epoch's sample order (SPEC §3's uniform draw).
 
@@ -70,8 +75,7 @@ class PositionNegatives:
 
     def _block(self, index: int) -> torch.Tensor:
         if index not in self._blocks:
-            seed = int(np.random.SeedSequence([self.seed, self.epoch, index]).generate_state(1)[0])
-            generator = torch.Generator().manual_seed(seed)
+            generator = torch.Generator().manual_seed(seed_of(self.seed, self.epoch, index))
             self._blocks[index] = torch.randint(0, self.num_semantic_ids - 1, (self.BLOCK, self.num_negatives),
                                                 generator=generator)             # (BLOCK, N) in [0, U-2]
         return self._blocks[index]
@@ -153,6 +157,10 @@ class EpochRunner:
                      progress: Callable[[int, int], None] | None) -> dict[str, float]:
         train = self.config.train
         model.train()
+        # dropout draws from (seed, epoch, rank): the ranks draw their own masks (their tensors' shapes differ, so
+        # their streams would part anyway), and a run resumed from rank 0's checkpoint draws on every rank what
+        # the uninterrupted run drew
+        torch.manual_seed(seed_of(train.seed, epoch, self.rank))
         split = self.dataset.splits["train"]
         local = self.epoch_order(epoch)
         negatives = PositionNegatives(train.seed, epoch, len(self.sem_tokens), loss_fn.num_negatives)
