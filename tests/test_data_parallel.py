@@ -70,14 +70,16 @@ def _rank(rank: int, world_size: int, config: TrialConfig, directory: str) -> No
                                          world_size=world_size)
     try:
         hooks = DataParallelHooks(Path(directory) / f"rank{rank}")
-        run_trial(config, hooks)
+        final = run_trial(config, hooks)
         torch.save([{"weights": hooks.initial}, *hooks.epochs], Path(directory) / f"rank{rank}.pt")
+        torch.save(final, Path(directory) / f"rank{rank}_final.pt")
     finally:
         torch.distributed.destroy_process_group()
 
 
 def train(config: TrialConfig, directory: Path) -> list[list[dict]]:
-    """Every rank's per-epoch weights and reports, training ``config`` on ``config.train.num_workers`` ranks."""
+    """Trains ``config`` on ``config.train.num_workers`` ranks; every rank's initial weights, then its weights
+    and report of each epoch (``directory/rank0_final.pt`` holds rank 0's final metrics)."""
     directory.mkdir(parents=True)
     world_size = config.train.num_workers
     torch.multiprocessing.spawn(_rank, args=(world_size, config, str(directory)), nprocs=world_size)
@@ -174,3 +176,53 @@ def test_the_ranks_shards_are_disjoint_and_interleave_into_one_workers_epoch(syn
     assert not (everything == targets[:, None]).any()
     assert not torch.equal(everything, PositionNegatives(0, 4, synthetic.catalog.num_semantic_ids, 8)(
         np.arange(len(one)), targets))  # resampled every epoch
+
+
+# --- a study's data-parallel trials (sweep --workers-per-trial) -------------------------------------------------
+
+def test_workers_are_placed_only_where_the_nodes_hold_them_all():
+    from apao_ray.study.trial import Resources
+
+    two = Resources(num_workers=2, cpus_per_worker=1.0)
+    two.check_placeable([{"CPU": 2.0}], "this machine")
+    two.check_placeable([{"CPU": 1.0}, {"CPU": 1.5}], "the Ray cluster")  # one worker on each node
+    with pytest.raises(ValueError, match=r"--workers-per-trial 2: each worker needs 1 CPU, and this machine "
+                                         r"\(1 CPU\) can place 1 at once; lower --workers-per-trial"):
+        two.check_placeable([{"CPU": 1.0}], "this machine")
+    on_gpus = Resources(num_workers=2, cpus_per_worker=4.0, gpus_per_worker=1.0)
+    with pytest.raises(ValueError, match=r"each worker needs 4 CPU and 1 GPU, and the Ray cluster \(16 CPU 1 GPU\) "
+                                         "can place 1"):
+        on_gpus.check_placeable([{"CPU": 16.0, "GPU": 1.0}], "the Ray cluster")
+    # the Tune actor of a data-parallel trial only drives it; its workers give the driver's sliver back
+    assert two.tune_resources() == {"cpu": 0.01} and two.for_ray_train().cpus_per_worker == pytest.approx(0.99)
+    assert Resources(1, 2.0).tune_resources() == {"cpu": 2.0, "gpu": 0.0}
+
+
+def test_a_study_with_workers_per_trial_plans_and_records_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    import apao_ray
+    from apao_ray.study.api import study_slots
+    from apao_ray.study.cli_train import available_cpus
+    from apao_ray.study.budget import Fit, MethodCost
+    from apao_ray.study.plan import Plan
+
+    spec = apao_ray.StudySpec.quick(losses=("ce",), workers_per_trial=2, cpus_per_trial=1,
+                                    output_dir=str(tmp_path / "runs"))
+    base = spec.resolved["base"]
+    assert base.train.num_workers == 2 and base.train.effective_batch_size >= 2 * base.train.batch_size
+    if available_cpus() >= 2:
+        assert study_slots(spec, start_ray=False) == available_cpus() // 2  # a trial holds 2 x 1 CPU
+    options = spec.options()
+    assert options.base.train.num_workers == 2  # the parent run's and every child's params record it
+    method = MethodCost("tiger", "ce", True, epoch_s=100.0, fixed_s=10.0)
+    plan = Plan(dataset="synthetic", protocol="paper", precision="fp32", slots=1, methods=[method], asked_epochs=2,
+                asked_trials_per_tuned=1, fit=Fit(2, 1, 3, 220.0), threads=1, workers=2)
+    assert "1 at a time, 2 data-parallel workers x 1 thread each" in plan.text()
+    cost = plan.cost_estimates()[("tiger", "ce")]
+    assert cost["cost/cpu_seconds"] == 2 * cost["cost/wall_seconds"] == 2 * 210.0  # both workers' CPUs
+    too_many = spec.replace(workers_per_trial=available_cpus() + 1)
+    with pytest.raises(ValueError, match=rf"--workers-per-trial {available_cpus() + 1}: each worker needs 1 CPU, "
+                                         r"and this machine .* can place"):
+        study_slots(too_many, start_ray=False)
+    with pytest.raises(ValueError, match="workers_per_trial=0 must be an integer >= 1"):
+        spec.replace(workers_per_trial=0)
