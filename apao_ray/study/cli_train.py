@@ -42,7 +42,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=positive_int, default=200, help="maximum epochs (default %(default)s; the paper: 200, SPEC §5)")
     parser.add_argument("--patience", type=positive_int, default=20, help="early-stopping patience (default %(default)s; the paper: 20)")
     parser.add_argument("--batch-size", type=positive_int, default=None,
-                        help="micro-batch size (default: 128 on CPU, 1024 with a GPU, the fastest measured on each at "
+                        help="micro-batch size, of each worker when data parallel (default: 128 on CPU, 1024 with a "
+                             "GPU, the fastest measured on each at "
                              "effective batch 1024: benchmarks/RESULTS.md); the optimizer step stays --effective-batch-size")
     parser.add_argument("--effective-batch-size", type=positive_int, default=1024,
                         help="samples per optimizer step via gradient accumulation (default %(default)s)")
