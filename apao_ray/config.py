@@ -194,8 +194,9 @@ class TrainConfig(_Config):
         return super().from_dict(values)
 
     def __post_init__(self) -> None:
-        if self.batch_size is None:
-            object.__setattr__(self, "batch_size", default_micro_batch(self.use_gpu))
+        if self.batch_size is None:  # the device's, unless the workers' micro-batches would pass the optimizer step
+            object.__setattr__(self, "batch_size", max(1, min(default_micro_batch(self.use_gpu),
+                                                              self.effective_batch_size // max(1, self.num_workers))))
         if self.eval_batch_size is None:
             object.__setattr__(self, "eval_batch_size", default_eval_batch(self.use_gpu))
         _check_choice("TrainConfig", "precision", self.precision, PRECISIONS)
@@ -206,9 +207,10 @@ class TrainConfig(_Config):
         _check_range("TrainConfig", "warmup_fraction", self.warmup_fraction, 0.0, 1.0)
         _check_range("TrainConfig", "max_train_samples", self.max_train_samples, 1)
         _check_range("TrainConfig", "eval_max_users", self.eval_max_users, 1)
-        if self.effective_batch_size < self.batch_size:
+        if self.effective_batch_size < self.batch_size * self.num_workers:
             raise ValueError(f"TrainConfig.effective_batch_size={self.effective_batch_size} must be "
-                             f">= batch_size={self.batch_size}")
+                             f">= batch_size={self.batch_size} x num_workers={self.num_workers} (one micro-batch "
+                             "per worker per optimizer step); lower the batch size")
 
 
 @dataclass(frozen=True)

@@ -73,19 +73,23 @@ def test_train_llama_pairwise_beats_popularity(tmp_path, popularity_recall_at_10
     assert sum("epoch 2/3" in line for line in result.stderr.splitlines()) == 1
 
 
-def _uninterrupted_reference(tmp_path: Path, epochs: int) -> dict:
-    """The same trial run in-process with the plain loop and the same thread count as the worker."""
-    from apao_ray.study.cli_train import apply_smoke, build_parser, trial_config_from_args
+def _uninterrupted_reference(tmp_path: Path, epochs: int, num_workers: int) -> dict:
+    """The same trial run with the plain loop and the worker's thread count: in this process, or on as many
+    torch.distributed ranks (tests/test_data_parallel.py) as the run's workers."""
+    from apao_ray.study.cli_train import build_parser, trial_config_from_args
     from apao_ray.training.hooks import TrainingHooks
     from apao_ray.training.loop import run_trial
 
-    args = build_parser().parse_args([*COMMON, "--backbone", "tiger", "--loss", "apao_pointwise", "--eta", "0.01",
-                                      "--epochs", str(epochs)])
-    apply_smoke(args)
+    config = trial_config_from_args(build_parser().parse_args(_killed_run_flags(epochs, num_workers)))
+    if num_workers > 1:
+        from test_data_parallel import train
+
+        train(config, tmp_path / "reference")
+        return torch.load(tmp_path / "reference" / "rank0_final.pt", weights_only=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the Ray worker runs with --cpus-per-worker 1 thread
     try:
-        return run_trial(trial_config_from_args(args), TrainingHooks(tmp_path / "reference", verbose=False))
+        return run_trial(config, TrainingHooks(tmp_path / "reference", verbose=False))
     finally:
         torch.set_num_threads(threads)
 
@@ -99,30 +103,40 @@ def _wait_for(path_glob: Path, process: subprocess.Popen, timeout: float = 300) 
 
 
 @pytest.mark.e2e
-def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
-    """SIGKILL the Ray Train worker mid-run: Ray restarts it from its last checkpoint (FailureConfig)."""
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path, num_workers):
+    """SIGKILL a Ray Train worker mid-run: Ray restarts the worker group from its last checkpoint (FailureConfig),
+    and the run ends as an uninterrupted one (with 2 workers: as 2 uninterrupted ranks, on half-size batches)."""
     epochs, out = 4, tmp_path / "r.json"
-    command = [sys.executable, TRAIN, *COMMON, "--backbone", "tiger", "--loss", "apao_pointwise", "--eta", "0.01",
-               "--epochs", str(epochs), "--max-failures", "2", "--output-dir", str(tmp_path / "runs"),
-               "--run-name", "killed", "--json-out", str(out)]
+    command = [sys.executable, TRAIN, *_killed_run_flags(epochs, num_workers), "--max-failures", "2",
+               "--output-dir", str(tmp_path / "runs"), "--run-name", "killed", "--json-out", str(out)]
     process = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # once epoch 2's checkpoint directory appears, epoch 1's is surely registered with Ray
     _wait_for(tmp_path / "runs" / "killed" / "epoch_0002", process)
     pids = descendant_pids(process.pid, "ray::RayTrainWorker")
-    assert pids, "no Ray Train worker process found"
-    for pid in pids:
-        os.kill(pid, signal.SIGKILL)
+    assert len(pids) == num_workers, f"found Ray Train workers {pids}, expected {num_workers}"
+    os.kill(pids[-1], signal.SIGKILL)  # one rank: the others are stopped and restarted with it
     _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-3000:]
     assert "resumed from" in stderr, "the restarted worker did not restore the checkpoint"
     resumed = _metrics(out)
-    reference = _uninterrupted_reference(tmp_path, epochs)
+    reference = _uninterrupted_reference(tmp_path, epochs, num_workers)
     test_keys = sorted(k for k in reference if k.startswith("test/"))
     assert test_keys and {k: resumed[k] for k in test_keys} == pytest.approx({k: reference[k] for k in test_keys},
                                                                            abs=1e-9)
+    assert resumed["epochs_trained"] == epochs and resumed["best/epoch"] == reference["best/epoch"]
     for m in range(1, 5):  # the adaptive weights were restored, not restarted from uniform
         assert resumed[f"train/apao_weight_m{m}"] == pytest.approx(reference[f"train/apao_weight_m{m}"], abs=1e-9)
+    # the final checkpoint is rank 0's unwrapped model: it loads into a model built without DDP
+    final = next((tmp_path / "runs" / "killed").glob("epoch_*_final"))
+    weights = torch.load(final / "best_model.pt", weights_only=True)
+    assert weights and not any(key.startswith("module.") for key in weights)
+
+
+def _killed_run_flags(epochs: int, num_workers: int) -> list[str]:
+    return [*COMMON, "--backbone", "tiger", "--loss", "apao_pointwise", "--eta", "0.01", "--epochs", str(epochs),
+            "--num-workers", str(num_workers), "--batch-size", str(128 // num_workers)]
 
 
 @pytest.mark.e2e

@@ -242,7 +242,10 @@ class _APAOLoss(Loss):
         # labels may end with EOS (protocol.label_eos): it counts in CE, prefixes are codes only
         prefix = self.prefix_losses(token_logp[..., :self.num_levels], inputs)  # (T,)
         if self.prefix_weights.depends_on_batch:
-            weights = self.prefix_weights.update(prefix.detach())
+            batch_prefix = prefix.detach().clone()
+            if self.average_over_ranks is not None:  # the ranks' micro-batches together, as one worker's batch
+                batch_prefix = self.average_over_ranks(batch_prefix)
+            weights = self.prefix_weights.update(batch_prefix)
         else:
             weights = self.prefix_weights.weights
         weights = weights.to(prefix)                                        # (T,)

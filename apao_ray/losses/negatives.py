@@ -44,7 +44,22 @@ def sample_negatives(target_sem: torch.Tensor, num_semantic_ids: int, num_negati
         return torch.empty(shape, dtype=torch.long, device=target_sem.device)
     draws = torch.randint(0, num_semantic_ids - 1, shape, generator=generator,
                           device=target_sem.device)                       # (S, N) in [0, U-2]
-    return draws + (draws >= target_sem.unsqueeze(1)).long()               # (S, N) skip the target
+    return skip_targets(draws, target_sem)
+
+
+def skip_targets(draws: torch.Tensor, target_sem: torch.Tensor) -> torch.Tensor:
+    """Maps uniform draws ``d`` in [0, U-2] to negatives: ``d + 1`` where ``d >= target`` (SPEC §3), the
+    bijection of ``sample_negatives``, for draws made elsewhere (the training loop draws an epoch's
+    negatives by position in the epoch, so that they do not depend on how the samples are split over ranks).
+
+    Args:
+        draws: (S, N) long in [0, U-2].
+        target_sem: (S,) long semantic-ID index of each row's target.
+
+    Returns:
+        (S, N) long, never equal to the row's target.
+    """
+    return draws + (draws >= target_sem.unsqueeze(1)).long()              # (S, N) skip the target
 
 
 def counted_negatives_mask(candidate_nodes: torch.Tensor, mask_duplicates: bool = True) -> torch.Tensor:

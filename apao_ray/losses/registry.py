@@ -40,6 +40,9 @@ class Loss:
     needs_reference: bool = False
     # how decoding normalises step scores for a model trained with this loss (decoding/scoring.py)
     step_normaliser: str = "vocabulary"
+    # set by a data-parallel training loop while it trains: averages a detached tensor over the ranks (a
+    # collective), for state a loss derives from a micro-batch (APAO's per_batch weights); None: one process
+    average_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def decoding_temperature(cls, config: LossConfig) -> float:

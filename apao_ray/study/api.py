@@ -40,19 +40,35 @@ class StudyResult:
 
 
 def study_slots(spec: StudySpec, start_ray: bool) -> int:
-    """Trials at once: ``max_concurrent``, else the cluster's (or this machine's) CPUs // cpus_per_trial."""
-    if spec.max_concurrent:
-        return spec.max_concurrent
+    """Trials at once: ``max_concurrent``, else the cluster's (or this machine's) CPUs // the CPUs of a trial's
+    workers. Refuses a ``workers_per_trial`` that the cluster (or this machine) cannot place."""
+    from .trial import Resources
+
     if spec.address or start_ray:
+        import ray
+
         from .runner import cluster_cpus, init_ray
 
-        init_ray(spec.address, dashboard=spec.ray_dashboard)
-        cpus = cluster_cpus()
+        init_ray(spec.address, dashboard=spec.starts_ray_dashboard)
+        cpus, where = cluster_cpus(), "the Ray cluster"
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     else:
         from .cli_train import available_cpus
 
-        cpus = available_cpus()
-    return max(1, int(cpus // spec.trial_cpus))
+        cpus, where = available_cpus(), "this machine"
+        nodes = [{"CPU": cpus, "GPU": local_gpus() if spec.gpus_per_trial else 0}]
+    workers = spec.workers_per_trial
+    if workers > 1:
+        Resources(workers, spec.trial_cpus, spec.gpus_per_trial).check_placeable(nodes, where)
+    if spec.max_concurrent:
+        return spec.max_concurrent
+    return max(1, int(cpus // (spec.trial_cpus * workers)))
+
+
+def local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def plan_study(spec: StudySpec, start_ray: bool = False, use_cache: bool = True) -> Plan:

@@ -109,8 +109,13 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
     parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=None,
                         help="CE epochs before a preference loss (dpo/dmpo/sdpo; default half the epochs)")
     parser.add_argument("--max-concurrent", type=positive_int, default=None, help="trials at once (default: the cluster's CPUs // cpus-per-trial)")
+    parser.add_argument("--workers-per-trial", type=positive_int, default=DEFAULTS["workers_per_trial"],
+                        help="data-parallel Ray Train workers per trial (DDP; each with --cpus-per-trial CPUs and "
+                             "--gpus-per-trial GPUs); refused when the cluster cannot place them all "
+                             "(default %(default)s: the trial trains in its Tune actor; docs/parallelism.md)")
     parser.add_argument("--cpus-per-trial", type=positive_float, default=DEFAULTS["cpus_per_trial"],
-                        help="CPUs (and torch threads) per trial; 0.5 packs two trials per CPU, each on 1 thread "
+                        help="CPUs (and torch threads) per trial, per worker with --workers-per-trial; 0.5 packs two "
+                             "trials per CPU, each on 1 thread "
                              "(default: this machine's CPUs shared by the trials that run at once, at least 1 each and "
                              "no more than the CPUs not busy at the start: a lone trial on an idle 2-CPU machine "
                              "gets 2; 1 on a cluster)")

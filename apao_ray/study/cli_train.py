@@ -43,7 +43,8 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=positive_int, default=200, help="maximum epochs (default %(default)s; the paper: 200, SPEC §5)")
     parser.add_argument("--patience", type=positive_int, default=20, help="early-stopping patience (default %(default)s; the paper: 20)")
     parser.add_argument("--batch-size", type=positive_int, default=None,
-                        help="micro-batch size (default: 128 on CPU, 1024 with a GPU, the fastest measured on each at "
+                        help="micro-batch size, of each worker when data parallel (default: 128 on CPU, 1024 with a "
+                             "GPU, the fastest measured on each at "
                              "effective batch 1024: benchmarks/RESULTS.md); the optimizer step stays --effective-batch-size")
     parser.add_argument("--effective-batch-size", type=positive_int, default=1024,
                         help="samples per optimizer step via gradient accumulation (default %(default)s)")
@@ -63,9 +64,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def train_config_from_args(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    one_step = (args.batch_size or 0) * getattr(args, "num_workers", 1)  # a micro-batch on every worker
     values = dict(epochs=args.epochs, patience=args.patience, batch_size=args.batch_size,
-                  effective_batch_size=max(args.effective_batch_size, args.batch_size or 0), lr=args.lr,
-                  beam_size=args.beam_size, seed=args.seed, max_train_samples=args.max_train_samples,
+                  effective_batch_size=max(args.effective_batch_size, one_step), lr=args.lr, beam_size=args.beam_size,
+                  seed=args.seed, max_train_samples=args.max_train_samples,
                   eval_max_users=args.eval_max_users, precision=args.precision, group_by_length=args.group_by_length)
     values.update(overrides)
     return values
@@ -76,7 +78,8 @@ def apply_smoke(args: argparse.Namespace) -> None:
     if args.smoke:
         args.dataset, args.model_size = "synthetic", "tiny"
         args.epochs = min(args.epochs, 3)
-        args.batch_size, args.effective_batch_size = 128, 128
+        # one optimizer step of 128 samples, whatever the workers
+        args.batch_size, args.effective_batch_size = max(1, 128 // getattr(args, "num_workers", 1)), 128
 
 
 def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:

@@ -48,7 +48,8 @@ class Plan:
     allocator: str = ""  # the probes' memory allocator, what this machine's trials get
     notes: list[str] = field(default_factory=list)
     repeat_seeds: tuple[int, ...] = ()  # --seeds after the first: each method's best configuration again
-    threads: int = 1  # torch threads per trial (the CPU-seconds estimate)
+    threads: int = 1  # torch threads per worker (the CPU-seconds estimate)
+    workers: int = 1  # data-parallel workers per trial (--workers-per-trial)
     machine_bytes: int = 0  # this machine's memory when the study runs on it (0: a cluster, not checked)
     start_order: tuple[tuple[str, str], ...] = ()  # (backbone, loss) by decreasing epoch time: trials start so
     side_by_side: float = 1.0  # the factor on probed rates for trials running side by side (SIDE_BY_SIDE_SLOWDOWN)
@@ -105,10 +106,11 @@ class Plan:
         for m in self.fitted_methods:
             count = self._search_trials(m) + len(self.run_repeat_seeds)
             wall = count * m.trial_s(self.fit.epochs)
-            estimates[(m.backbone, m.loss)] = {"cost/wall_seconds": wall, "cost/cpu_seconds": wall * self.threads,
+            cpu = wall * self.threads * self.workers
+            estimates[(m.backbone, m.loss)] = {"cost/wall_seconds": wall, "cost/cpu_seconds": cpu,
                                                "cost/peak_rss_mb": m.peak_bytes / 2**20}
             if m.energy_kwh_per_cpu_s:
-                estimates[(m.backbone, m.loss)]["cost/energy_kwh"] = wall * self.threads * m.energy_kwh_per_cpu_s
+                estimates[(m.backbone, m.loss)]["cost/energy_kwh"] = cpu * m.energy_kwh_per_cpu_s
         return estimates
 
     @property
@@ -174,8 +176,9 @@ class Plan:
     def text(self) -> str:
         fit, gib = self.fit, 2 ** 30
         allocator = f", allocator {self.allocator}" if self.allocator else ""
+        workers = f"{self.workers} data-parallel workers x " if self.workers > 1 else ""
         lines = [f"plan: {self.num_trials} trials on {self.dataset}, protocol {self.protocol}, precision "
-                 f"{self.precision}{allocator}, {self.slots} at a time, {self.threads} thread"
+                 f"{self.precision}{allocator}, {self.slots} at a time, {workers}{self.threads} thread"
                  f"{'s' if self.threads > 1 else ''} each"]
         estimates = self.cost_estimates()
         for m in self.fitted_methods:
@@ -288,6 +291,9 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     notes = []
     if spec.gpus_per_trial > 0 and "cuda" not in devices:
         notes.append("  note: probed on this machine's CPU (no GPU here): trials on GPUs will be faster")
+    if spec.workers_per_trial > 1:
+        notes.append(f"  note: epoch times are one worker's; {spec.workers_per_trial} workers train an epoch in up to "
+                     f"1/{spec.workers_per_trial} of that (validation stays on one; docs/parallelism.md)")
     if "cuda" not in devices and "glibc-cached" in allocators and find_tcmalloc() is None:
         notes.append("  note: tcmalloc is not installed here; with it (Debian/Ubuntu: apt-get install "
                      "libtcmalloc-minimal4) CPU training ran ~1.1x faster than on glibc (benchmarks/RESULTS.md)")
@@ -295,7 +301,8 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
                 methods=methods, asked_epochs=base.train.epochs, asked_trials_per_tuned=search.trials_per_tuned,
                 fit=fit, budget_s=spec.budget_s, probes_cached=cached, probes_observed=observed, notes=notes,
                 repeat_seeds=spec.repeat_seeds, allocator="/".join(sorted(a for a in allocators if a)),
-                threads=threads, machine_bytes=0 if spec.address else machine_memory_bytes(),
+                threads=threads, workers=spec.workers_per_trial,
+                machine_bytes=0 if spec.address else machine_memory_bytes(),
                 start_order=start_order, search_seed=spec.search_seed,
                 effective_batch_size=base.train.effective_batch_size, side_by_side=side_by_side if observed < len(methods) else 1.0)
 

@@ -45,6 +45,7 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
     device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
     train = config.train.replace(precision=resolve_precision(config.train.precision, device),
                                  effective_batch_size=config.train.batch_size,  # one optimizer step per micro-batch
+                                 num_workers=1,  # one worker's rate, in this process
                                  max_train_samples=(max(steps, PROBE_MAX_STEPS) + 1) * config.train.batch_size,
                                  retention_users=0)
     config = config.replace(train=train, loss=config.loss.replace(pretrain_ce_epochs=0).to_dict())

@@ -52,11 +52,14 @@ class StudySpec:
         min_epochs: the fewest epochs a budget may cut a trial to; a method whose one trial of them does
             not fit is deferred (a table row without trials).
         protocol, protocol_knobs: the training protocol preset and knob overrides (docs/PROTOCOLS.md).
-        max_concurrent: trials at once (None: the cluster's CPUs // cpus_per_trial).
-        cpus_per_trial: CPUs (and torch threads) per trial. None: on this machine, its CPUs shared by the
-            trials that can run at once (min of the trials, max_concurrent and the CPUs), at least 1 each, and
-            no more than the CPUs not busy now (load average), so a lone trial on an idle 2-CPU machine trains
-            on both; 1 on a cluster.
+        max_concurrent: trials at once (None: the cluster's CPUs // (cpus_per_trial x workers_per_trial)).
+        workers_per_trial: data-parallel Ray Train workers per trial (DDP, docs/parallelism.md); each has
+            ``cpus_per_trial`` CPUs, ``gpus_per_trial`` GPUs and ``memory_per_trial_gib``. 1: the trial trains
+            in its Tune actor, without Ray Train.
+        cpus_per_trial: CPUs (and torch threads) per trial, per worker when ``workers_per_trial`` > 1. None: on
+            this machine, its CPUs shared by the workers of the trials that can run at once (min of the trials,
+            max_concurrent and the CPUs), at least 1 each, and no more than the CPUs not busy now (load
+            average), so a lone trial on an idle 2-CPU machine trains on both; 1 on a cluster.
         memory_per_trial_gib: a cap on what each trial allocates past its worker's start (torch and Ray loaded),
             the same under every allocator (training/memory.py MemoryCap); reserved in Ray's scheduling too.
         tracking_uri: MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db).
@@ -64,6 +67,7 @@ class StudySpec:
         address: a Ray cluster to join (None: a local Ray on this machine).
         ray_dashboard: start the local Ray's dashboard (off: it holds ~1.1 GiB of memory in 12 processes,
             and the study's progress lines, MLflow and optuna-dashboard show the study); a cluster keeps its own.
+            Always on with ``workers_per_trial`` > 1 (``starts_ray_dashboard``).
         resume, overwrite: continue the study of this name (refused if none) / start it again.
         retry_failed: on a resume, run the trials that failed (e.g. killed for memory) again, each
             from its last epoch checkpoint.
@@ -102,6 +106,7 @@ class StudySpec:
     budget: str | float | None = None
     min_epochs: int = 3
     max_concurrent: int | None = None
+    workers_per_trial: int = 1
     cpus_per_trial: float | None = None
     gpus_per_trial: float = 0.0
     memory_per_trial_gib: float | None = None
@@ -154,7 +159,7 @@ class StudySpec:
                 raise ValueError(f"{name}={value!r} must be {kind} {'>' if above else '>='} {low:g}")
 
         for name in ("num_samples", "epochs", "patience", "effective_batch_size", "beam_size", "asha_grace_period",
-                     "min_epochs"):
+                     "min_epochs", "workers_per_trial"):
             check(name, 1, integer=True)
         check("batch_size", 1, integer=True, optional=True)
         for name in ("seed", "max_failures", "retention_users"):
@@ -224,13 +229,15 @@ class StudySpec:
             check_plain_name("dataset", self.dataset)  # before the default study name is made from it
         study_name = check_plain_name("study", self.study_name or f"{dataset_label(self.dataset)}-study")
         dataset = load_dataset(self.dataset, self.data_dir, allow_download=not self.data_dir)  # given: it is there
+        workers = self.workers_per_trial  # a micro-batch on each of a trial's workers per optimizer step
         base = TrialConfig(
             # where the driver found the files: the trials read them there, from any working directory, never downloading
             DataConfig(dataset=canonical_dataset(self.dataset), data_dir=dataset.data_dir),
             ModelConfig(**(TINY_MODEL if self.model_size == "tiny" else {})),
             LossConfig(num_negatives=negatives[1]),
             TrainConfig(epochs=self.epochs, patience=self.patience, batch_size=self.batch_size,
-                        effective_batch_size=max(self.effective_batch_size, self.batch_size or 0), lr=self.lr,
+                        effective_batch_size=max(self.effective_batch_size, (self.batch_size or 0) * workers),
+                        lr=self.lr, num_workers=workers,
                         beam_size=self.beam_size, seed=self.search_seed, max_train_samples=self.max_train_samples,
                         eval_max_users=self.eval_max_users, precision=self.precision,
                         group_by_length=self.group_by_length, use_gpu=self.gpus_per_trial > 0,
@@ -251,7 +258,8 @@ class StudySpec:
         output_dir = Path(self.output_dir).resolve()
         cpus_per_trial = self.cpus_per_trial
         if cpus_per_trial is None:
-            cpus_per_trial = 1.0 if self.address else local_cpus_per_trial(search.num_trials, self.max_concurrent)
+            cpus_per_trial = 1.0 if self.address else local_cpus_per_trial(search.num_trials, self.max_concurrent,
+                                                                            self.workers_per_trial)
         self.resolved.update(dataset=dataset, cpus_per_trial=cpus_per_trial, base=base, search=search, study_name=study_name,
                              tracking_uri=tracking_uri, output_dir=output_dir,
                              optuna_storage=resolve_storage_url(self.optuna_storage, tracking_uri, output_dir),
@@ -269,6 +277,13 @@ class StudySpec:
             check_resumable(tracking_uri, options, dataset.checksums)
         # after the checks on the data: a changed dataset is the first thing to say on a resume
         check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are
+
+    @property
+    def starts_ray_dashboard(self) -> bool:
+        """Whether the local Ray starts its dashboard: when asked, and always for data-parallel trials, whose Ray
+        Train placement groups are freed by a cleaner that reads the dashboard's State API (without it the
+        first trial's CPUs stayed reserved and the next trial's workers never started)."""
+        return self.ray_dashboard or self.workers_per_trial > 1
 
     @property
     def trial_cpus(self) -> float:
@@ -289,7 +304,7 @@ class StudySpec:
         extra = {} if command_line is None else {"command_line": command_line}
         return StudyOptions(
             base=base, spec=search, study_name=self.resolved["study_name"], output_dir=self.resolved["output_dir"],
-            tracking_uri=self.resolved["tracking_uri"], address=self.address, ray_dashboard=self.ray_dashboard,
+            tracking_uri=self.resolved["tracking_uri"], address=self.address, ray_dashboard=self.starts_ray_dashboard,
             max_concurrent=self.max_concurrent or 1, cpus_per_trial=self.trial_cpus,
             gpus_per_trial=self.gpus_per_trial, time_budget_s=budget, max_failures=self.max_failures,
             memory_per_trial_bytes=int(self.memory_per_trial_gib * 2**30) if self.memory_per_trial_gib else None,
@@ -300,17 +315,17 @@ class StudySpec:
             dataset_record=self.resolved["dataset_record"], **extra)
 
 
-def local_cpus_per_trial(num_trials: int, max_concurrent: int | None) -> float:
-    """This machine's CPUs shared by the trials that can run at once, but no more than the CPUs not busy now
-    (1-minute load average, this process's start-up included): a 2-thread trial given one core's worth ran
-    10x slower than alone, 3.6x slower than on 1 thread (OpenMP threads waiting on each other;
-    benchmarks/RESULTS.md, session 16)."""
+def local_cpus_per_trial(num_trials: int, max_concurrent: int | None, workers_per_trial: int = 1) -> float:
+    """This machine's CPUs shared by the workers of the trials that can run at once, but no more than the CPUs
+    not busy now (1-minute load average, this process's start-up included): a 2-thread trial given one core's
+    worth ran 10x slower than alone, 3.6x slower than on 1 thread (OpenMP threads waiting on each other;
+    benchmarks/RESULTS.md, session 16). Per worker when ``workers_per_trial`` > 1."""
     from .cli_train import available_cpus
 
     cpus = available_cpus()
-    at_once = min(num_trials, max_concurrent or cpus, cpus)
+    at_once = max(1, min(num_trials, max_concurrent or cpus, cpus // workers_per_trial))
     busy = int(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0
-    return float(max(1, min(cpus // at_once, cpus - busy)))
+    return float(max(1, min(cpus // (at_once * workers_per_trial), (cpus - busy) // workers_per_trial)))
 
 
 def check_seeds(seeds: Any, seed: int) -> tuple[int, ...]:

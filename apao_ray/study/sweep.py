@@ -61,19 +61,21 @@ def invocation(argv: list[str]) -> list[str]:
 
 
 def make_trial_function(base: TrialConfig, train_root: str, resources: Resources) -> Any:
-    """The Tune trainable: turns a sampled config into a TrialConfig and trains it in the trial's actor."""
+    """The Tune trainable: turns a sampled config into a TrialConfig and trains it in the trial's actor (one
+    worker) or on ``resources.num_workers`` Ray Train workers driven from there."""
 
     def apao_trial(config: dict[str, Any]) -> None:
         from ray import tune
 
         from .outcomes import describe
-        from .trial import run_in_tune_actor
+        from .trial import run_in_ray_train, run_in_tune_actor
 
         from ..names import train_run_name
 
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
-        run_in_tune_actor(space.trial_config(base, config), name=name, storage_path=train_root, resources=resources,
-                          progress_label=f"[{describe(trial_choices(config))}] ")
+        run = run_in_ray_train if resources.num_workers > 1 else run_in_tune_actor
+        run(space.trial_config(base, config), name=name, storage_path=train_root, resources=resources,
+            progress_label=f"[{describe(trial_choices(config))}] ")
 
     return apao_trial
 
@@ -177,6 +179,7 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
         tracker.log_params(parent_id, {"space": space_param(options.spec),
                                        "dataset": options.base.data.dataset, "num_trials": options.spec.num_trials,
                                        "base": options.base.to_dict(), "max_concurrent": options.max_concurrent,
+                                       "workers_per_trial": options.base.train.num_workers,
                                        "seeds": seeds_param(options)})
     else:
         tracker.reopen(parent_id)
@@ -251,13 +254,16 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
 
     def make_callbacks(num_trials: int) -> list[Any]:  # the recorder first (repeats.py reads it)
         recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
-                                       options.study_name, train_root, {"base": options.base.to_dict()},
+                                       options.study_name, train_root,
+                                       {"base": options.base.to_dict(), "workers_per_trial": resources.num_workers},
                                        example_history, run_tags(options.base), options.dataset_record)
         return [recorder, ProgressCallback(metric, num_trials)]
 
+    # per worker; a trial has the base config's num_workers (--workers-per-trial)
+    resources = Resources(options.base.train.num_workers, options.cpus_per_trial, options.gpus_per_trial,
+                          options.memory_per_trial_bytes)
     callbacks = make_callbacks(options.spec.num_trials)
     recorder = callbacks[0]
-    resources = Resources(1, options.cpus_per_trial, options.gpus_per_trial, options.memory_per_trial_bytes)
     trainable = tune.with_resources(make_trial_function(options.base, train_root, resources),
                                     resources.tune_resources())
     storage_url = options.optuna_storage or optuna_storage.resolve_storage_url(None, options.tracking_uri,

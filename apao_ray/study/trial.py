@@ -1,5 +1,6 @@
-"""Running one trial: in the calling Ray Tune trial actor (a study's trials: one worker each), or as a Ray Train
-``TorchTrainer`` job (``apao train``, data parallel over ``--num-workers``).
+"""Running one trial: in the calling Ray Tune trial actor (a study's one-worker trials), or as a Ray Train
+``TorchTrainer`` job (``apao train``, data parallel over ``--num-workers``; a study's trials with
+``--workers-per-trial`` > 1, driven from their Tune trial actor).
 
 Both keep a trial's checkpoints under ``storage_path/name`` (``name`` from ``names.train_run_name``), where a
 restarted or resumed trial finds them and the study's driver reads the final one.
@@ -7,8 +8,9 @@ restarted or resumed trial finds them and the study's driver reads the final one
 from __future__ import annotations
 
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,9 @@ FAILURE_FILE = "trial_failure.txt"
 # tries to start a trial's worker group before the trial fails (Ray's default is to try forever, and a
 # worker group that cannot start on a loaded or too small machine then hangs the study)
 MAX_START_RETRIES = 3
+# a data-parallel study trial's Tune actor only drives its TorchTrainer (Ray 2.60's Train-in-Tune: the actor
+# holds 1 CPU unless told otherwise, and 2 such trials starve their workers on 2 CPUs)
+TRIAL_DRIVER_CPUS = 0.01
 RAY_TRAIN_LOG_LEVEL = "WARNING"  # on the console; $APAO_RAY_TRAIN_LOG_LEVEL=INFO brings Ray Train's lines back
 
 
@@ -47,13 +52,43 @@ class Resources:
     memory_bytes: int | None = None
 
     def tune_resources(self) -> dict[str, float]:
-        """The reservation of a Tune trial actor that trains the trial itself (one worker)."""
-        if self.num_workers != 1:
-            raise ValueError(f"a trial trained in Tune's actor has one worker, not num_workers={self.num_workers}")
+        """The reservation of a study's Tune trial actor: all of a one-worker trial, which it trains itself;
+        a sliver for the driver of a data-parallel trial, whose Ray Train workers reserve their own
+        (``for_ray_train``)."""
+        if self.num_workers > 1:
+            return {"cpu": TRIAL_DRIVER_CPUS}
         resources = {"cpu": self.cpus_per_worker, "gpu": self.gpus_per_worker}
         if self.memory_bytes:
             resources["memory"] = self.memory_bytes
         return resources
+
+    def for_ray_train(self) -> "Resources":
+        """A data-parallel study trial's workers: each gives up ``TRIAL_DRIVER_CPUS`` for its Tune driver, so
+        that N workers and the driver fit the N x cpus_per_worker CPUs the plan counts (N 1-CPU workers on an
+        N-CPU node)."""
+        return replace(self, cpus_per_worker=self.cpus_per_worker - TRIAL_DRIVER_CPUS)
+
+    def check_placeable(self, nodes: list[dict[str, float]], where: str) -> None:
+        """Refuses workers that ``nodes`` (each node's total resources, Ray's names: CPU, GPU) cannot hold all
+        at once: each worker on one node, several to a node where they fit.
+
+        Raises:
+            ValueError: naming the workers asked for, how many fit, and ``where`` (the cluster, this machine).
+        """
+        def fits(node: dict[str, float]) -> int:
+            counts = [node.get("CPU", 0.0) // self.cpus_per_worker if self.cpus_per_worker else math.inf]
+            if self.gpus_per_worker:
+                counts.append(node.get("GPU", 0.0) // self.gpus_per_worker)
+            return int(min(min(counts), self.num_workers))
+
+        placeable = sum(fits(node) for node in nodes)
+        if placeable < self.num_workers:
+            gpus = f" and {self.gpus_per_worker:g} GPU" if self.gpus_per_worker else ""
+            held = ", ".join(f"{node.get('CPU', 0):g} CPU" + (f" {node.get('GPU', 0):g} GPU" if self.gpus_per_worker
+                                                               else "") for node in nodes)
+            raise ValueError(f"--workers-per-trial {self.num_workers}: each worker needs {self.cpus_per_worker:g} CPU"
+                             f"{gpus}, and {where} ({held or 'no nodes'}) can place {placeable} at once; lower "
+                             "--workers-per-trial or --cpus-per-trial/--gpus-per-trial, or add nodes")
 
     def scaling_config(self) -> ray.train.ScalingConfig:
         import ray.train
@@ -93,6 +128,21 @@ def run_in_tune_actor(config: TrialConfig, *, name: str, storage_path: str | Pat
         return train_in_tune_actor(loop_config)
     finally:  # what an earlier attempt, killed mid-way, left in the system temp directory
         remove_scratch(name)
+
+
+def run_in_ray_train(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
+                     progress_label: str = "") -> None:
+    """Trains a study's data-parallel trial (``resources.num_workers`` > 1) as a ``TorchTrainer`` driven from the
+    calling Tune trial actor; rank 0's reports reach Tune through ``TuneReportCallback``. ``name`` as for
+    make_trainer. A Tune retry or a resumed study continues from the run's newest checkpoint.
+
+    Raises TrialFailedError / TrialStartError as ``fit``.
+    """
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources.for_ray_train(),
+                           callbacks=[TuneReportCallback()], verbose=False, progress_label=progress_label)
+    fit(trainer)
 
 
 def forget_failures(storage_path: str | Path) -> int:

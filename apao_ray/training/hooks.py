@@ -19,6 +19,13 @@ from ..names import REPORTS_FILE
 from .checkpoint import latest_checkpoint_in
 
 
+def append_report(run_dir: Path, metrics: dict[str, Any]) -> None:
+    """Appends a report to the run's ``REPORTS_FILE`` (a resumed study's scheduler reads it back)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / REPORTS_FILE, "a") as handle:
+        handle.write(json.dumps(metrics) + "\n")
+
+
 class TrainingHooks:
     """Single-process defaults: CPU (or the given device), checkpoints under ``output_dir``."""
 
@@ -46,8 +53,7 @@ class TrainingHooks:
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         self.reports.append(dict(metrics))
-        with open(self.output_dir / REPORTS_FILE, "a") as handle:
-            handle.write(json.dumps(metrics) + "\n")
+        append_report(self.output_dir, metrics)
         if checkpoint_dir is not None:
             root = self.output_dir / "checkpoints"
             root.mkdir(exist_ok=True)

@@ -1,9 +1,9 @@
 """One trial's training loop (SPEC §5), with no Ray in it: train, validate, checkpoint,
 early-stop, then test the best epoch once. ``TrainingHooks`` decide where it runs.
 
-Determinism: the sample order and the negatives of epoch e are functions of (seed, e), and the
-torch RNG (dropout) is checkpointed, so a run resumed from its epoch-e checkpoint continues
-exactly as an uninterrupted one (same CPU, same thread count).
+Determinism: the sample order, the negatives and dropout's random stream of epoch e are functions of
+(seed, e) (and the rank: steps.py), so a run resumed from its epoch-e checkpoint continues exactly as an
+uninterrupted one (same CPU, same thread count), on every data-parallel rank.
 """
 from __future__ import annotations
 
@@ -223,6 +223,8 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         if hooks.rank == 0 and value > state["best_value"]:
             state["best_value"], state["best_epoch"] = value, epoch
             best_weights = copy.deepcopy(_unwrap(model).state_dict())
+        # only rank 0 validates: every rank must know its best epoch, or early stopping stops the others alone
+        state["best_epoch"] = _from_rank0(state["best_epoch"])
         state["epoch"] = epoch
         kept = metrics if state["best_epoch"] == epoch else {k.removeprefix(prefix): v for k, v in next(
             (h for h in state["history"] if h.get("epoch") == state["best_epoch"]), {}).items()}
@@ -279,6 +281,17 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         meter.stop()
         hooks.report(final, None)
     return final
+
+
+def _from_rank0(value: int) -> int:
+    """Rank 0's ``value`` on every data-parallel rank (``value`` itself in one process); a collective."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    tensor = torch.tensor([value], dtype=torch.long)  # gloo; under NCCL the process group's device is needed
+    if torch.distributed.get_backend() == "nccl":
+        tensor = tensor.cuda()
+    torch.distributed.broadcast(tensor, src=0)
+    return int(tensor.item())
 
 
 def _broadcast_from_rank0(model: nn.Module) -> None:

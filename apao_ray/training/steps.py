@@ -14,6 +14,7 @@ from ..config import TrialConfig
 from ..data import CatalogTensors, Dataset, collate
 from ..data.batches import group_by_length
 from ..losses import sample_negatives
+from ..losses.negatives import skip_targets
 from ..losses.base import LossInputs, LossOutput
 from .memory import MemoryReleaser
 from ..models.base import label_log_probs
@@ -41,6 +42,53 @@ def chunk_size(batch_size: int, num_negatives: int, device: torch.device) -> int
     return max(1, min(batch_size, GPU_CANDIDATES_PER_CHUNK // (1 + num_negatives)))
 
 
+def average_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of ``tensor`` over the data-parallel ranks, in place (itself in one process). A collective:
+    every rank must call it, in the same order."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.AVG)
+    return tensor
+
+
+def seed_of(*keys: int) -> int:
+    """A 32-bit seed that is a function of ``keys`` (e.g. seed, epoch, rank), well mixed."""
+    return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
+
+
+class PositionNegatives:
+    """An epoch's negatives, drawn by position in the epoch's sample order (SPEC §3's uniform draw).
+
+    Positions come in blocks of ``BLOCK``; block k is drawn from a generator seeded with (seed, epoch, k). A
+    sample's negatives are thus a function of the seed, the epoch and its place in the epoch's order, not of
+    the rank that trains it, its micro-batch or what was drawn before: two ranks draw for their samples what
+    one worker draws for the same samples, disjoint positions get independent draws, and a resumed epoch
+    draws what the interrupted one did. Each rank draws every block it touches (a few ms per block).
+    """
+
+    BLOCK = 4096
+
+    def __init__(self, seed: int, epoch: int, num_semantic_ids: int, num_negatives: int) -> None:
+        self.seed, self.epoch = seed, epoch
+        self.num_semantic_ids, self.num_negatives = num_semantic_ids, num_negatives
+        self._blocks: dict[int, torch.Tensor] = {}
+
+    def _block(self, index: int) -> torch.Tensor:
+        if index not in self._blocks:
+            generator = torch.Generator().manual_seed(seed_of(self.seed, self.epoch, index))
+            self._blocks[index] = torch.randint(0, self.num_semantic_ids - 1, (self.BLOCK, self.num_negatives),
+                                                generator=generator)             # (BLOCK, N) in [0, U-2]
+        return self._blocks[index]
+
+    def __call__(self, positions: np.ndarray, target_sem: torch.Tensor) -> torch.Tensor:
+        """(S,) increasing positions in the epoch's order and their (S,) targets -> (S, N) negatives."""
+        blocks = positions // self.BLOCK
+        for old in [k for k in self._blocks if k < blocks[0]]:  # a rank's positions only increase
+            del self._blocks[old]
+        draws = torch.cat([self._block(int(k))[positions[blocks == k] % self.BLOCK] for k in np.unique(blocks)])
+        return skip_targets(draws, target_sem.cpu())                           # (S, N)
+
+
 class EpochRunner:
     """Holds what every epoch reuses (sample indices, token tables) and runs one epoch."""
 
@@ -64,12 +112,30 @@ class EpochRunner:
         self.memory = MemoryReleaser()  # keeps a worker's resident memory near what it holds
 
     def _candidates(self, batch: Any, num_negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positive first, then negatives: tokens (B, 1+N, T or T+1 with EOS) and prefix nodes (B, 1+N, T+1)."""
+        """Positive first, then negatives from ``generator``: see ``_candidates_with``."""
+        negatives = sample_negatives(batch.target_sem.cpu(), len(self.sem_tokens), num_negatives, generator) \
+            if num_negatives else None
+        return self._candidates_with(batch, negatives)
+
+    def _candidates_with(self, batch: Any, negatives: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positive first, then ``negatives`` (B, N) if any: tokens (B, 1+N, T or T+1 with EOS) and prefix
+        nodes (B, 1+N, T+1)."""
         sem = batch.target_sem[:, None]                                                      # (B, 1)
-        if num_negatives:
-            negatives = sample_negatives(batch.target_sem.cpu(), len(self.sem_tokens), num_negatives, generator)
+        if negatives is not None:
             sem = torch.cat([sem, negatives.to(self.device)], dim=1)                         # (B, 1+N)
         return with_end_token(self.sem_tokens[sem], self.config.protocol.label_eos), self.tensors.leaf_prefix_nodes[sem]
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """This rank's training samples of ``epoch``, in order: positions r, r + W, r + 2W, ... of the epoch's
+        shuffled order for rank r of W. Disjoint equal shards, whose k-th micro-batches (and optimizer steps)
+        together hold the samples of one worker's k-th micro-batch W times as large."""
+        train = self.config.train
+        rng = np.random.default_rng([train.seed, epoch])
+        order = rng.permutation(self.indices)
+        if train.group_by_length:  # before sharding, in micro-batches of all ranks: the ranks' parts pad alike
+            order = group_by_length(order, self.dataset.splits["train"].history_lengths,
+                                    train.batch_size * self.world_size, rng)
+        return order[:self.per_rank * self.world_size][self.rank::self.world_size]
 
     def train_epoch(self, epoch: int, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
                     scheduler: Any, reference: nn.Module | None,
@@ -78,15 +144,26 @@ class EpochRunner:
 
         ``progress(samples_done, samples_total)`` is called after every optimizer step.
         """
+        # per_batch/hard_max APAO weights from every rank's micro-batch, not each rank's own; only while
+        # training: rank 0 alone calls the loss in validation
+        loss_fn.average_over_ranks = average_over_ranks if self.world_size > 1 else None
+        try:
+            return self._train_epoch(epoch, model, loss_fn, optimizer, scheduler, reference, progress)
+        finally:
+            loss_fn.average_over_ranks = None
+
+    def _train_epoch(self, epoch: int, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
+                     scheduler: Any, reference: nn.Module | None,
+                     progress: Callable[[int, int], None] | None) -> dict[str, float]:
         train = self.config.train
         model.train()
-        rng = np.random.default_rng([train.seed, epoch])
-        order = rng.permutation(self.indices)
-        local = order[self.rank::self.world_size][:self.per_rank]
+        # dropout draws from (seed, epoch, rank): the ranks draw their own masks (their tensors' shapes differ, so
+        # their streams would part anyway), and a run resumed from rank 0's checkpoint draws on every rank what
+        # the uninterrupted run drew
+        torch.manual_seed(seed_of(train.seed, epoch, self.rank))
         split = self.dataset.splits["train"]
-        if train.group_by_length:
-            local = group_by_length(local, split.history_lengths, train.batch_size, rng)
-        generator = torch.Generator().manual_seed(train.seed * 1_000_003 + epoch * 101 + self.rank)
+        local = self.epoch_order(epoch)
+        negatives = PositionNegatives(train.seed, epoch, len(self.sem_tokens), loss_fn.num_negatives)
         precision = autocast(train.precision, self.device)  # run_trial resolved 'auto' for this device
         sums: dict[str, float] = defaultdict(float)
         grad_norm_sum, num_steps = None, 0
@@ -99,7 +176,10 @@ class EpochRunner:
             prefix_sum = None
             for position, chunk in enumerate(chunks):
                 batch = collate(self.dataset.catalog, split, chunk, self.item_tokens).to(self.device)
-                candidates, nodes = self._candidates(batch, loss_fn.num_negatives, generator)
+                first = start + position * size                      # the chunk's first index in ``local``
+                places = np.arange(first, first + len(chunk)) * self.world_size + self.rank
+                candidates, nodes = self._candidates_with(
+                    batch, negatives(places, batch.target_sem) if loss_fn.num_negatives else None)
                 is_last = position == len(chunks) - 1
                 # gradients are all-reduced once per optimizer step, not per micro-batch
                 sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
@@ -136,10 +216,8 @@ class EpochRunner:
             self.memory.step()
             if progress is not None:
                 progress(start + len(step_indices), len(local))
-            if prefix_sum is not None:
-                if self.world_size > 1 and torch.distributed.is_initialized():
-                    # every rank must apply the same adaptive-weight update
-                    torch.distributed.all_reduce(prefix_sum, op=torch.distributed.ReduceOp.AVG)
+            if prefix_sum is not None:  # every rank applies the same adaptive-weight update: all ranks' mean
+                prefix_sum = average_over_ranks(prefix_sum)
                 loss_fn.after_optimizer_step(LossOutput(loss=prefix_sum.sum(), prefix_losses=prefix_sum))
         num_samples = sums.pop("_samples")
         metrics = {f"train/{name}": total / num_samples for name, total in sums.items()}

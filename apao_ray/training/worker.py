@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import TrialConfig
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
-from .hooks import TrainingHooks
+from .hooks import TrainingHooks, append_report
 from .loop import TrialOutOfMemoryError, is_out_of_memory, run_trial
 from .memory import MemoryCap, allocator_in_use
 from .steps import NonFiniteLossError
@@ -71,7 +71,8 @@ class TuneTrialHooks(ScratchCheckpoints, TrainingHooks):
 class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
     """Rank, device and DDP from Ray Train; checkpoints go to the run's storage via report."""
 
-    def __init__(self, verbose: bool = True, scratch_prefix: str = SCRATCH_PREFIX) -> None:
+    def __init__(self, verbose: bool = True, scratch_prefix: str = SCRATCH_PREFIX,
+                 run_dir: str | Path | None = None) -> None:
         import ray.train.torch  # here, not at the top: a trial in Tune's actor does without Ray Train
 
         context = ray.train.get_context()
@@ -80,6 +81,7 @@ class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
         self.device = ray.train.torch.get_device()
         self.verbose = verbose
         self.reports: list[dict[str, Any]] = []
+        self.run_dir = Path(run_dir) if run_dir else None  # rank 0 appends its reports there (a study's record)
         self._open_scratch(scratch_prefix)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -95,6 +97,8 @@ class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         self.reports.append(dict(metrics))
+        if self.run_dir is not None and self.rank == 0:
+            append_report(self.run_dir, metrics)
         name = f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else "")
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         # barrier: every rank calls report every epoch; only rank 0 passes a checkpoint
@@ -198,7 +202,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cap = setup_worker(loop_config)
     quiet_report_log(loop_config.get("ray_log_level", "INFO"))
     hooks = RayTrainHooks(verbose=loop_config.get("verbose", True),
-                          scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX))
+                          scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX),
+                          run_dir=loop_config.get("output_dir"))
     hooks.progress_label = loop_config.get("progress_label", "")
     try:
         run_trial(TrialConfig.from_dict(loop_config["trial"]), hooks)
