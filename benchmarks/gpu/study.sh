@@ -34,7 +34,7 @@ work=$(mktemp -d /tmp/apao-gpu-study.XXXXXX)
 mkdir -p "$OUT"
 started=$(date +%s)
 log() { echo "[study.sh +$(( $(date +%s) - started ))s] $*" | tee -a "$OUT/runner.log" >&2; }
-fail() { log "FAILED: $*"; exit 2; }
+fail() { log "FAILED: $*"; rm -rf "$work"; exit 2; }
 
 # 1. which wheel set: the one built for this Python (the GPU machine's was 3.12.3 when last read)
 "$PYTHON" --version 2>&1 | tee -a "$OUT/runner.log"
