@@ -24,7 +24,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import apao_ray
-    from apao_ray.study.plan import hardware_key, method_config
+    from apao_ray.study.plan import method_config
+    from apao_ray.study.probe_cache import hardware_key
     from apao_ray.study.probe import run_probe
 
     spec = apao_ray.StudySpec(dataset="office", backbones=("tiger",), losses=("ce",), epochs=2,

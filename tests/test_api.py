@@ -107,7 +107,8 @@ def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
     spec = StudySpec.quick(losses=("ce", "apao_pairwise"), output_dir="runs", budget="1h30m", protocol="reference")
     assert spec.budget_s == 5400 and spec.negatives == (10, 20) and spec.epochs == 2 and spec.asha_grace_period == 3
     from apao_ray.study.api import planned_options
-    from apao_ray.study.plan import Deferral, Fit, MethodCost, Plan
+    from apao_ray.study.budget import Deferral, Fit, MethodCost
+    from apao_ray.study.plan import Plan
 
     costs = [MethodCost("tiger", loss, loss == "ce", epoch_s=60.0, fixed_s=10.0) for loss in ("ce", "apao_pairwise")]
 
@@ -340,7 +341,8 @@ def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkey
 def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_path, monkeypatch, capsys):
     """Probe rates injected through the cache: APAO-pointwise ~1,000x slower than CE, so its one epoch does not
     fit 5 minutes; CE runs, APAO-pointwise is a row without trials that says what it needs."""
-    from apao_ray.study.plan import method_config, probe_key, trial_threads
+    from apao_ray.study.plan import method_config, trial_threads
+    from apao_ray.study.probe_cache import probe_key
 
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
     spec = _smoke_spec(tmp_path, budget="5m")

@@ -6,7 +6,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from .outcomes import short_reason
-from .plan import Plan, cost_summary, make_plan, method_config, record_observed, validation_users
+from .plan import Plan, cost_summary, make_plan, method_config, validation_users
+from .probe_cache import record_observed
 from .spec import StudySpec
 
 

@@ -15,7 +15,7 @@ from ..protocol import KNOBS
 from .cli_protocol import add_protocol_arguments
 from .cli_train import add_common_arguments
 from ..cli_types import non_negative_float, non_negative_int, positive_int
-from .plan import parse_duration
+from .budget import parse_duration
 from .spec import QUICK_SETTINGS, StudySpec, quick_negatives
 
 SWEEP_EPILOG = """\

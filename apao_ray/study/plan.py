@@ -13,12 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..training.memory import find_tcmalloc
-from .budget import (MIN_TRAIN_SAMPLES, RAY_START_S, TRIAL_START_S, Deferral, Fit, MethodCost, asha_rungs,  # noqa: F401
-                     fit_budget, format_duration, largest_subset, makespan, parse_duration, study_seconds,
-                     trial_durations)
-from .probe_cache import (PROBE_CACHE_ENV, PROBE_CACHE_FILE, PROBE_MAX_STEPS, PROBE_SECONDS,  # noqa: F401
-                          PROBE_STEPS, PROBE_TRIAL_SHARE, PROBE_VERSION, SIDE_BY_SIDE_SLOWDOWN, Probe, _write_cache,
-                          hardware_key, probe, probe_cache_path, probe_key, record_observed)
+from .budget import TRIAL_START_S, Fit, MethodCost, asha_rungs, fit_budget, format_duration, study_seconds
+from .probe_cache import PROBE_SECONDS, PROBE_TRIAL_SHARE, SIDE_BY_SIDE_SLOWDOWN, probe, probe_cache_path
 
 MEMORY_WARNING_FRACTION = 0.8  # of the machine's memory, for the plan's peak (Ray's monitor kills at 0.95)
 

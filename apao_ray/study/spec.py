@@ -179,7 +179,7 @@ class StudySpec:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose from {list(allowed)}")
         if self.budget is not None:
-            from .plan import parse_duration
+            from .budget import parse_duration
 
             parse_duration(self.budget)
 
@@ -195,7 +195,7 @@ class StudySpec:
 
     @property
     def budget_s(self) -> float | None:
-        from .plan import parse_duration
+        from .budget import parse_duration
 
         return None if self.budget is None else parse_duration(self.budget)
 
