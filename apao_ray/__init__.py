@@ -17,11 +17,22 @@ _LAZY = {"StudySpec": "apao_ray.study.spec", "StudyResult": "apao_ray.study.api"
          "plan_study": "apao_ray.study.api"}
 
 
-def load_recommender(model_uri: str, **kwargs: Any) -> Any:
-    """Loads a trained model logged by a study; see :func:`apao_ray.inference.load_recommender`."""
-    from .inference import load_recommender as _load
+def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None,
+                     tracking_uri: str | None = None) -> Any:
+    """Loads a model logged by a study (an ``inference.Recommender``): an MLflow URI (``runs:/<id>/model``,
+    ``models:/<name>@best``, looked up in ``tracking_uri``, default MLflow's), a local final-checkpoint directory or
+    an ``export --format hf`` directory. ``precision`` (fp32/bf16/auto, or ``trial``: the trial's own) defaults to
+    fp32, what the export and the served model decode in. Here, above both: MLflow (tracking) serves a
+    Recommender (inference), so inference itself never imports tracking."""
+    from pathlib import Path
 
-    return _load(model_uri, **kwargs)
+    from .inference import Recommender, load_local
+
+    if Path(model_uri).is_dir():
+        return load_local(model_uri, device, precision)
+    from .tracking import load_checkpoint_dir_from_model
+
+    return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri, tracking_uri), device, precision)
 
 
 def __getattr__(name: str) -> Any:

@@ -23,7 +23,7 @@ PASS_THROUGH = {
 REGISTERED = [
     "apao_ray.cli",               # data stats
     "apao_ray.semantic_ids",      # tokenize
-    "apao_ray.export",            # export --format hf
+    "apao_ray.cli_export",        # export --format hf
     "apao_ray.analysis.export",   # export-study
     "apao_ray.analysis.report",   # report
     "apao_ray.serve",             # serve MODEL_URI

@@ -175,18 +175,12 @@ def served_request(model_input: Any, k: Any, num_semantic_ids: int) -> tuple[lis
     return rows, int(k)
 
 
-def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None,
-                     tracking_uri: str | None = None) -> Recommender:
-    """Loads a model logged by a study: an MLflow URI (``runs:/<id>/model``, ``models:/<name>@best``,
-    looked up in ``tracking_uri``, default MLflow's), a local final-checkpoint directory or an
-    ``export --format hf`` directory. ``precision`` (fp32/bf16/auto, or ``trial``: the trial's own)
-    defaults to fp32, what the export and the served model decode in (``INFERENCE_PRECISION``)."""
-    if Path(model_uri).is_dir():
-        from .export import TRIAL_CONFIG_FILE
+def load_local(directory: str | Path, device: str = "cpu", precision: str | None = None) -> Recommender:
+    """Loads a local final-checkpoint directory or an ``export --format hf`` directory (``apao_ray.load_recommender``
+    also takes MLflow URIs). ``precision`` (fp32/bf16/auto, or ``trial``: the trial's own) defaults to fp32, what
+    the export and the served model decode in (``INFERENCE_PRECISION``)."""
+    from .export import TRIAL_CONFIG_FILE
 
-        if (Path(model_uri) / TRIAL_CONFIG_FILE).is_file():  # an `export --format hf` directory
-            return Recommender.from_export(model_uri, device, precision)
-        return Recommender.from_checkpoint(model_uri, device, precision)
-    from .tracking import load_checkpoint_dir_from_model
-
-    return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri, tracking_uri), device, precision)
+    if (Path(directory) / TRIAL_CONFIG_FILE).is_file():  # an `export --format hf` directory
+        return Recommender.from_export(directory, device, precision)
+    return Recommender.from_checkpoint(directory, device, precision)

@@ -118,17 +118,8 @@ def test_the_graph_reader_sees_function_level_imports_and_cycles():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-# cycles left from before this test existed (issue #36), each to be broken; a new one fails the test, and so
-# does a listed one that is gone (take it off the list)
-KNOWN_CYCLES = [
-    ["apao_ray.export", "apao_ray.inference", "apao_ray.tracking"],
-    ["apao_ray.study.mlflow_callback", "apao_ray.study.repeats", "apao_ray.study.sweep"],
-    ["apao_ray.study.runner", "apao_ray.study.trial"],
-]
-
-
 def test_no_import_cycles():
-    assert sorted(_cycles(_graph()[0])) == KNOWN_CYCLES
+    assert _cycles(_graph()[0]) == []
 
 
 @pytest.mark.parametrize("layer", list(FORBIDDEN), ids=lambda layer: layer[0] if len(layer) == 1 else "core")

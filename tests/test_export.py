@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from apao_ray.data.batches import encode_histories
-from apao_ray.inference import load_recommender
+from apao_ray import load_recommender
 from apao_ray.training.precision import cpu_has_native_bf16
 from conftest import ROOT, post, register_tiny, run_script, serving, train_tiny
 

@@ -28,7 +28,7 @@ def server(registered):
 def test_the_server_recommends_what_load_recommender_does(server, registered, synthetic):
     import mlflow
 
-    from apao_ray.inference import load_recommender
+    from apao_ray import load_recommender
 
     split = synthetic.splits["test"]
     histories = [[synthetic.catalog.item_ids[i] for i in split.histories[row] if i >= 0] for row in (0, 7, 19)]

@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
     if not args.quiet:
         knobs = " ".join(f"{k}={v}" for k, v in resolved_knobs(config).items())
         print(f"protocol {protocol_tag(config)}: {knobs}", file=sys.stderr)
-    from .runner import run_single_trial
+    from .trial import run_single_trial
 
     from ..training.worker import TrialFailedError
 

@@ -82,3 +82,11 @@ class LiveCallbacks(Callback):
 
     def on_experiment_end(self, **info: Any) -> None:
         self._each("on_experiment_end", info)
+
+
+def run_callbacks(key: str) -> list[Any]:
+    """A Tune run config's callbacks: the ones registered under ``key`` behind a ``LiveCallbacks`` (so that
+    a restored run calls this session's, see live_callbacks.py), and Tune's CSV and JSON result files."""
+    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
+
+    return [LiveCallbacks(key), CSVLoggerCallback(), JsonLoggerCallback()]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .space import REPEATS_KEY, SEED_KEY, trial_choices
+
 TRIAL_TAG = "apao.trial_id"
 STUDY_TAG = "apao.study"
 OUTCOME_TAG = "apao.outcome"
@@ -61,3 +63,16 @@ def describe(choices: dict[str, Any]) -> str:
     if "num_negatives" in choices:
         parts.append(f"N={int(choices['num_negatives'])}")
     return " ".join(parts)
+
+
+def summarize_results(results: Any, search_seed: int) -> list[dict[str, Any]]:
+    """One row per trial: its choices, seed (a repeat's own, else the search's), final metrics and error."""
+    rows = []
+    for result in results:
+        config = result.config or {}
+        if "loss" not in config:
+            continue
+        rows.append({"choices": trial_choices(config), "seed": int(config.get(SEED_KEY, search_seed)),
+                     "repeats": config.get(REPEATS_KEY), "metrics": dict(result.metrics or {}),
+                     "error": str(result.error) if result.error else None})
+    return rows

@@ -43,7 +43,8 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
 
     from . import interrupt, live_callbacks
     from .report import best_rows
-    from .sweep import run_callbacks, summarize
+    from .live_callbacks import run_callbacks
+    from .outcomes import summarize_results
 
     directory = options.output_dir / options.study_name / REPEATS_DIR
     live_callbacks.register(str(directory), callbacks)  # what the run's LiveCallbacks call, also after a restore
@@ -67,7 +68,7 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
                                       verbose=0, failure_config=tune.FailureConfig(max_failures=options.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()
-    rows = summarize(results, options.base.train.seed)
+    rows = summarize_results(results, options.base.train.seed)
     recorder = callbacks[0]
     interrupted = bool(recorder.interrupted) or interrupt.received() is not None
     return rows, interrupted

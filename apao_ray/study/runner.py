@@ -1,4 +1,4 @@
-"""Starting Ray (local or an existing cluster) and running one trial to completion."""
+"""Starting Ray (local or an existing cluster) with the environment its processes need."""
 from __future__ import annotations
 
 import os
@@ -6,9 +6,7 @@ import random
 import socket
 import sys
 from pathlib import Path
-from typing import Any
 
-from ..config import TrialConfig
 from ..training.memory import ALLOCATOR_ENV, allocator_env
 
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
@@ -137,16 +135,3 @@ def cluster_cpus() -> float:
     import ray
 
     return float(ray.cluster_resources().get("CPU", os.cpu_count() or 1))
-
-
-def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path, address: str | None = None,
-                     cpus_per_worker: int = 1, max_failures: int = 0, verbose: bool = True) -> dict[str, Any]:
-    """Runs one trial as a TorchTrainer job and returns its final metrics."""
-    from .trial import Resources, fit, make_trainer, read_final_metrics
-
-    init_ray(address)
-    resources = Resources(num_workers=config.train.num_workers, cpus_per_worker=cpus_per_worker,
-                          gpus_per_worker=1.0 if config.train.use_gpu else 0.0)
-    trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources,
-                           max_failures=max_failures, verbose=verbose)
-    return read_final_metrics(fit(trainer))

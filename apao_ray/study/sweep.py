@@ -15,8 +15,10 @@ from ..config import TrialConfig
 from ..protocol import run_tags
 from ..tracking import redact
 from . import interrupt, space
+from .live_callbacks import run_callbacks
+from .outcomes import summarize_results
 from .scheduler import PerMethodASHA
-from .space import REPEATS_KEY, SEED_KEY, SearchSpec, trial_choices
+from .space import SearchSpec, trial_choices
 from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
@@ -304,7 +306,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
                                       failure_config=tune.FailureConfig(max_failures=options.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()
-    rows = summarize(results, options.base.train.seed)
+    rows = summarize_results(results, options.base.train.seed)
     interrupted = (bool(recorder.interrupted) or interrupt.received() is not None
                    or (options.time_budget_s is None and len(rows) < options.spec.num_trials))
     if interrupted:
@@ -335,27 +337,4 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})
     tracker.end_run(parent_id, "FINISHED")
     return StudyOutcome(rows, optuna_summary=optuna_summary)
-
-
-def run_callbacks(key: str) -> list[Any]:
-    """A Tune run config's callbacks: the ones registered under ``key`` behind a ``LiveCallbacks`` (so that
-    a restored run calls this session's, see live_callbacks.py), and Tune's CSV and JSON result files."""
-    from ray.tune.logger import CSVLoggerCallback, JsonLoggerCallback
-
-    from .live_callbacks import LiveCallbacks
-
-    return [LiveCallbacks(key), CSVLoggerCallback(), JsonLoggerCallback()]
-
-
-def summarize(results: Any, search_seed: int) -> list[dict[str, Any]]:
-    """One row per trial: its choices, seed (a repeat's own, else the search's), final metrics and error."""
-    rows = []
-    for result in results:
-        config = result.config or {}
-        if "loss" not in config:
-            continue
-        rows.append({"choices": trial_choices(config), "seed": int(config.get(SEED_KEY, search_seed)),
-                     "repeats": config.get(REPEATS_KEY), "metrics": dict(result.metrics or {}),
-                     "error": str(result.error) if result.error else None})
-    return rows
 

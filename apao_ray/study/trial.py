@@ -18,7 +18,7 @@ from ..config import TrialConfig
 from ..names import remove_scratch, scratch_prefix
 from ..training.checkpoint import FINAL_METRICS_FILE
 from ..training.worker import TrialFailedError, train_in_tune_actor, train_loop_per_worker
-from .runner import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV
+from .runner import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV, init_ray
 
 if TYPE_CHECKING:  # Ray Train is imported where a TorchTrainer is made: a trial in Tune's actor does without it
     import ray.train
@@ -218,3 +218,14 @@ def read_final_metrics(result: ray.train.Result) -> dict[str, Any]:
             if path.exists():
                 return json.loads(path.read_text())
     return dict(result.metrics or {})
+
+
+def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path, address: str | None = None,
+                     cpus_per_worker: int = 1, max_failures: int = 0, verbose: bool = True) -> dict[str, Any]:
+    """Runs one trial as a TorchTrainer job and returns its final metrics."""
+    init_ray(address)
+    resources = Resources(num_workers=config.train.num_workers, cpus_per_worker=cpus_per_worker,
+                          gpus_per_worker=1.0 if config.train.use_gpu else 0.0)
+    trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources,
+                           max_failures=max_failures, verbose=verbose)
+    return read_final_metrics(fit(trainer))
