@@ -41,6 +41,7 @@ def start(args: argparse.Namespace, directory: Path, name: str, num_workers: int
 
 
 def finish(processes: dict[str, subprocess.Popen], directory: Path, started: float) -> list[dict]:
+    """Waits for the runs (by run name) and reads their final metrics."""
     rows = []
     for name, process in processes.items():
         _, stderr = process.communicate()
@@ -63,9 +64,9 @@ def main() -> None:
     args = parser.parse_args()
     directory = Path(tempfile.mkdtemp(prefix="apao-bench-dp-"))
     started = time.perf_counter()
-    data_parallel = finish({"2 workers": start(args, directory, "dp", 2, 0)}, directory, started)
+    data_parallel = finish({"two-workers": start(args, directory, "two-workers", 2, 0)}, directory, started)
     started = time.perf_counter()
-    side_by_side = finish({f"1 worker, seed {seed}": start(args, directory, f"single{seed}", 1, seed)
+    side_by_side = finish({f"one-worker-seed{seed}": start(args, directory, f"one-worker-seed{seed}", 1, seed)
                            for seed in (0, 1)}, directory, started)
     result = {"cpu": cpu_model(), "cpus": os.cpu_count(), "args": vars(args),
               "one_trial_on_2_workers": data_parallel, "two_trials_on_1_worker": side_by_side,
