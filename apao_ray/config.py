@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 C = TypeVar("C", bound="_Config")
 
 BACKBONE_NAMES = ("tiger", "llama")
+# `--model-size tiny`: smoke studies, quick plumbing checks and the tests' small real runs
+TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 PRECISIONS = ("auto", "fp32", "bf16")  # resolved per device by training.precision.resolve_precision
 WEIGHTING_MODES = ("mirror", "per_batch", "uniform", "exp_decay", "hard_max")
 PROTOCOL_NAMES = ("paper", "reference")  # see apao_ray/protocol.py and docs/PROTOCOLS.md

@@ -79,7 +79,7 @@ def pytest_xdist_auto_num_workers(config) -> int:
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(_usable_cpus(), MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
 
-TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
+from apao_ray.config import TINY_MODEL  # noqa: E402,F401 - the product's own tiny size, imported by the tests
 
 
 def train_tiny(backbone: str, output_dir: Path, dataset, precision: str = "fp32") -> Path:

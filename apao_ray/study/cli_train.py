@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import BACKBONE_NAMES, PRECISIONS, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+from ..cli_types import non_negative_float, non_negative_int, positive_int
+from ..config import (BACKBONE_NAMES, PRECISIONS, TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig,
+                      TrialConfig)
 from ..data import canonical_dataset, dataset_label, known_dataset_names
 from ..paths import absolute_data_dir_env
 from ..protocol import check_select_by, protocol_tag, resolved_knobs
 from .cli_protocol import add_protocol_arguments, apply_protocol_arguments
-from ..cli_types import non_negative_float, non_negative_int, positive_int
 
-TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 
 
 def available_cpus() -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES
+from ..config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES, TINY_MODEL
 
 DEFAULT_LOSSES = ("ce", "apao_pointwise", "apao_pairwise")
 DEFAULT_NEGATIVES = (10, 200)
@@ -207,7 +207,7 @@ class StudySpec:
         from ..paths import check_plain_name
         from ..protocol import apply_protocol, check_select_by
         from ..tracking import check_tracking_uri, resolve_tracking_uri
-        from .cli_train import TINY_MODEL, check_against_catalog
+        from .cli_train import check_against_catalog
         from .runner import check_ray_address
         from .space import TUNED_KNOBS, SearchSpec
 
