@@ -416,8 +416,10 @@ def test_smoke_study_with_two_workers_per_trial_trains_each_trial_on_two_ranks(t
     tracker = Tracker(uri, "apao-synthetic")
     children = tracker.child_runs()
     assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
+    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    assert parent.data.params["workers_per_trial"] == "2"
     for child in children:
-        assert child.data.params["workers_per_trial"] == "2" and child.data.params["base.train.num_workers"] == "2"
+        assert child.data.params["base.train.num_workers"] == "2"  # the trial's own config
         assert "test/ndcg_at_10" in child.data.metrics
         steps = [step for step, _ in tracker.metric_history(child.info.run_id, "val/ndcg_at_10")]
         assert steps == [1, 2]

@@ -257,7 +257,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     def make_callbacks(num_trials: int) -> list[Any]:  # the recorder first (repeats.py reads it)
         recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
                                        options.study_name, train_root,
-                                       {"base": options.base.to_dict(), "workers_per_trial": resources.num_workers},
+                                       {"base": options.base.to_dict()},
                                        example_history, run_tags(options.base), options.dataset_record)
         return [recorder, ProgressCallback(metric, num_trials)]
 
