@@ -22,7 +22,7 @@ from typing import Any
 import mlflow
 import mlflow.pyfunc
 import pandas as pd
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunStatus, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, LoggedModelStatus, Metric, Param, RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -263,10 +263,20 @@ class Tracker:
         return info.model_uri
 
     def logged_model_uri(self, run_id: str) -> str | None:
-        """The URI of the model the run last logged (``models:/<model id>``), if it logged one."""
+        """The URI of the last model the run logged completely (``models:/<model id>``), if any.
+
+        ``log_model`` names the model as the run's output before it uploads the files: a driver killed in
+        between leaves a PENDING model with no ``MLmodel``. Such a model is marked FAILED here (nothing is
+        logging it any more: a run's models are logged by the one driver that owns it) and not returned, so
+        the caller logs the model again instead of registering one that cannot load."""
         outputs = self.client.get_run(run_id).outputs
-        models = outputs.model_outputs if outputs else []
-        return f"models:/{models[-1].model_id}" if models else None
+        for output in reversed(outputs.model_outputs if outputs else []):
+            model = self.client.get_logged_model(output.model_id)
+            if model.status == LoggedModelStatus.READY:
+                return f"models:/{model.model_id}"
+            if model.status == LoggedModelStatus.PENDING:
+                self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+        return None
 
     def register_best(self, model_uri: str, name: str, alias: str = "best") -> tuple[int, bool]:
         """Points ``name@alias`` at ``model_uri``, registering it as a new version unless the alias already

@@ -56,3 +56,37 @@ def test_a_trial_run_again_keeps_its_last_attempts_end_as_history_not_as_its_sta
     assert run.data.tags["apao.outcome"] == "running again (its last attempt: out of memory)"
     assert run.data.tags["apao.previous_outcome"] == "out of memory"
     assert run.data.tags["apao.previous_error"] == "TrialStartError: killed" and "apao.error" not in run.data.tags
+
+
+def test_a_model_left_half_logged_by_a_killed_driver_is_marked_failed_and_logged_again(tmp_path, monkeypatch):
+    """log_model names the model as the run's output before it uploads MLmodel: a driver killed in between
+    (here: interrupted at the upload, which MLflow does not mark FAILED, as after SIGKILL) leaves a PENDING
+    model. The resumed study must log the model again, not register the one that cannot load."""
+    import mlflow
+    import pytest
+    from mlflow.entities import LoggedModelStatus
+    from mlflow.tracking import MlflowClient
+
+    from apao_ray.tracking import Tracker, tracking_at
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "final_metrics.json").write_text("{}")
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
+    run_id = tracker.start_run("tiger/ce", {})
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt  # not an Exception: MLflow's own FAILED marking does not run, as after SIGKILL
+
+    with monkeypatch.context() as patch:
+        patch.setattr(MlflowClient, "log_model_artifacts", killed)
+        with pytest.raises(KeyboardInterrupt):
+            tracker.log_recommender(run_id, checkpoint, ["i1"])
+    (half,) = tracker.client.get_run(run_id).outputs.model_outputs
+    assert tracker.client.get_logged_model(half.model_id).status == LoggedModelStatus.PENDING
+    assert tracker.logged_model_uri(run_id) is None
+    assert tracker.client.get_logged_model(half.model_id).status == LoggedModelStatus.FAILED
+    model_uri = tracker.log_recommender(run_id, checkpoint, ["i1"])
+    assert tracker.logged_model_uri(run_id) == model_uri != f"models:/{half.model_id}"
+    with tracking_at(tracker.tracking_uri):
+        assert mlflow.models.get_model_info(model_uri).run_id == run_id  # its MLmodel is there
