@@ -13,7 +13,7 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = ["StudyResult", "StudySpec", "load_recommender", "plan_study", "run_study", "__version__"]
 # public name -> the module that defines it, imported on first use (torch, ray and mlflow stay unloaded)
-_LAZY = {"StudySpec": "apao_ray.study.spec", "StudyResult": "apao_ray.study.api", "run_study": "apao_ray.study.api",
+_LAZY = {"StudySpec": "apao_ray.study.spec.study", "StudyResult": "apao_ray.study.api", "run_study": "apao_ray.study.api",
          "plan_study": "apao_ray.study.api"}
 
 

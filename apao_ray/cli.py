@@ -15,9 +15,9 @@ from .paths import absolute_data_dir_env
 
 # name -> ("module:function", help): a pass-through main(argv, prog=...) with its own --help
 PASS_THROUGH = {
-    "sweep": ("apao_ray.study.cli_sweep:main", "the main job: a hyperparameter study (plan, then Ray Tune + Optuna + MLflow)"),
-    "train": ("apao_ray.study.cli_train:main", "train one trial on Ray Train and print its final metrics"),
-    "best": ("apao_ray.study.cli_sweep:best_main", "best trial per (backbone, loss) from MLflow alone"),
+    "sweep": ("apao_ray.study.cli.sweep:main", "the main job: a hyperparameter study (plan, then Ray Tune + Optuna + MLflow)"),
+    "train": ("apao_ray.study.cli.train:main", "train one trial on Ray Train and print its final metrics"),
+    "best": ("apao_ray.study.cli.sweep:best_main", "best trial per (backbone, loss) from MLflow alone"),
 }
 # modules with register(subparsers): one line each
 REGISTERED = [

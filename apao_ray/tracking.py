@@ -1,6 +1,6 @@
 """MLflow: the only module that imports it. Runs, metrics, artifacts, the logged model.
 
-All writes of a study happen in the driver process (see ``study/mlflow_callback.py``), so
+All writes of a study happen in the driver process (see ``study/run/mlflow_callback.py``), so
 concurrent trials never contend for the SQLite database.
 """
 from __future__ import annotations

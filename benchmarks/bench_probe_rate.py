@@ -1,6 +1,6 @@
 """How fast the plan's probe trains, by its length and by the thread it runs in (RESULTS.md, session 6).
 
-Runs ``apao_ray.study.probe.run_probe`` (the plan's own probe code) on Office, TIGER, CE at the sweep's
+Runs ``apao_ray.study.plan.probe.run_probe`` (the plan's own probe code) on Office, TIGER, CE at the sweep's
 defaults, in this process's main thread or in a ``threading.Thread`` as Ray Train runs a trial's loop,
 for a given number of timed optimizer steps (no time floor), and prints samples/s and the peak RSS.
 Run one measurement per process, so each peak is its own:
@@ -24,9 +24,9 @@ def main() -> None:
     args = parser.parse_args()
 
     import apao_ray
-    from apao_ray.study.plan import method_config
-    from apao_ray.study.probe_cache import hardware_key
-    from apao_ray.study.probe import run_probe
+    from apao_ray.study.plan.plan import method_config
+    from apao_ray.study.plan.probe_cache import hardware_key
+    from apao_ray.study.plan.probe import run_probe
 
     spec = apao_ray.StudySpec(dataset="office", backbones=("tiger",), losses=("ce",), epochs=2,
                               cpus_per_trial=args.threads)

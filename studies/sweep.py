@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from apao_ray.study.cli_sweep import main as main  # noqa: E402
+from apao_ray.study.cli.sweep import main as main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,7 +22,7 @@ for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_EN
 
 
 def _usable_cpus() -> int:
-    """As apao_ray.study.cli_train.available_cpus, which imports torch: here the thread variables come first."""
+    """As apao_ray.study.cli.train.available_cpus, which imports torch: here the thread variables come first."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -187,7 +187,7 @@ def serving(registered: dict, *flags: str):
     import time
     import urllib.request
 
-    from apao_ray.study.runner import stable_free_port
+    from apao_ray.study.run.ray_cluster import stable_free_port
 
     port = stable_free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": registered["tracking_uri"]}

@@ -67,7 +67,7 @@ def test_cpus_per_trial_defaults_to_this_machines_cpus_shared_by_the_trials_at_o
     import os
 
     from apao_ray import StudySpec
-    from apao_ray.study.cli_train import available_cpus
+    from apao_ray.study.cli.train import available_cpus
 
     cpus = available_cpus()
     monkeypatch.setattr(os, "getloadavg", lambda: (cpus - 0.7, 0.0, 0.0))  # all but one CPU busy
@@ -107,8 +107,8 @@ def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
     spec = StudySpec.quick(losses=("ce", "apao_pairwise"), output_dir="runs", budget="1h30m", protocol="reference")
     assert spec.budget_s == 5400 and spec.negatives == (10, 20) and spec.epochs == 2 and spec.asha_grace_period == 3
     from apao_ray.study.api import planned_options
-    from apao_ray.study.budget import Deferral, Fit, MethodCost
-    from apao_ray.study.plan import Plan
+    from apao_ray.study.plan.budget import Deferral, Fit, MethodCost
+    from apao_ray.study.plan.plan import Plan
 
     costs = [MethodCost("tiger", loss, loss == "ce", epoch_s=60.0, fixed_s=10.0) for loss in ("ce", "apao_pairwise")]
 
@@ -131,7 +131,7 @@ def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
     assert deferred.plan_record["deferred"] == {"tiger/apao_pairwise": deferral.reason}
     assert deferred.repeat_seeds == (1,)  # the fill's seed after the search's 0
     # the local Ray's dashboard is off unless asked for, from the flag through to the options the study runs
-    from apao_ray.study import cli_sweep
+    from apao_ray.study.cli import sweep as cli_sweep
 
     assert not options.ray_dashboard
     for flags, wanted in (([], False), (["--ray-dashboard"], True)):
@@ -141,7 +141,7 @@ def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
 
 def test_seeds_put_the_search_on_the_first_and_the_repeats_on_the_others(isolated, capsys):
     from apao_ray import StudySpec
-    from apao_ray.study import cli_sweep
+    from apao_ray.study.cli import sweep as cli_sweep
 
     spec = StudySpec.quick(seeds=[3, 1, 2], output_dir="runs")
     assert spec.seeds == (3, 1, 2) and spec.search_seed == 3 and spec.repeat_seeds == (1, 2)
@@ -161,7 +161,7 @@ def test_seeds_put_the_search_on_the_first_and_the_repeats_on_the_others(isolate
 
 
 def test_smoke_settings_yield_to_options_written_in_any_form():
-    from apao_ray.study import cli_sweep
+    from apao_ray.study.cli import sweep as cli_sweep
 
     parser = cli_sweep.build_parser()
     # long form, --x=v and an abbreviation argparse accepts all count as written; a default value written counts too
@@ -178,7 +178,7 @@ def test_smoke_settings_yield_to_options_written_in_any_form():
 
 
 def test_the_recorded_command_is_the_one_a_user_types_again():
-    from apao_ray.study.sweep import invocation
+    from apao_ray.study.run.driver import invocation
 
     assert invocation(["/x/apao_ray/__main__.py", "sweep", "--dataset", "office"]) == [
         "python", "-m", "apao_ray", "sweep", "--dataset", "office"]
@@ -186,7 +186,7 @@ def test_the_recorded_command_is_the_one_a_user_types_again():
 
 
 def test_help_texts_show_the_real_defaults():
-    from apao_ray.study import cli_sweep, cli_train
+    from apao_ray.study.cli import sweep as cli_sweep, train as cli_train
 
     def option_help(parser, flag):
         text = re.sub(r"\s+", " ", parser.format_help())
@@ -230,7 +230,7 @@ def test_one_cli_lists_and_delegates_its_subcommands(capsys):
 def test_best_prints_a_row_for_a_method_whose_trials_were_all_pruned_or_failed(tmp_path, capsys):
     from test_report import _study
 
-    from apao_ray.study.cli_sweep import best_main
+    from apao_ray.study.cli.sweep import best_main
 
     _study(tmp_path)
     assert best_main(["--dataset", "tiny", "--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--no-register",
@@ -341,8 +341,8 @@ def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkey
 def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_path, monkeypatch, capsys):
     """Probe rates injected through the cache: APAO-pointwise ~1,000x slower than CE, so its one epoch does not
     fit 5 minutes; CE runs, APAO-pointwise is a row without trials that says what it needs."""
-    from apao_ray.study.plan import method_config, trial_threads
-    from apao_ray.study.probe_cache import probe_key
+    from apao_ray.study.plan.plan import method_config, trial_threads
+    from apao_ray.study.plan.probe_cache import probe_key
 
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
     spec = _smoke_spec(tmp_path, budget="5m")
@@ -416,7 +416,7 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
         runs = [run for run in children.values() if run.data.tags["loss"] == loss]
         assert len(runs) == 2 and parent[f"cost/tiger/{loss}/wall_seconds"] == pytest.approx(
             row["cost/wall_seconds"]) == pytest.approx(sum(run.data.metrics["cost/wall_seconds"] for run in runs))
-    from apao_ray.study.cli_sweep import best_main
+    from apao_ray.study.cli.sweep import best_main
 
     assert best_main(["--dataset", "synthetic", "--tracking-uri", result.tracking_uri, "--no-register",
                       "--format", "json"]) == 0

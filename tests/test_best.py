@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from apao_ray.study import cli_sweep
+from apao_ray.study.cli import sweep as cli_sweep
 from conftest import mlflow_sqlite, train_tiny
 
 pytestmark = pytest.mark.e2e  # trains a tiny model and logs MLflow models: ~30 s on 2 CPUs

@@ -181,7 +181,7 @@ def test_the_ranks_shards_are_disjoint_and_interleave_into_one_workers_epoch(syn
 # --- a study's data-parallel trials (sweep --workers-per-trial) -------------------------------------------------
 
 def test_workers_are_placed_only_where_the_nodes_hold_them_all():
-    from apao_ray.study.trial import Resources
+    from apao_ray.study.run.trial import Resources
 
     two = Resources(num_workers=2, cpus_per_worker=1.0)
     two.check_placeable([{"CPU": 2.0}], "this machine")
@@ -202,9 +202,9 @@ def test_a_study_with_workers_per_trial_plans_and_records_them(tmp_path, monkeyp
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     import apao_ray
     from apao_ray.study.api import study_slots
-    from apao_ray.study.cli_train import available_cpus
-    from apao_ray.study.budget import Fit, MethodCost
-    from apao_ray.study.plan import Plan
+    from apao_ray.study.cli.train import available_cpus
+    from apao_ray.study.plan.budget import Fit, MethodCost
+    from apao_ray.study.plan.plan import Plan
 
     spec = apao_ray.StudySpec.quick(losses=("ce",), workers_per_trial=2, cpus_per_trial=1,
                                     output_dir=str(tmp_path / "runs"))

@@ -1,14 +1,14 @@
-"""study/plan.py: budget parsing and fitting arithmetic, the plan's text, the probe cache (no training)."""
+"""study/plan/plan.py: budget parsing and fitting arithmetic, the plan's text, the probe cache (no training)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from apao_ray.study.budget import (RAY_START_S, Fit, MethodCost, asha_rungs, fit_budget, format_duration, makespan,
+from apao_ray.study.plan.budget import (RAY_START_S, Fit, MethodCost, asha_rungs, fit_budget, format_duration, makespan,
                                    parse_duration, study_seconds)
-from apao_ray.study.plan import Plan, cost_summary
-from apao_ray.study.probe_cache import probe, probe_key
+from apao_ray.study.plan.plan import Plan, cost_summary
+from apao_ray.study.plan.probe_cache import probe, probe_key
 
 CE = MethodCost("tiger", "ce", True, epoch_s=60.0, fixed_s=30.0, peak_bytes=2**30)
 POINTWISE = MethodCost("tiger", "apao_pointwise", False, epoch_s=60.0, fixed_s=30.0, peak_bytes=2 * 2**30)
@@ -268,8 +268,8 @@ def test_the_probe_times_a_sustained_rate_not_the_first_steps(one_torch_thread):
     """At least ``steps`` timed steps; with a time floor it goes on past them until the floor, the step cap or
     the end of the epoch (the synthetic dataset's tiny model takes milliseconds a step)."""
     from apao_ray.config import DataConfig, ModelConfig, TrainConfig, TrialConfig
-    from apao_ray.study.probe_cache import PROBE_MAX_STEPS
-    from apao_ray.study.probe import run_probe
+    from apao_ray.study.plan.probe_cache import PROBE_MAX_STEPS
+    from apao_ray.study.plan.probe import run_probe
 
     config = TrialConfig(DataConfig(dataset="synthetic"), ModelConfig(d_model=32, num_layers=1, num_heads=2, head_dim=16,
                                                                       d_ff=64),
@@ -291,7 +291,7 @@ def test_a_probe_costs_a_short_trial_little_and_is_not_reused_for_a_longer_one(t
     time floor). Its cache entry serves a trial no longer than that; a longer trial is probed again."""
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
     from apao_ray.config import DataConfig, ModelConfig, TrainConfig, TrialConfig
-    from apao_ray.study.probe import run_probe
+    from apao_ray.study.plan.probe import run_probe
 
     def config(epochs: int, samples: int | None) -> dict:
         return json.loads(json.dumps(TrialConfig(
@@ -313,8 +313,8 @@ def test_a_probe_costs_a_short_trial_little_and_is_not_reused_for_a_longer_one(t
 def test_finished_trials_rates_replace_the_probes_in_the_next_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
     from apao_ray.config import TrialConfig
-    from apao_ray.study.plan import method_config
-    from apao_ray.study.probe_cache import record_observed
+    from apao_ray.study.plan.plan import method_config
+    from apao_ray.study.plan.probe_cache import record_observed
 
     config = method_config(TrialConfig(), "tiger", "ce")
     trials = [{"perf/samples_per_second": 100.0, "valid_s_per_user": 0.008, "cost/peak_rss_mb": 3000.0,
@@ -341,7 +341,7 @@ def test_finished_trials_rates_replace_the_probes_in_the_next_plan(tmp_path, mon
 
 
 def test_the_slowest_methods_trials_start_first_with_their_paper_points():
-    from apao_ray.study.space import SearchSpec, param_name
+    from apao_ray.study.spec.space import SearchSpec, param_name
 
     asked = SearchSpec(("tiger",), ("ce", "apao_pointwise", "apao_pairwise"), trials_per_tuned=2)
     assert [a[1] for a in asked.allocation()] == ["ce", "apao_pointwise", "apao_pairwise", "apao_pointwise",
@@ -363,8 +363,8 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     import apao_ray
-    from apao_ray.study.plan import make_plan, method_config, trial_threads
-    from apao_ray.study.probe_cache import SIDE_BY_SIDE_SLOWDOWN
+    from apao_ray.study.plan.plan import make_plan, method_config, trial_threads
+    from apao_ray.study.plan.probe_cache import SIDE_BY_SIDE_SLOWDOWN
 
     def spec(max_concurrent):
         return apao_ray.StudySpec.quick(losses=("ce", "apao_pointwise"), num_samples=1, epochs=2,
@@ -400,7 +400,7 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
 _WRITER = """
 import sys
 from pathlib import Path
-from apao_ray.study.probe_cache import _write_cache
+from apao_ray.study.plan.probe_cache import _write_cache
 for n in range(300):
     _write_cache(Path(sys.argv[1]), {sys.argv[2]: n})
 """

@@ -88,7 +88,7 @@ def test_bad_protocol_values_are_named():
 
 
 def test_train_and_sweep_cli_resolve_the_preset_and_flags():
-    from apao_ray.study import cli_sweep, cli_train
+    from apao_ray.study.cli import sweep as cli_sweep, train as cli_train
 
     parser = cli_train.build_parser()
     paper = cli_train.trial_config_from_args(parser.parse_args(["--loss", "apao_pointwise"]))
@@ -101,7 +101,7 @@ def test_train_and_sweep_cli_resolve_the_preset_and_flags():
     sweep_args = cli_sweep.build_parser().parse_args(["--protocol", "reference", "--no-clip-summed-grad",
                                                        "--eta", "1e-5:1e-4"])
     assert sweep_args.label_eos is None  # not given: the preset decides
-    from apao_ray.study.cli_protocol import apply_protocol_arguments
+    from apao_ray.study.cli.protocol import apply_protocol_arguments
 
     swept = apply_protocol_arguments(TrialConfig(), sweep_args, with_eta=False)  # --eta is the search range there
     assert resolved_knobs(swept) == {**PRESETS["reference"], "clip_summed_grad": False}
@@ -382,7 +382,7 @@ def test_run_tags_name_protocol_and_schedule():
 
 
 def test_results_table_calls_columns_paper_comparable_only_on_the_paper_schedule():
-    from apao_ray.study.report import format_rows
+    from apao_ray.study.record.report import format_rows
 
     row = {"backbone": "tiger", "loss": "ce", "best/val/ndcg_at_10": 0.1, "test/ndcg_at_10": 0.05,
            "protocol": "paper", "schedule": "paper", "run_id": "r"}

@@ -1,4 +1,4 @@
-"""study/report.py on a real SQLite MLflow store: the table has a row for every method requested."""
+"""study/record/report.py on a real SQLite MLflow store: the table has a row for every method requested."""
 from __future__ import annotations
 
 import json
@@ -36,7 +36,7 @@ def _study(tmp_path):
 
 
 def test_a_method_whose_trials_were_all_pruned_or_failed_still_has_its_row(tmp_path):
-    from apao_ray.study.report import best_rows, format_rows, table_rows
+    from apao_ray.study.record.report import best_rows, format_rows, table_rows
 
     tracker, tested = _study(tmp_path)
     assert [row["loss"] for row in best_rows(tracker, study="s")] == ["ce"]  # only finished trials
@@ -63,7 +63,7 @@ def test_convergence_reads_the_validation_curves_last_slope():
 
 def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_labelled_early_learning(tmp_path):
     from apao_ray.names import PLAN_TAG
-    from apao_ray.study.report import format_rows, table_rows
+    from apao_ray.study.record.report import format_rows, table_rows
     from apao_ray.tracking import Tracker
 
     tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
@@ -95,7 +95,7 @@ def test_a_method_within_noise_of_the_popularity_baseline_is_not_converged():
 
     from apao_ray.analysis.results import popularity_check, popularity_ndcg
     from apao_ray.data.splits import Split
-    from apao_ray.study.seeds import RunSource, seed_methods
+    from apao_ray.study.record.seeds import RunSource, seed_methods
 
     def split(name, targets):
         targets = np.asarray(targets)

@@ -1,4 +1,4 @@
-"""study/seeds.py and study/repeats.py without Ray: seeds grouped per method, mean/std, the significance
+"""study/record/seeds.py and study/run/repeats.py without Ray: seeds grouped per method, mean/std, the significance
 column (analysis.stats through analysis.results), cost sums, and the repeat trials' configs and tags."""
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _study():
 
 
 def test_a_method_is_its_best_trial_and_that_trials_repeats_with_mean_and_sample_std():
-    from apao_ray.study.seeds import RunSource, seed_columns, seed_methods
+    from apao_ray.study.record.seeds import RunSource, seed_columns, seed_methods
 
     methods = seed_methods(RunSource("s", _study()), ["b", "a"])
     assert [(m.loss, [t.run_id for t in m.trials]) for m in methods] == [("apao_pointwise", ["b", "b1", "b2"]),
@@ -64,7 +64,7 @@ def _tables(seed: int, shift: float, users: int = 60):
 
 
 def test_the_significance_column_pools_seeds_per_user_and_holm_corrects_over_methods():
-    from apao_ray.study.seeds import RunSource, significance_cells
+    from apao_ray.study.record.seeds import RunSource, significance_cells
 
     records, tables, arrays = [], {}, {}
     users = [f"u{i:03d}" for i in range(60)]
@@ -81,7 +81,7 @@ def test_the_significance_column_pools_seeds_per_user_and_holm_corrects_over_met
             tables[run_id] = frame.sample(frac=1, random_state=seed)  # rows in another order: aligned by user
             arrays[(loss, seed)] = values
     source = RunSource("s", records, tables=tables)
-    from apao_ray.study.seeds import seed_methods
+    from apao_ray.study.record.seeds import seed_methods
 
     methods = seed_methods(source, ["ce-0", "apao_pointwise-0", "apao_pairwise-0"])
     cells = significance_cells(methods, "ce", "ndcg_at_10", num_resamples=2000)
@@ -106,7 +106,7 @@ def test_the_significance_column_pools_seeds_per_user_and_holm_corrects_over_met
 
 
 def test_a_method_without_per_user_tables_or_baseline_says_why():
-    from apao_ray.study.seeds import RunSource, seed_methods, significance_cells
+    from apao_ray.study.record.seeds import RunSource, seed_methods, significance_cells
 
     methods = seed_methods(RunSource("s", _study()), ["a", "b"])
     cells = significance_cells(methods, "ce", "ndcg_at_10", num_resamples=200)
@@ -116,7 +116,7 @@ def test_a_method_without_per_user_tables_or_baseline_says_why():
 
 
 def test_cost_is_summed_over_every_trial_of_a_method_and_peak_memory_is_the_largest():
-    from apao_ray.study.seeds import cost_totals
+    from apao_ray.study.record.seeds import cost_totals
 
     records = [_record("a", "ce", 0, 0.5, 0.4, cost={"cost/wall_seconds": 10.0, "cost/peak_rss_mb": 300.0}),
                _record("a1", "ce", 1, 0.5, 0.4, repeats="a", cost={"cost/wall_seconds": 5.0, "cost/peak_rss_mb": 500.0}),
@@ -127,8 +127,8 @@ def test_cost_is_summed_over_every_trial_of_a_method_and_peak_memory_is_the_larg
 
 def test_repeat_configs_read_back_as_the_searched_choices_and_tag_their_seed_and_origin():
     from apao_ray.config import TrialConfig
-    from apao_ray.study.repeats import repeat_configs, seed_tags
-    from apao_ray.study.space import trial_choices, trial_config
+    from apao_ray.study.run.repeats import repeat_configs, seed_tags
+    from apao_ray.study.spec.space import trial_choices, trial_config
 
     best = [{"backbone": "tiger", "loss": "ce", "beta": None, "eta": None, "num_negatives": None, "run_id": "a"},
             {"backbone": "tiger", "loss": "apao_pairwise", "beta": 0.2, "eta": 3e-5, "num_negatives": 17, "run_id": "b"}]

@@ -74,7 +74,7 @@ def test_a_study_whose_every_trial_fails_exits_1_after_its_table(tmp_path, alloc
 
 
 def test_sweep_help_gives_the_exit_codes_and_refused_input_exits_2(capsys):
-    from apao_ray.study.cli_sweep import main
+    from apao_ray.study.cli.sweep import main
 
     with pytest.raises(SystemExit) as help_exit:
         main(["--help"])

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from apao_ray.study.runner import stable_free_port
+from apao_ray.study.run.ray_cluster import stable_free_port
 from conftest import ROOT, descendant_pids, mlflow_sqlite, run_script
 
 SWEEP = str(ROOT / "studies" / "sweep.py")
@@ -32,8 +32,8 @@ def test_a_trial_whose_workers_cannot_start_is_told_how_they_failed():
     from ray.exceptions import OutOfMemoryError
     from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
 
-    from apao_ray.study.outcomes import failure_outcome
-    from apao_ray.study.trial import MAX_START_RETRIES, TrialStartError, start_failure_message
+    from apao_ray.study.record.outcomes import failure_outcome
+    from apao_ray.study.run.trial import MAX_START_RETRIES, TrialStartError, start_failure_message
 
     killed = start_failure_message("train-trial_id=abc", OutOfMemoryError(
         "3 worker(s) were killed due to the node running low on memory. Details follow"))
@@ -277,7 +277,7 @@ def test_recorded_command_lines_hide_secrets(line, secret):
 def test_ray_dashboard_port_is_free_and_outside_the_range_the_os_hands_out(tmp_path, monkeypatch):
     """Ray's own processes bind port 0 (the kernel's ephemeral range) while ours starts: the dashboard's port
     comes from below that range and above Ray's worker ports, and is one nobody holds."""
-    import apao_ray.study.runner as runner
+    import apao_ray.study.run.ray_cluster as runner
 
     ephemeral_start = int(runner.EPHEMERAL_RANGE_FILE.read_text().split()[0])
     ports = {runner.stable_free_port() for _ in range(20)}

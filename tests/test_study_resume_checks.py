@@ -13,8 +13,8 @@ from conftest import mlflow_sqlite
 def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
                            overwrite: bool = False):
     """What a first run of the study leaves in MLflow: its parent run with the dataset checksums."""
-    from apao_ray.study.space import SearchSpec
-    from apao_ray.study.sweep import StudyOptions, open_parent_run
+    from apao_ray.study.spec.space import SearchSpec
+    from apao_ray.study.run.driver import StudyOptions, open_parent_run
     from apao_ray.config import DataConfig, TrialConfig
     from apao_ray.tracking import Tracker
 
@@ -39,7 +39,7 @@ def _started_tiny_study(tmp_path: Path, monkeypatch) -> tuple[list[str], str, di
 
 
 def test_resume_refuses_a_dataset_that_changed_since_the_study_started(tmp_path, monkeypatch, capsys):
-    from apao_ray.study.cli_sweep import main
+    from apao_ray.study.cli.sweep import main
     from test_data_files import GOOD_INTER
 
     argv, _, original, _ = _started_tiny_study(tmp_path, monkeypatch)
@@ -55,7 +55,7 @@ def test_resume_refuses_a_dataset_that_changed_since_the_study_started(tmp_path,
 
 
 def test_overwrite_retires_the_old_study_runs_under_their_own_name(tmp_path):
-    from apao_ray.study.report import best_rows
+    from apao_ray.study.record.report import best_rows
     from apao_ray.tracking import Tracker
 
     uri = mlflow_sqlite(tmp_path)
@@ -77,8 +77,8 @@ def test_overwrite_retires_the_old_study_runs_under_their_own_name(tmp_path):
 
 def test_resume_refuses_an_optuna_storage_other_than_the_one_the_study_started_with(tmp_path, monkeypatch, capsys):
     """The restored searcher keeps writing to its first storage: a different --optuna-storage is an error, not ignored."""
-    from apao_ray.study.cli_sweep import main
-    from apao_ray.study.optuna_storage import STORAGE_TAG
+    from apao_ray.study.cli.sweep import main
+    from apao_ray.study.run.optuna_storage import STORAGE_TAG
     from apao_ray.tracking import Tracker
 
     argv, uri, _, parent_id = _started_tiny_study(tmp_path, monkeypatch)

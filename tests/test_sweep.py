@@ -263,7 +263,7 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     (["--dataset", "office", "--data-dir", "no-such-dir"], "dataset 'office' not found in ['/"),
 ])
 def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, capsys, flags, problem):
-    from apao_ray.study.cli_sweep import main
+    from apao_ray.study.cli.sweep import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:

@@ -39,7 +39,7 @@ def _metrics(path: Path) -> dict:
     (["--dataset", "office", "--data-dir", "no-such-dir"], "dataset 'office' not found in ['/"),
 ])
 def test_bad_flags_are_refused_before_any_work(tmp_path, monkeypatch, capsys, flags, problem):
-    from apao_ray.study.cli_train import main
+    from apao_ray.study.cli.train import main
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -51,7 +51,7 @@ def test_bad_flags_are_refused_before_any_work(tmp_path, monkeypatch, capsys, fl
 
 @pytest.mark.parametrize("flags, micro_batch", [([], 128), (["--use-gpu"], 1024), (["--use-gpu", "--batch-size", "64"], 64)])
 def test_the_micro_batch_is_the_devices_fastest_unless_given(tmp_path, capsys, flags, micro_batch):
-    from apao_ray.study.cli_train import main
+    from apao_ray.study.cli.train import main
 
     assert main(["--output-dir", str(tmp_path / "runs"), "--print-config", *flags]) == 0
     train = json.loads(capsys.readouterr().out)["config"]["train"]
@@ -76,7 +76,7 @@ def test_train_llama_pairwise_beats_popularity(tmp_path, popularity_recall_at_10
 def _uninterrupted_reference(tmp_path: Path, epochs: int, num_workers: int) -> dict:
     """The same trial run with the plain loop and the worker's thread count: in this process, or on as many
     torch.distributed ranks (tests/test_data_parallel.py) as the run's workers."""
-    from apao_ray.study.cli_train import build_parser, trial_config_from_args
+    from apao_ray.study.cli.train import build_parser, trial_config_from_args
     from apao_ray.training.hooks import TrainingHooks
     from apao_ray.training.loop import run_trial
 

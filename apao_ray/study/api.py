@@ -5,10 +5,10 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .outcomes import short_reason
-from .plan import Plan, cost_summary, make_plan, method_config, validation_users
-from .probe_cache import record_observed
-from .spec import StudySpec
+from .record.outcomes import short_reason
+from .plan.plan import Plan, cost_summary, make_plan, method_config, validation_users
+from .plan.probe_cache import record_observed
+from .spec.study import StudySpec
 
 
 @dataclass
@@ -43,18 +43,18 @@ class StudyResult:
 def study_slots(spec: StudySpec, start_ray: bool) -> int:
     """Trials at once: ``max_concurrent``, else the cluster's (or this machine's) CPUs // the CPUs of a trial's
     workers. Refuses a ``workers_per_trial`` that the cluster (or this machine) cannot place."""
-    from .trial import Resources
+    from .run.trial import Resources
 
     if spec.address or start_ray:
         import ray
 
-        from .runner import cluster_cpus, init_ray
+        from .run.ray_cluster import cluster_cpus, init_ray
 
         init_ray(spec.address, dashboard=spec.starts_ray_dashboard)
         cpus, where = cluster_cpus(), "the Ray cluster"
         nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     else:
-        from .cli_train import available_cpus
+        from .cli.train import available_cpus
 
         cpus, where = available_cpus(), "this machine"
         nodes = [{"CPU": cpus, "GPU": local_gpus() if spec.gpus_per_trial else 0}]
@@ -81,7 +81,7 @@ def planned_options(spec: StudySpec, plan: Plan, command_line: list[str] | None 
     """The driver's options for the study the plan runs: the spec as asked, with the plan's schedule (epochs and
     a preference loss's CE stage, training subset, the budget protocol's batch, trials per tuned method, the
     deferred methods left out, seeds, slots, start order, ASHA's grace period) and the plan itself to record."""
-    from .spec import with_pretrain
+    from .spec.study import with_pretrain
 
     options, fit = spec.options(command_line), plan.fit
     base = options.base
@@ -112,9 +112,9 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
 
     from ..analysis.results import popularity_ndcg
     from ..tracking import Tracker, experiment_name
-    from .report import table_rows
-    from .sweep import StudyOutcome, check_resumable, study_state_exists
-    from .sweep import run_study as run_options
+    from .record.report import table_rows
+    from .run.driver import StudyOutcome, check_resumable, study_state_exists
+    from .run.driver import run_study as run_options
 
     if plan is None:
         plan = plan_study(spec, start_ray=True)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
     """``apao train`` flags of one trial: the loss's paper Table 5 knobs for the backbone (what office_full.sh's
     sweep gives its one trial per loss with ``--num-samples 1``)."""
-    from apao_ray.study.space import PAPER_SETTINGS
+    from apao_ray.study.spec.space import PAPER_SETTINGS
 
     knobs = PAPER_SETTINGS.get((args.backbone, loss), {})
     flags = {"beta": "--beta", "eta": "--eta", "num_negatives": "--num-negatives"}
@@ -63,7 +63,7 @@ def one(loss: str, seed: int, args: argparse.Namespace) -> None:
     import torch
 
     from apao_ray.names import PER_USER_FILE
-    from apao_ray.study.cli_train import build_parser, trial_config_from_args
+    from apao_ray.study.cli.train import build_parser, trial_config_from_args
     from apao_ray.training.hooks import TrainingHooks
     from apao_ray.training.loop import run_trial
 
@@ -109,8 +109,8 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
     from apao_ray.analysis.export import EPOCHS_FILE, FORMAT_VERSION, PER_USER_DIR, STUDY_FILE
     from apao_ray.config import TrialConfig
     from apao_ray.protocol import run_tags
-    from apao_ray.study.cli_train import build_parser, trial_config_from_args
-    from apao_ray.study.space import PAPER_SETTINGS
+    from apao_ray.study.cli.train import build_parser, trial_config_from_args
+    from apao_ray.study.spec.space import PAPER_SETTINGS
     from apao_ray.tracking import flatten
 
     (to_dir / PER_USER_DIR).mkdir(parents=True, exist_ok=True)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..hardware import cpu_model
-from ..training.memory import allocator_env
+from ...hardware import cpu_model
+from ...training.memory import allocator_env
 
 PROBE_STEPS = 3           # timed optimizer steps at least (after one warm-up step)
 PROBE_SECONDS = 8.0       # ... and timed training for at least this long (a sustained rate: 3 steps read ~5% fast)
@@ -66,7 +66,7 @@ def probe_key(config_dict: dict[str, Any], threads: int) -> str:
 
 def probe_cache_path() -> Path:
     """``$APAO_PROBE_CACHE`` (the test suite's own), else ``probes.json`` in the user cache."""
-    from ..paths import user_cache_dir
+    from ...paths import user_cache_dir
 
     return Path(os.environ.get(PROBE_CACHE_ENV) or user_cache_dir() / PROBE_CACHE_FILE)
 
@@ -77,9 +77,9 @@ def probe(config_dict: dict[str, Any], threads: int, use_cache: bool = True) -> 
     cache = _read_cache(path)
     if use_cache and key in cache and _long_enough(cache[key], config_dict["train"]):
         return _with_observed(cache[key]), True
-    env = {**os.environ, **allocator_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[2]) + os.pathsep
+    env = {**os.environ, **allocator_env(), "PYTHONPATH": str(Path(__file__).resolve().parents[3]) + os.pathsep
            + os.environ.get("PYTHONPATH", "")}  # the allocator a trial's worker gets (runner.init_ray)
-    done = subprocess.run([sys.executable, "-m", "apao_ray.study.probe", json.dumps(config_dict), str(threads)],
+    done = subprocess.run([sys.executable, "-m", "apao_ray.study.plan.probe", json.dumps(config_dict), str(threads)],
                           capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise RuntimeError(f"timing probe of {config_dict['model'].get('backbone')}/{config_dict['loss']['name']} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .space import REPEATS_KEY, SEED_KEY, trial_choices
+from ..spec.space import REPEATS_KEY, SEED_KEY, trial_choices
 
 TRIAL_TAG = "apao.trial_id"
 STUDY_TAG = "apao.study"

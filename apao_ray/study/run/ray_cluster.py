@@ -7,7 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ..training.memory import ALLOCATOR_ENV, allocator_env
+from ...training.memory import ALLOCATOR_ENV, allocator_env
 
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                  "RAY_TRAIN_V2_ENABLED": "1", "RAY_AIR_NEW_OUTPUT": "0",
@@ -97,7 +97,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     if ray.is_initialized():
         return
     check_ray_address(address)
-    project_root = str(Path(__file__).resolve().parents[2])
+    project_root = str(Path(__file__).resolve().parents[3])
     # workers import apao_ray from this checkout even when it is not installed on the cluster
     passed = [*ray_env, *(k for k in PASSED_ENV if k in os.environ)]
     # the allocator is found on this machine; on a cluster, whose nodes may lack tcmalloc, auto keeps to glibc

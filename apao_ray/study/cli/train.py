@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..cli_types import non_negative_float, non_negative_int, positive_int
-from ..config import (BACKBONE_NAMES, PRECISIONS, TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig,
+from ...cli_types import non_negative_float, non_negative_int, positive_int
+from ...config import (BACKBONE_NAMES, PRECISIONS, TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig,
                       TrialConfig)
-from ..data import canonical_dataset, dataset_label, known_dataset_names
-from ..paths import absolute_data_dir_env
-from ..protocol import check_select_by, protocol_tag, resolved_knobs
-from .cli_protocol import add_protocol_arguments, apply_protocol_arguments
+from ...data import canonical_dataset, dataset_label, known_dataset_names
+from ...paths import absolute_data_dir_env
+from ...protocol import check_select_by, protocol_tag, resolved_knobs
+from .protocol import add_protocol_arguments, apply_protocol_arguments
 
 
 
@@ -110,7 +110,7 @@ def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:
 
 
 def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
-    from ..losses import LOSSES
+    from ...losses import LOSSES
 
     if args.loss not in LOSSES:
         raise ValueError(f"unknown loss {args.loss!r}; choose from {sorted(LOSSES)}")
@@ -124,7 +124,7 @@ def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
 
 def check_against_catalog(config: TrialConfig, catalog: Any, requested_negatives: int | None = None) -> None:
     """Refuses negatives or a beam the catalog cannot supply, naming the values."""
-    from ..losses import build_loss
+    from ...losses import build_loss
 
     num_negatives = build_loss(config.loss, catalog.tensors()).num_negatives
     if requested_negatives is not None and num_negatives == 0:
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
             print(json.dumps({"apao.protocol": protocol_tag(config), "knobs": resolved_knobs(config),
                               "config": config.to_dict()}, indent=2))
             return 0
-        from ..data import load_dataset
+        from ...data import load_dataset
 
         # fails fast on bad data; an explicit --data-dir must hold the dataset (no download, no fall-back)
         dataset = load_dataset(config.data.dataset, config.data.data_dir, allow_download=not config.data.data_dir)
@@ -174,9 +174,9 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
     if not args.quiet:
         knobs = " ".join(f"{k}={v}" for k, v in resolved_knobs(config).items())
         print(f"protocol {protocol_tag(config)}: {knobs}", file=sys.stderr)
-    from .trial import run_single_trial
+    from ..run.trial import run_single_trial
 
-    from ..training.worker import TrialFailedError
+    from ...training.worker import TrialFailedError
 
     try:
         metrics = run_single_trial(config, name=name, storage_path=output_dir, address=args.address,

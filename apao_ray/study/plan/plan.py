@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..training.memory import find_tcmalloc
+from ...training.memory import find_tcmalloc
 from .budget import TRIAL_START_S, Fit, MethodCost, asha_rungs, fit_budget, format_duration, study_seconds
 from .probe_cache import PROBE_SECONDS, PROBE_TRIAL_SHARE, SIDE_BY_SIDE_SLOWDOWN, probe, probe_cache_path
 
@@ -248,7 +248,7 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     Raises:
         ValueError: the budget is too small for ``min_epochs`` of any method (naming the estimate).
     """
-    from .space import is_baseline
+    from ..spec.space import is_baseline
 
     base, dataset, search = spec.resolved["base"], spec.resolved["dataset"], spec.resolved["search"]
     splits = dataset.splits

@@ -13,9 +13,9 @@ import math
 import tempfile
 from typing import Any
 
-from ..analysis.per_user import PER_USER_FILE, read_per_user
-from ..analysis.results import Method, Trial, compare_methods, with_repeats
-from ..names import SUMMED
+from ...analysis.per_user import PER_USER_FILE, read_per_user
+from ...analysis.results import Method, Trial, compare_methods, with_repeats
+from ...names import SUMMED
 
 TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
 STD_SUFFIX = " std"
@@ -33,7 +33,7 @@ class RunSource:
     def per_user(self, record: dict[str, Any]) -> Any:
         run_id = record["run_id"]
         if run_id not in self.tables and self.tracker is not None:
-            from ..tracking import quiet_mlflow
+            from ...tracking import quiet_mlflow
 
             try:
                 with tempfile.TemporaryDirectory() as tmp, quiet_mlflow():

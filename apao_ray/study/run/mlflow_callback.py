@@ -10,17 +10,18 @@ from typing import Any
 
 from ray import tune
 
-from ..config import TrialConfig
-from ..names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, REPEATS_TAG, RESUMED_HISTORY_KEY,
+from ...config import TrialConfig
+from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, REPEATS_TAG, RESUMED_HISTORY_KEY,
                      SEED_TAG, WORKER_NODE_KEY, remove_scratch, train_run_name)
-from ..tracking import Tracker
-from . import interrupt, plots
-from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
+from ...tracking import Tracker
+from . import interrupt
+from ..record import plots
+from ..record.outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
                        PREVIOUS_ERROR_TAG, PREVIOUS_OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, STOPPED_BY_TUNE,
                        STUDY_TAG, TERMINAL, TRIAL_TAG, describe, failure_outcome, is_final_report)
 from .repeats import seed_tags
 from .scheduler import pruned_epoch
-from .space import trial_choices, trial_config
+from ..spec.space import trial_choices, trial_config
 
 MODEL_METRICS = ("test/", "best/val/")  # what a trial's logged model shows on its page: how it tests, why chosen
 
@@ -212,8 +213,8 @@ class MlflowStudyCallback(tune.Callback):
 def log_cost_per_method(tracker: Tracker, parent_run_id: str) -> dict[str, dict[str, float]]:
     """Sums every child run's ``cost/*`` (wall and CPU seconds, energy; the largest peak memory) per
     (backbone, loss) and logs them on the parent run as ``cost/<backbone>/<loss>/<name>``."""
-    from ..analysis.export import trial_record
-    from .seeds import cost_totals
+    from ...analysis.export import trial_record
+    from ..record.seeds import cost_totals
 
     totals = {f"{backbone}/{loss}": sums for (backbone, loss), sums in
               cost_totals([trial_record(run) for run in tracker.child_runs(parent_run_id)]).items()}
@@ -225,11 +226,11 @@ def log_cost_per_method(tracker: Tracker, parent_run_id: str) -> dict[str, dict[
 def dataset_record_of(dataset: Any, data_dir: str | None = None) -> dict[str, Any]:
     """The study's dataset as an MLflow dataset input (``tracking.dataset_record``): its name, the
     SHA-256 of its files (the checksums the study already verified), split sizes and where it is."""
-    from ..tracking import dataset_record
+    from ...tracking import dataset_record
 
     source = "apao_ray.data.synthetic (generated)"
     if dataset.checksums:
-        from ..data.files import locate
+        from ...data.files import locate
 
         files = locate(dataset.name, data_dir, allow_download=False)  # found moments ago: no download
         source = str(files.inter_path.parent)
@@ -246,7 +247,7 @@ def summary_metric_name(backbone: str, loss: str, metric: str) -> str:
 def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: str) -> list[str]:
     """The runs table's columns for a study: per method, the parent's validation and test summary (the
     collapsed study row answers), then each trial's validation and test metric, outcome and model."""
-    from ..mlflow_ui import column
+    from ...mlflow_ui import column
 
     test = "test/" + metric.rsplit("/", 1)[-1]
     per_method = [column("metrics", summary_metric_name(backbone, loss, key))
@@ -258,7 +259,7 @@ def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: s
 def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str, metric: str) -> dict[str, float]:
     """Gives the parent run the study's result as metrics: per (backbone, loss), the best trial's (by
     validation) validation and test metrics, so the parent's chart view is not empty. Returns them."""
-    from .report import TEST_COLUMNS, table_rows
+    from ..record.report import TEST_COLUMNS, table_rows
 
     summary: dict[str, float] = {}
     for row in table_rows(tracker, metric, study_name, baseline=None):  # means over seeds; no significance needed

@@ -1,4 +1,4 @@
-"""The timing probe behind a study's plan: ``python -m apao_ray.study.probe CONFIG_JSON THREADS``.
+"""The timing probe behind a study's plan: ``python -m apao_ray.study.plan.probe CONFIG_JSON THREADS``.
 
 Runs the real model and loss of one trial config for ~8 s of optimizer steps and one validation
 batch, and prints one JSON line (seconds per training sample, per validation user, peak memory).
@@ -11,7 +11,7 @@ import resource
 import sys
 import time
 
-from ..training.memory import allocator_in_use
+from ...training.memory import allocator_in_use
 from .probe_cache import PROBE_MAX_STEPS, PROBE_SECONDS, PROBE_STEPS, PROBE_TRIAL_SHARE
 
 
@@ -28,13 +28,13 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
     import numpy as np
     import torch
 
-    from ..config import TrialConfig
-    from ..data import load_dataset
-    from ..losses import build_loss
-    from ..models import build_model
-    from ..training.evaluation import evaluate_split
-    from ..training.precision import resolve_precision
-    from ..training.steps import EpochRunner
+    from ...config import TrialConfig
+    from ...data import load_dataset
+    from ...losses import build_loss
+    from ...models import build_model
+    from ...training.evaluation import evaluate_split
+    from ...training.precision import resolve_precision
+    from ...training.steps import EpochRunner
 
     torch.set_num_threads(max(1, threads))
     config = TrialConfig.from_dict(config_dict)

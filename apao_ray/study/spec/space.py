@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import TrialConfig
+from ...config import TrialConfig
 
 # loss -> the knobs a study tunes for it (SPEC §3, §5); losses absent here are baselines
 TUNED_KNOBS: dict[str, tuple[str, ...]] = {

@@ -9,14 +9,14 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..config import BACKBONE_NAMES
-from ..paths import absolute_data_dir_env, add_tracking_uri_argument
-from ..protocol import KNOBS
-from .cli_protocol import add_protocol_arguments
-from .cli_train import add_common_arguments
-from ..cli_types import non_negative_float, non_negative_int, positive_int
-from .budget import parse_duration
-from .spec import QUICK_SETTINGS, StudySpec, quick_negatives
+from ...config import BACKBONE_NAMES
+from ...paths import absolute_data_dir_env, add_tracking_uri_argument
+from ...protocol import KNOBS
+from .protocol import add_protocol_arguments
+from .train import add_common_arguments
+from ...cli_types import non_negative_float, non_negative_int, positive_int
+from ..plan.budget import parse_duration
+from ..spec.study import QUICK_SETTINGS, StudySpec, quick_negatives
 
 SWEEP_EPILOG = """\
 defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to 20
@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     if args.json and not args.dry_run:
         parser.error("--json prints the plan: give it with --dry-run")
     apply_quick(args, given)
-    from .api import plan_study, run_study
-    from .report import format_rows
+    from ..api import plan_study, run_study
+    from ..record.report import format_rows
 
     try:
         spec = spec_from_args(args)
@@ -267,8 +267,8 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     print(result.cost_summary, file=sys.stderr)
     if result.optuna_summary:
         print(result.optuna_summary)
-    from ..mlflow_ui import ui_hint, view_key
-    from ..tracking import Tracker, experiment_name
+    from ...mlflow_ui import ui_hint, view_key
+    from ...tracking import Tracker, experiment_name
 
     tracker = Tracker(result.tracking_uri, experiment_name(spec.resolved["base"].data.dataset))
     print(ui_hint(result.tracking_uri, tracker.experiment_id, view_key(result.study_name)))
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
 
 def print_failures(trials: Any) -> None:
     """Each failed trial and why, one line each (the table keeps one reason per method)."""
-    from .outcomes import describe
+    from ..record.outcomes import describe
 
     failed = [row for row in table_records(trials) if str(row.get("status")).startswith("failed")]
     if failed:
@@ -303,7 +303,7 @@ def report_interrupted(result: Any, argv: list[str]) -> int:
     import shlex
     import signal
 
-    from .interrupt import exit_code
+    from ..run.interrupt import exit_code
 
     done = sum(status != "stopped" for status in result.trials.get("status", []))
     num_trials, study_name = result.plan.num_trials, result.study_name
@@ -339,9 +339,9 @@ def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
 def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> int:
     parser = build_best_parser(prog)
     args = parser.parse_args(argv)
-    from ..tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
-    from ..data import dataset_label
-    from .report import format_rows, register_best, table_rows
+    from ...tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
+    from ...data import dataset_label
+    from ..record.report import format_rows, register_best, table_rows
 
     try:
         uri = resolve_tracking_uri(args.tracking_uri)
@@ -351,7 +351,7 @@ def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> i
         experiment = experiment_name(args.dataset.lower())
         tracker = Tracker.existing(uri, experiment)  # never creates the experiment it reads
         if tracker is None:
-            from ..tracking import experiment_names
+            from ...tracking import experiment_names
 
             raise ValueError(f"--dataset {args.dataset}: no experiment {experiment!r} in {uri}; experiments there: "
                              f"{experiment_names(uri)}")

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..names import train_run_name
-from .outcomes import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
+from ...names import train_run_name
+from ..record.outcomes import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
 
 TESTED_TAG = "apao.tested_on"
 TEST_TIMEOUT_S = 3600
@@ -32,12 +32,12 @@ def evaluate_checkpoint(directory: str, num_threads: int = 1) -> dict[str, float
     """Test metrics of the best weights in a checkpoint directory, plus ``best/epoch`` (their epoch)."""
     import torch
 
-    from ..config import TrialConfig
-    from ..data import load_dataset
-    from ..models import build_model
-    from ..training.checkpoint import CONFIG_FILE, load_checkpoint
-    from ..training.evaluation import evaluate_split
-    from ..training.worker import limit_threads
+    from ...config import TrialConfig
+    from ...data import load_dataset
+    from ...models import build_model
+    from ...training.checkpoint import CONFIG_FILE, load_checkpoint
+    from ...training.evaluation import evaluate_split
+    from ...training.worker import limit_threads
 
     limit_threads(num_threads)
     config = TrialConfig.from_dict(json.loads((Path(directory) / CONFIG_FILE).read_text()))

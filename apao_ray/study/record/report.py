@@ -6,10 +6,10 @@ import io
 import json
 from typing import Any
 
-from ..analysis.results import EARLY_LEARNING, is_early_learning, popularity_check
-from ..names import PLAN_TAG, REPEATS_TAG
-from ..protocol import PROTOCOL_TAG, schedule_label
-from ..tracking import Tracker
+from ...analysis.results import EARLY_LEARNING, is_early_learning, popularity_check
+from ...names import PLAN_TAG, REPEATS_TAG
+from ...protocol import PROTOCOL_TAG, schedule_label
+from ...tracking import Tracker
 from . import plots
 from .outcomes import short_reason
 from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
@@ -86,8 +86,8 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     once tested on its best checkpoint, test) metrics of its best pruned trial, so the table shows how far behind
     it was.
     """
-    from ..analysis.export import trial_record
-    from ..analysis.per_user import PER_USER_METRICS
+    from ...analysis.export import trial_record
+    from ...analysis.per_user import PER_USER_METRICS
 
     rows = [{**row, "status": "finished"} for row in best_rows(tracker, metric, study)]
     study_filter = f" and tags.`apao.study` = '{study}'" if study else ""

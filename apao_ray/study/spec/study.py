@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES, TINY_MODEL
+from ...config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES, TINY_MODEL
 
 DEFAULT_LOSSES = ("ce", "apao_pointwise", "apao_pairwise")
 DEFAULT_NEGATIVES = (10, 200)
@@ -179,7 +179,7 @@ class StudySpec:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose from {list(allowed)}")
         if self.budget is not None:
-            from .budget import parse_duration
+            from ..plan.budget import parse_duration
 
             parse_duration(self.budget)
 
@@ -195,20 +195,20 @@ class StudySpec:
 
     @property
     def budget_s(self) -> float | None:
-        from .budget import parse_duration
+        from ..plan.budget import parse_duration
 
         return None if self.budget is None else parse_duration(self.budget)
 
     def _resolve(self) -> None:
         """The checks that need the loss registry, the dataset, MLflow and the Ray address."""
-        from ..config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
-        from ..data import load_dataset
-        from ..losses import LOSSES
-        from ..paths import check_plain_name
-        from ..protocol import apply_protocol, check_select_by
-        from ..tracking import check_tracking_uri, resolve_tracking_uri
-        from .cli_train import check_against_catalog
-        from .runner import check_ray_address
+        from ...config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+        from ...data import load_dataset
+        from ...losses import LOSSES
+        from ...paths import check_plain_name
+        from ...protocol import apply_protocol, check_select_by
+        from ...tracking import check_tracking_uri, resolve_tracking_uri
+        from ..cli.train import check_against_catalog
+        from ..run.ray_cluster import check_ray_address
         from .space import TUNED_KNOBS, SearchSpec
 
         unknown = [b for b in self.backbones if b not in BACKBONE_NAMES]
@@ -223,7 +223,7 @@ class StudySpec:
         negatives = tuple(self.negatives or DEFAULT_NEGATIVES)
         search = SearchSpec(self.backbones, self.losses, tuple(self.beta), tuple(self.eta), negatives,
                             self.num_samples)
-        from ..data import canonical_dataset, dataset_label, is_dataset_path
+        from ...data import canonical_dataset, dataset_label, is_dataset_path
 
         if not is_dataset_path(self.dataset):
             check_plain_name("dataset", self.dataset)  # before the default study name is made from it
@@ -252,8 +252,8 @@ class StudySpec:
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other; give one")
         check_ray_address(self.address)  # an unreachable cluster is refused here, before any trial
-        from .mlflow_callback import dataset_record_of
-        from .optuna_storage import resolve_storage_url
+        from ..run.mlflow_callback import dataset_record_of
+        from ..run.optuna_storage import resolve_storage_url
 
         output_dir = Path(self.output_dir).resolve()
         cpus_per_trial = self.cpus_per_trial
@@ -264,7 +264,7 @@ class StudySpec:
                              tracking_uri=tracking_uri, output_dir=output_dir,
                              optuna_storage=resolve_storage_url(self.optuna_storage, tracking_uri, output_dir),
                              dataset_record=dataset_record_of(dataset, self.data_dir))
-        from .sweep import check_resumable, study_state_exists
+        from ..run.driver import check_resumable, study_state_exists
 
         options = self.options()
         if self.resume and not study_state_exists(options):
@@ -297,7 +297,7 @@ class StudySpec:
     def options(self, command_line: list[str] | None = None) -> Any:
         """The driver's ``StudyOptions`` for the study as asked (``api.planned_options`` gives it the plan's
         schedule)."""
-        from .sweep import StudyOptions
+        from ..run.driver import StudyOptions
 
         base, search = self.resolved["base"], self.resolved["search"]
         budget = self.budget_s
@@ -320,7 +320,7 @@ def local_cpus_per_trial(num_trials: int, max_concurrent: int | None, workers_pe
     not busy now (1-minute load average, this process's start-up included): a 2-thread trial given one core's
     worth ran 10x slower than alone, 3.6x slower than on 1 thread (OpenMP threads waiting on each other;
     benchmarks/RESULTS.md, session 16). Per worker when ``workers_per_trial`` > 1."""
-    from .cli_train import available_cpus
+    from ..cli.train import available_cpus
 
     cpus = available_cpus()
     at_once = max(1, min(num_trials, max_concurrent or cpus, cpus // workers_per_trial))

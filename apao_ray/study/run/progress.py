@@ -7,9 +7,9 @@ from typing import Any
 
 from ray import tune
 
-from .outcomes import PRUNED, TERMINAL, describe, is_final_report
+from ..record.outcomes import PRUNED, TERMINAL, describe, is_final_report
 from .scheduler import pruned_epoch
-from .space import trial_choices
+from ..spec.space import trial_choices
 
 
 class ProgressCallback(tune.Callback):

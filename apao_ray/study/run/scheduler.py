@@ -13,8 +13,8 @@ from typing import Any
 
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, TrialScheduler
 
-from ..names import read_reports
-from .space import is_baseline
+from ...names import read_reports
+from ..spec.space import is_baseline
 
 # what the rungs count: every report of a trial (each epoch's and the final test one) carries its epoch
 TIME_ATTR = "epoch"

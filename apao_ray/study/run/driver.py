@@ -11,14 +11,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import TrialConfig
-from ..protocol import run_tags
-from ..tracking import redact
-from . import interrupt, space
+from ...config import TrialConfig
+from ...protocol import run_tags
+from ...tracking import redact
+from . import interrupt
+from ..spec import space
 from .live_callbacks import run_callbacks
-from .outcomes import summarize_results
+from ..record.outcomes import summarize_results
 from .scheduler import PerMethodASHA
-from .space import SearchSpec, trial_choices
+from ..spec.space import SearchSpec, trial_choices
 from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
@@ -69,10 +70,10 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Resources
     def apao_trial(config: dict[str, Any]) -> None:
         from ray import tune
 
-        from .outcomes import describe
+        from ..record.outcomes import describe
         from .trial import run_in_ray_train, run_in_tune_actor
 
-        from ..names import train_run_name
+        from ...names import train_run_name
 
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
         run = run_in_ray_train if resources.num_workers > 1 else run_in_tune_actor
@@ -83,12 +84,12 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Resources
 
 
 def code_version() -> str:
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     try:
         return subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                               check=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        from .. import __version__
+        from ... import __version__
 
         return __version__
 
@@ -102,7 +103,7 @@ def study_state_exists(options: StudyOptions) -> bool:
 
 def parent_tags(study_name: str) -> dict[str, str]:
     """The tags that identify a study's MLflow parent run."""
-    from .outcomes import STUDY_TAG
+    from ..record.outcomes import STUDY_TAG
 
     return {STUDY_TAG: study_name, PARENT_ROLE_TAG: "study"}
 
@@ -113,7 +114,7 @@ def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums:
     Tune restores the search space, trial count and searcher from its own state, so a changed space or
     storage would be silently ignored, and a changed dataset would mix two datasets in one comparison.
     """
-    from ..tracking import Tracker, experiment_name
+    from ...tracking import Tracker, experiment_name
 
     if options.overwrite:
         return
@@ -165,7 +166,7 @@ def seeds_param(options: StudyOptions) -> str:
 
 def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict[str, str]) -> str:
     """The study's MLflow parent run: reopened when the study resumes, else created with its space."""
-    from .outcomes import STUDY_TAG
+    from ..record.outcomes import STUDY_TAG
 
     tags = parent_tags(options.study_name)
     parent_id = tracker.find_run(tags)
@@ -186,12 +187,12 @@ def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict
     else:
         tracker.reopen(parent_id)
     if options.plan_record:
-        from ..names import PLAN_TAG
-        from .outcomes import BUDGET_PROTOCOL_TAG
+        from ...names import PLAN_TAG
+        from ..record.outcomes import BUDGET_PROTOCOL_TAG
 
         tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(options.plan_record),
                                      BUDGET_PROTOCOL_TAG: options.plan_record.get("budget_protocol") or "none"})
-    from ..mlflow_ui import save_runs_view, view_key
+    from ...mlflow_ui import save_runs_view, view_key
     from .mlflow_callback import study_columns
 
     save_runs_view(tracker, view_key(options.study_name), study_columns(
@@ -215,9 +216,9 @@ class StudyOutcome:
 def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_history: list[str]) -> StudyOutcome:
     """Runs (or resumes) the study. On SIGINT or SIGTERM it saves its state, records the unfinished
     trials and the parent run as interrupted, and returns ``interrupted=True`` with the signal."""
-    from ..tracking import Tracker, experiment_name
-    from .outcomes import INTERRUPTED, OUTCOME_TAG
-    from .runner import init_ray
+    from ...tracking import Tracker, experiment_name
+    from ..record.outcomes import INTERRUPTED, OUTCOME_TAG
+    from .ray_cluster import init_ray
 
     study_dir = options.output_dir / options.study_name
     if options.overwrite and study_dir.exists():
@@ -243,10 +244,10 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     """Builds (or restores) the Tuner, runs it, and records the study's end in the parent run."""
     from ray import tune
 
-    from ..tracking import experiment_name
+    from ...tracking import experiment_name
     from . import live_callbacks, optuna_storage
     from .mlflow_callback import MlflowStudyCallback, log_study_summary
-    from .outcomes import OUTCOME_TAG
+    from ..record.outcomes import OUTCOME_TAG
     from .progress import ProgressCallback
 
     study_dir = options.output_dir / options.study_name
@@ -312,7 +313,7 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     if interrupted:
         return StudyOutcome(rows, interrupted=True)
     from .pruned import evaluate_pruned_trials
-    from .report import log_study_figures
+    from ..record.report import log_study_figures
 
     evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker)
     if options.repeat_seeds:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ..names import REPEATS_TAG, SEED_TAG
-from .space import REPEATS_KEY, SEED_KEY, TUNED_KNOBS, param_name
+from ...names import REPEATS_TAG, SEED_TAG
+from ..spec.space import REPEATS_KEY, SEED_KEY, TUNED_KNOBS, param_name
 
 REPEATS_DIR = "repeats"
 
@@ -42,9 +42,9 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
     from ray.tune.search import BasicVariantGenerator
 
     from . import interrupt, live_callbacks
-    from .report import best_rows
+    from ..record.report import best_rows
     from .live_callbacks import run_callbacks
-    from .outcomes import summarize_results
+    from ..record.outcomes import summarize_results
 
     directory = options.output_dir / options.study_name / REPEATS_DIR
     live_callbacks.register(str(directory), callbacks)  # what the run's LiveCallbacks call, also after a restore

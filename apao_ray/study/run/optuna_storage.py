@@ -25,9 +25,9 @@ from optuna.samplers import BaseSampler, TPESampler
 from optuna.trial import TrialState
 from ray.tune.search.optuna import OptunaSearch
 
-from ..tracking import redact
+from ...tracking import redact
 from .scheduler import TIME_ATTR
-from .space import SEPARATOR, SearchSpec
+from ..spec.space import SEPARATOR, SearchSpec
 
 OPTUNA_DB_NAME = "optuna.db"
 STORAGE_TAG = "apao.optuna_storage"  # on the parent run: where the study's Optuna trials are
@@ -192,8 +192,8 @@ class PersistentOptunaSearch(OptunaSearch):
         record = getattr(self, "_run_record", None)  # None in a searcher pickled before it existed
         if record is None:
             return {}
-        from ..tracking import Tracker
-        from .outcomes import STUDY_TAG, TRIAL_TAG
+        from ...tracking import Tracker
+        from ..record.outcomes import STUDY_TAG, TRIAL_TAG
 
         tracking_uri, experiment, study_name, seed = record
         try:  # a label: a tracking server that does not answer this once must not stop the search
@@ -320,7 +320,7 @@ def log_study_artifacts(tracker: Any, parent_run_id: str, storage_url: str, stud
     """Logs ``optuna/param_importances.json`` and Optuna's matplotlib plots (optimization history;
     slice and param importances per method) to the parent run; returns the summary to print: the
     importance table (when there is one) and the ``optuna-dashboard`` command."""
-    from . import plots
+    from ..record import plots
 
     try:
         study = load_study(storage_url, study_name)
