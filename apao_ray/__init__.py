@@ -11,10 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["StudyResult", "StudySpec", "load_recommender", "plan_study", "run_study", "__version__"]
+__all__ = ["StudyResult", "StudySetup", "StudySpec", "load_recommender", "plan_study", "prepare", "run_study",
+           "__version__"]
 # public name -> the module that defines it, imported on first use (torch, ray and mlflow stay unloaded)
 _LAZY = {"StudySpec": "apao_ray.study.spec.study", "StudyResult": "apao_ray.study.api", "run_study": "apao_ray.study.api",
-         "plan_study": "apao_ray.study.api"}
+         "plan_study": "apao_ray.study.api", "prepare": "apao_ray.study.setup", "StudySetup": "apao_ray.study.setup"}
 
 
 def load_recommender(model_uri: str, device: str = "cpu", precision: str | None = None,

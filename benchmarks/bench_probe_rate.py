@@ -30,7 +30,7 @@ def main() -> None:
 
     spec = apao_ray.StudySpec(dataset="office", backbones=("tiger",), losses=("ce",), epochs=2,
                               cpus_per_trial=args.threads)
-    config = method_config(spec.resolved["base"], "tiger", "ce")
+    config = method_config(apao_ray.prepare(spec).base, "tiger", "ce")
     results = []
 
     def measure() -> None:

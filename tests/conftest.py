@@ -22,7 +22,7 @@ for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_EN
 
 
 def _usable_cpus() -> int:
-    """As apao_ray.study.cli.train.available_cpus, which imports torch: here the thread variables come first."""
+    """As apao_ray.hardware.available_cpus, which imports torch: here the thread variables come first."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 

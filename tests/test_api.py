@@ -22,7 +22,7 @@ def test_package_import_stays_light_and_exports_the_api():
     code = ("import sys, apao_ray; spec = apao_ray.StudySpec; heavy = [m for m in ('torch', 'ray', 'mlflow', 'pandas') "
             "if m in sys.modules]; print(heavy, sorted(n for n in apao_ray.__all__ if not n.startswith('_')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60)
-    assert done.stdout.strip() == "[] ['StudyResult', 'StudySpec', 'load_recommender', 'plan_study', 'run_study']", \
+    assert done.stdout.strip() == "[] ['StudyResult', 'StudySetup', 'StudySpec', 'load_recommender', 'plan_study', 'prepare', 'run_study']", \
         done.stderr
 
 
@@ -41,11 +41,7 @@ def test_package_import_stays_light_and_exports_the_api():
     ({"backbones": "gpt"}, "unknown backbone(s) ['gpt']"),
     ({"beta": (0.4, 0.1)}, "range 0.4:0.1 is empty or inverted"),
     ({"losses": ("ce",), "negatives": (10, 20)}, "none of the losses ['ce'] uses negatives"),
-    ({"losses": ("apao_pairwise",), "negatives": (10, 5000)}, "num_negatives=5000 must be < the 399 semantic IDs"),
     ({"study_name": "../x"}, "study name '../x' must be a plain name"),
-    ({"tracking_uri": "file:./mlruns"}, "is not supported"),
-    ({"address": "headnode"}, "Ray address 'headnode' must be HOST:PORT"),
-    ({"resume": True}, "--resume: no study 'synthetic-study' to resume"),
     ({"protocol_knobs": {"weighting": "bogus"}}, "bogus"),
     ({"seeds": (0, 1), "seed": 3}, "seed=3 and seeds=(0, 1) were both given"),
     ({"seeds": (0, 0)}, "seeds=(0, 0) repeats a seed"),
@@ -61,94 +57,119 @@ def test_a_spec_refuses_bad_input_at_construction_naming_it(isolated, changes, p
     assert not (isolated / "runs").exists() and not (isolated / "mlflow.db").exists()
 
 
+@pytest.mark.parametrize("changes, problem", [
+    ({"losses": ("apao_pairwise",), "negatives": (10, 5000)}, "num_negatives=5000 must be < the 399 semantic IDs"),
+    ({"tracking_uri": "file:./mlruns"}, "is not supported"),
+    ({"address": "headnode"}, "Ray address 'headnode' must be HOST:PORT"),
+    ({"resume": True}, "--resume: no study 'synthetic-study' to resume"),
+])
+def test_prepare_refuses_what_the_files_mlflow_and_ray_say_naming_it_and_creates_nothing(isolated, changes, problem):
+    """What only the dataset, the MLflow store, the Ray address or a study's saved state can tell: not known when
+    the spec is built (that touches nothing), refused by ``prepare`` before any plan or trial."""
+    from apao_ray import StudySpec, prepare
+
+    spec = StudySpec(output_dir=str(isolated / "runs"), **changes)
+    with pytest.raises(ValueError) as error:
+        prepare(spec)
+    assert problem in str(error.value)
+    assert not (isolated / "runs").exists() and not (isolated / "mlflow.db").exists()
+
+
 def test_cpus_per_trial_defaults_to_this_machines_cpus_shared_by_the_trials_at_once(isolated, monkeypatch):
     """A lone trial gets every idle CPU, trials that run at once share them (at least 1 each), CPUs busy with
     other work are left to it; a given value wins."""
     import os
 
-    from apao_ray import StudySpec
-    from apao_ray.study.cli.train import available_cpus
+    from apao_ray import StudySpec, prepare
+    from apao_ray.hardware import available_cpus
+
+    def trial_cpus(**changes) -> float:
+        return prepare(StudySpec(**{"losses": ("ce",), "output_dir": str(isolated / "runs"), **changes})).cpus_per_trial
 
     cpus = available_cpus()
     monkeypatch.setattr(os, "getloadavg", lambda: (cpus - 0.7, 0.0, 0.0))  # all but one CPU busy
-    assert StudySpec(losses=("ce",), output_dir=str(isolated / "runs")).trial_cpus == 1
+    assert trial_cpus() == 1
     monkeypatch.setattr(os, "getloadavg", lambda: (0.3, 0.0, 0.0))  # idle
     lone = StudySpec(losses=("ce",), output_dir=str(isolated / "runs"))
-    assert lone.cpus_per_trial is None and lone.trial_cpus == cpus and lone.options().cpus_per_trial == cpus
-    four = StudySpec(losses=("ce", "apao_pointwise"), num_samples=3, output_dir=str(isolated / "runs"))
-    assert four.resolved["search"].num_trials == 4 and four.trial_cpus == max(1, cpus // min(4, cpus))
-    assert StudySpec(losses=("ce", "apao_pointwise"), num_samples=3, max_concurrent=1,
-                     output_dir=str(isolated / "runs")).trial_cpus == cpus
-    assert StudySpec(losses=("ce",), cpus_per_trial=0.5, output_dir=str(isolated / "runs")).trial_cpus == 0.5
+    assert lone.cpus_per_trial is None and prepare(lone).cpus_per_trial == cpus
+    assert StudySpec(losses=("ce", "apao_pointwise"), num_samples=3).search.num_trials == 4
+    assert trial_cpus(losses=("ce", "apao_pointwise"), num_samples=3) == max(1, cpus // min(4, cpus))
+    assert trial_cpus(losses=("ce", "apao_pointwise"), num_samples=3, max_concurrent=1) == cpus
+    assert trial_cpus(cpus_per_trial=0.5) == 0.5
 
 
 def test_the_micro_batch_defaults_to_the_fastest_for_the_trials_device_and_a_given_one_wins(isolated):
     """128 on CPU, 1024 with a GPU (benchmarks/RESULTS.md, session 19); the optimizer step stays 1024 either way.
     The evaluation batch likewise: 256 on CPU, 1024 with a GPU."""
-    from apao_ray import StudySpec
+    from apao_ray import StudySpec, prepare
     from apao_ray.config import TrainConfig
 
     assert TrainConfig().batch_size == 128 and TrainConfig(use_gpu=True).batch_size == 1024
     assert TrainConfig().eval_batch_size == 256 and TrainConfig(use_gpu=True).eval_batch_size == 1024
     assert TrainConfig(use_gpu=True, batch_size=256).batch_size == 256
     assert TrainConfig.from_dict(TrainConfig(use_gpu=True).to_dict()).batch_size == 1024  # a checkpoint keeps it
-    trains = {gpus: StudySpec(losses=("ce",), gpus_per_trial=gpus, output_dir="runs").resolved["base"].train
+    trains = {gpus: prepare(StudySpec(losses=("ce",), gpus_per_trial=gpus, output_dir="runs")).base.train
               for gpus in (0, 0.5)}
     assert [(t.batch_size, t.effective_batch_size) for t in trains.values()] == [(128, 1024), (1024, 1024)]
-    given = StudySpec(losses=("ce",), gpus_per_trial=1, batch_size=512, output_dir="runs").resolved["base"].train
+    given = prepare(StudySpec(losses=("ce",), gpus_per_trial=1, batch_size=512, output_dir="runs")).base.train
     assert given.batch_size == 512
     with pytest.raises(ValueError, match="batch_size=0 must be an integer >= 1"):
         StudySpec(losses=("ce",), batch_size=0, output_dir="runs")
 
 
-def test_a_good_spec_resolves_its_trial_config_and_the_fitted_options(isolated):
-    from apao_ray import StudySpec
-
-    spec = StudySpec.quick(losses=("ce", "apao_pairwise"), output_dir="runs", budget="1h30m", protocol="reference")
-    assert spec.budget_s == 5400 and spec.negatives == (10, 20) and spec.epochs == 2 and spec.asha_grace_period == 3
-    from apao_ray.study.api import planned_options
+def test_a_spec_is_checked_without_io_and_the_plan_holds_the_schedule_it_fits(isolated):
+    """A StudySpec is what was asked (built with no file, MLflow or Ray touched); ``prepare`` finds the rest; the
+    plan derives the trials' schedule (``Plan.base``, ``Plan.search``) without writing anything back."""
+    from apao_ray import StudySpec, prepare
     from apao_ray.study.plan.budget import Deferral, Fit, MethodCost
     from apao_ray.study.plan.plan import Plan
+    from apao_ray.study.run.driver import Study
 
+    missing = StudySpec(dataset="office", data_dir=str(isolated / "nowhere"), output_dir="runs")  # nothing read yet
+    assert missing.search.num_trials == 7 and not (isolated / "mlflow.db").exists()
+    with pytest.raises((FileNotFoundError, ValueError), match="nowhere"):
+        prepare(missing)
+    spec = StudySpec.quick(losses=("ce", "apao_pairwise"), output_dir="runs", budget="1h30m", protocol="reference")
+    assert spec.budget_s == 5400 and spec.negatives == (10, 20) and spec.epochs == 2 and spec.asha_grace_period == 3
+    setup = prepare(spec)
     costs = [MethodCost("tiger", loss, loss == "ce", epoch_s=60.0, fixed_s=10.0) for loss in ("ce", "apao_pairwise")]
 
     def plan(fit: Fit) -> Plan:
-        return Plan("synthetic", "reference", "fp32", 2, costs, 2, 2, fit, budget_s=5400, effective_batch_size=256)
+        return Plan("synthetic", "reference", "fp32", 2, costs, 2, 2, fit, budget_s=5400,
+                    effective_batch_size=256).scheduled(setup.base, spec.search, spec.losses, spec.pretrain_ce_epochs)
 
-    options = planned_options(spec, plan(Fit(1, 1, 1, 100.0)))
-    assert options.base.train.epochs == 1 and options.spec.num_trials == 2 and options.time_budget_s == 5400
-    assert options.asha_grace_period == 1 and options.max_concurrent == 2
-    assert options.base.protocol.name == "reference" and options.base.model.d_model == 64
-    assert options.output_dir == isolated / "runs" and options.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
-    assert options.base.train.max_train_samples == 2048  # --quick's
-    assert spec.options().base.train.epochs == 2  # the spec stays as asked: the plan's schedule is the plan's
-    subset = planned_options(spec, plan(Fit(1, 1, 1, 100.0, train_samples=1024)))
+    fitted = plan(Fit(1, 1, 1, 100.0))
+    assert fitted.base.train.epochs == 1 and fitted.search.num_trials == 2 and fitted.slots == 2
+    assert fitted.fit.asha_grace_period == 1
+    assert fitted.base.protocol.name == "reference" and fitted.base.model.d_model == 64
+    assert setup.output_dir == isolated / "runs" and setup.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
+    assert fitted.base.train.max_train_samples == 2048  # --quick's
+    assert setup.base.train.epochs == 2 and spec.epochs == 2  # as asked: the plan's schedule is the plan's
+    subset = plan(Fit(1, 1, 1, 100.0, train_samples=1024))
     assert subset.base.train.max_train_samples == 1024  # a budget's training subset
     # a deferred method is a row without trials: the searcher never allocates it; the parent run records why
     deferral = Deferral("tiger", "apao_pairwise", 9000.0, 3000.0, 3)
-    deferred = planned_options(spec, plan(Fit(2, 1, 1, 100.0, deferred=(deferral,), added_seeds=1)))
-    assert [a[1] for a in deferred.spec.allocation()] == ["ce"] and deferred.spec.num_trials == 1
-    assert deferred.plan_record["deferred"] == {"tiger/apao_pairwise": deferral.reason}
-    assert deferred.repeat_seeds == (1,)  # the fill's seed after the search's 0
-    # the local Ray's dashboard is off unless asked for, from the flag through to the options the study runs
+    deferred = plan(Fit(2, 1, 1, 100.0, deferred=(deferral,), added_seeds=1))
+    assert [a[1] for a in deferred.search.allocation()] == ["ce"] and deferred.search.num_trials == 1
+    assert deferred.record()["deferred"] == {"tiger/apao_pairwise": deferral.reason}
+    assert Study(spec, setup, deferred, []).seeds == [0, 1]  # the fill's seed after the search's 0
+    # the local Ray's dashboard is off unless asked for, from the flag through to the spec the study runs
     from apao_ray.study.cli import sweep as cli_sweep
 
-    assert not options.ray_dashboard
     for flags, wanted in (([], False), (["--ray-dashboard"], True)):
         args = cli_sweep.build_parser().parse_args(["--smoke", "--output-dir", "runs", *flags])
-        assert cli_sweep.spec_from_args(args).options().ray_dashboard is wanted
+        assert cli_sweep.spec_from_args(args).starts_ray_dashboard is wanted
 
 
 def test_seeds_put_the_search_on_the_first_and_the_repeats_on_the_others(isolated, capsys):
-    from apao_ray import StudySpec
+    from apao_ray import StudySpec, prepare
     from apao_ray.study.cli import sweep as cli_sweep
 
     spec = StudySpec.quick(seeds=[3, 1, 2], output_dir="runs")
     assert spec.seeds == (3, 1, 2) and spec.search_seed == 3 and spec.repeat_seeds == (1, 2)
-    options = spec.options()
-    assert options.base.train.seed == 3 and options.seed == 3 and options.repeat_seeds == (1, 2)
-    single = StudySpec.quick(seed=5, output_dir="runs").options()
-    assert single.base.train.seed == 5 and single.repeat_seeds == ()
+    assert prepare(spec).base.train.seed == 3
+    single = StudySpec.quick(seed=5, output_dir="runs")
+    assert prepare(single).base.train.seed == 5 and single.repeat_seeds == ()
     with pytest.raises(SystemExit) as exit_info:  # --seed 0 is the default value, but written: refused all the same
         cli_sweep.main(["--smoke", "--seed", "0", "--seeds", "0,1", "--dry-run"])
     assert exit_info.value.code == 2
@@ -341,19 +362,19 @@ def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkey
 def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_path, monkeypatch, capsys):
     """Probe rates injected through the cache: APAO-pointwise ~1,000x slower than CE, so its one epoch does not
     fit 5 minutes; CE runs, APAO-pointwise is a row without trials that says what it needs."""
+    import apao_ray
     from apao_ray.study.plan.plan import method_config, trial_threads
     from apao_ray.study.plan.probe_cache import probe_key
 
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
     spec = _smoke_spec(tmp_path, budget="5m")
-    base, threads = spec.resolved["base"], trial_threads(spec.trial_cpus)
+    setup = apao_ray.prepare(spec)
+    base, threads = setup.base, trial_threads(setup.cpus_per_trial)
     rates = {"ce": 1e-4, "apao_pointwise": 1.0}  # seconds per training sample
     (tmp_path / "probes.json").write_text(json.dumps({probe_key(method_config(base, "tiger", loss), threads): {
         "train_s_per_sample": rate, "eval_s_per_user": 1e-3, "peak_bytes": 2**30, "precision": "fp32", "threads":
         threads, "device": "cpu", "timed_samples": 1024} for loss, rate in rates.items()}))
-    import apao_ray
-
-    plan = apao_ray.plan_study(spec)
+    plan = apao_ray.plan_study(spec, setup)
     assert [(m["loss"], m["status"]) for m in plan.to_dict()["methods"]] == [("ce", "run"), ("apao_pointwise", "deferred")]
     try:
         result = apao_ray.run_study(spec, plan=plan)
@@ -423,3 +444,24 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
     printed = {row["loss"]: row for row in json.loads(capsys.readouterr().out)}
     assert printed["apao_pointwise"]["vs ce test/ndcg_at_10"] == table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]
     assert printed["ce"]["n_seeds"] == 2 and printed["ce"]["test/ndcg_at_10 std"] is not None
+
+
+def test_every_study_field_has_its_sweep_flag_with_the_fields_default():
+    """The CLI and StudySpec cannot drift: each field is a flag of `sweep` (or named below with the flag that
+    sets it) whose default is the field's own."""
+    from dataclasses import MISSING, fields
+
+    from apao_ray.study.cli import sweep as cli_sweep
+    from apao_ray.study.spec.study import StudySpec
+
+    set_otherwise = {"protocol_knobs": "--weighting, --select-by, ... (the protocol flags)",
+                     "memory_per_trial_gib": "--memory-per-trial", "retention_users": "--quick / --smoke"}
+    parser = cli_sweep.build_parser()
+    defaults = {action.dest: action.default for action in parser._actions}
+    for field in fields(StudySpec):
+        if field.name in set_otherwise:
+            continue
+        assert field.name in defaults, f"StudySpec.{field.name} has no sweep flag"
+        if field.default is not MISSING and field.name not in ("epochs", "patience"):  # set_defaults: same values
+            assert defaults[field.name] == field.default, field.name
+    assert parser.get_default("epochs") == StudySpec().epochs and parser.get_default("patience") == StudySpec().patience

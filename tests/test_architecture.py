@@ -1,6 +1,7 @@
 """The package's import graph, read with ``ast`` (function-level imports included): no cycles, and
 the arrows point the way docs/architecture.md says: core -> training -> study -> (nothing above it);
-analysis below the study driver; only ``tracking`` imports mlflow; only the study and the Ray Train
+inside the study, spec -> plan -> run -> record, setup and api above them, cli on top; analysis below the
+study driver; only ``tracking`` imports mlflow; only the study and the Ray Train
 worker import ray."""
 from __future__ import annotations
 
@@ -16,6 +17,12 @@ FORBIDDEN: dict[tuple[str, ...], tuple[str, ...]] = {
     CORE: ("training", "study", "tracking", "analysis", "inference", "export", "serve", "cli"),
     ("training",): ("study", "tracking", "analysis", "inference", "export", "serve", "cli"),
     ("analysis",): ("study", "cli"),
+    # inside the study layer, in the order a study runs: spec -> plan -> run -> record; setup, api and cli above
+    ("study.spec",): ("study.plan", "study.run", "study.record", "study.setup", "study.api", "study.cli"),
+    ("study.plan",): ("study.run", "study.record", "study.setup", "study.api", "study.cli"),
+    ("study.record",): ("study.plan", "study.run", "study.setup", "study.api", "study.cli"),
+    ("study.run",): ("study.plan", "study.setup", "study.api", "study.cli"),
+    ("study.setup", "study.api"): ("study.cli",),
 }
 THIRD_PARTY_OWNERS = {"mlflow": ("tracking",), "ray": ("study", "training.worker")}
 
@@ -122,7 +129,7 @@ def test_no_import_cycles():
     assert _cycles(_graph()[0]) == []
 
 
-@pytest.mark.parametrize("layer", list(FORBIDDEN), ids=lambda layer: layer[0] if len(layer) == 1 else "core")
+@pytest.mark.parametrize("layer", list(FORBIDDEN), ids=lambda layer: "core" if layer == CORE else "+".join(layer))
 def test_lower_layers_never_import_upper_ones(layer):
     edges, _ = _graph()
     wrong = sorted(f"{module} -> {target}" for module, targets in edges.items() if _in(module, layer)

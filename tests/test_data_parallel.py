@@ -202,18 +202,17 @@ def test_a_study_with_workers_per_trial_plans_and_records_them(tmp_path, monkeyp
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     import apao_ray
     from apao_ray.study.api import study_slots
-    from apao_ray.study.cli.train import available_cpus
+    from apao_ray.hardware import available_cpus
     from apao_ray.study.plan.budget import Fit, MethodCost
     from apao_ray.study.plan.plan import Plan
 
     spec = apao_ray.StudySpec.quick(losses=("ce",), workers_per_trial=2, cpus_per_trial=1,
                                     output_dir=str(tmp_path / "runs"))
-    base = spec.resolved["base"]
+    setup = apao_ray.prepare(spec)
+    base = setup.base  # the parent run's and every child's params record it
     assert base.train.num_workers == 2 and base.train.effective_batch_size >= 2 * base.train.batch_size
     if available_cpus() >= 2:
-        assert study_slots(spec, start_ray=False) == available_cpus() // 2  # a trial holds 2 x 1 CPU
-    options = spec.options()
-    assert options.base.train.num_workers == 2  # the parent run's and every child's params record it
+        assert study_slots(spec, setup, start_ray=False) == available_cpus() // 2  # a trial holds 2 x 1 CPU
     method = MethodCost("tiger", "ce", True, epoch_s=100.0, fixed_s=10.0)
     plan = Plan(dataset="synthetic", protocol="paper", precision="fp32", slots=1, methods=[method], asked_epochs=2,
                 asked_trials_per_tuned=1, fit=Fit(2, 1, 3, 220.0), threads=1, workers=2)
@@ -223,6 +222,6 @@ def test_a_study_with_workers_per_trial_plans_and_records_them(tmp_path, monkeyp
     too_many = spec.replace(workers_per_trial=available_cpus() + 1)
     with pytest.raises(ValueError, match=rf"--workers-per-trial {available_cpus() + 1}: each worker needs 1 CPU, "
                                          r"and this machine .* can place"):
-        study_slots(too_many, start_ray=False)
+        study_slots(too_many, setup, start_ray=False)
     with pytest.raises(ValueError, match="workers_per_trial=0 must be an integer >= 1"):
         spec.replace(workers_per_trial=0)

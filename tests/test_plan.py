@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from apao_ray.study.plan.budget import (RAY_START_S, Fit, MethodCost, asha_rungs, fit_budget, format_duration, makespan,
-                                   parse_duration, study_seconds)
+from apao_ray.study.plan.budget import RAY_START_S, Fit, MethodCost, asha_rungs, fit_budget, makespan, study_seconds
+from apao_ray.study.spec.duration import format_duration, parse_duration
 from apao_ray.study.plan.plan import Plan, cost_summary
 from apao_ray.study.plan.probe_cache import probe, probe_key
 
@@ -371,12 +371,13 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
                                         max_concurrent=max_concurrent, cpus_per_trial=1,  # one probe for both
                                         output_dir=str(tmp_path / "runs"))
 
-    base, threads = spec(1).resolved["base"], trial_threads(spec(1).trial_cpus)
+    setups = {slots: apao_ray.prepare(spec(slots)) for slots in (1, 2)}
+    base, threads = setups[1].base, trial_threads(setups[1].cpus_per_trial)
     rates = {"ce": 1 / 100, "apao_pointwise": 1 / 10}  # the tuned method is the slow one
     (tmp_path / "probes.json").write_text(json.dumps({probe_key(method_config(base, "tiger", loss), threads): {
         "train_s_per_sample": rate, "eval_s_per_user": 0.001, "peak_bytes": 2**30, "precision": "fp32", "threads":
         threads, "device": "cpu", "timed_samples": 1024} for loss, rate in rates.items()}))
-    alone, side_by_side = make_plan(spec(1), slots=1), make_plan(spec(2), slots=2)
+    alone, side_by_side = make_plan(spec(1), setups[1], slots=1), make_plan(spec(2), setups[2], slots=2)
     assert alone.probes_cached == side_by_side.probes_cached == 2
     assert alone.start_order == side_by_side.start_order == (("tiger", "apao_pointwise"), ("tiger", "ce"))
     assert "trials start slowest method first: tiger/apao_pointwise, tiger/ce" in side_by_side.text()
@@ -386,15 +387,12 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
     # a one-trial study runs alone whatever the slots: no side-by-side slowdown, one trial's memory
     one_trial = apao_ray.StudySpec.quick(losses=("ce",), num_samples=1, epochs=2, max_concurrent=2, cpus_per_trial=1,
                                          output_dir=str(tmp_path / "runs"))
-    lone = make_plan(one_trial, slots=2)
+    lone = make_plan(one_trial, apao_ray.prepare(one_trial), slots=2)
     assert lone.slots == 1 and lone.side_by_side == 1.0 and "probed rates x" not in lone.text()
     ce_alone = next(m for m in alone.methods if m.loss == "ce")
     assert lone.methods[0].epoch_s == pytest.approx(ce_alone.epoch_s) and "(1 trial at once)" in lone.text()
-    # the study runs that order: its options' searcher allocates the slow method's trial first
-    from apao_ray.study.api import planned_options
-
-    options = planned_options(spec(2), side_by_side)
-    assert [a[1] for a in options.spec.allocation()] == ["apao_pointwise", "ce"]
+    # the study runs that order: the plan's searcher allocates the slow method's trial first
+    assert [a[1] for a in side_by_side.search.allocation()] == ["apao_pointwise", "ce"]
 
 
 _WRITER = """

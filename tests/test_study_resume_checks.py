@@ -13,15 +13,23 @@ from conftest import mlflow_sqlite
 def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
                            overwrite: bool = False):
     """What a first run of the study leaves in MLflow: its parent run with the dataset checksums."""
-    from apao_ray.study.spec.space import SearchSpec
-    from apao_ray.study.run.driver import StudyOptions, open_parent_run
+    from types import SimpleNamespace
+
     from apao_ray.config import DataConfig, TrialConfig
+    from apao_ray.study.plan.budget import Fit
+    from apao_ray.study.plan.plan import Plan
+    from apao_ray.study.run.driver import Study, open_parent_run
+    from apao_ray.study.setup import StudySetup
+    from apao_ray.study.spec.study import StudySpec
     from apao_ray.tracking import Tracker
 
-    options = StudyOptions(base=TrialConfig(DataConfig(dataset="tiny")), spec=SearchSpec(("tiger",), ("ce",)),
-                           study_name=study, output_dir=output_dir, tracking_uri=tracking_uri, command_line=argv,
-                           overwrite=overwrite)
-    return open_parent_run(Tracker(tracking_uri, "apao-tiny"), options, checksums)
+    base = TrialConfig(DataConfig(dataset="tiny"))
+    spec = StudySpec(dataset="tiny", losses=("ce",), study_name=study, overwrite=overwrite)
+    setup = StudySetup(dataset=SimpleNamespace(checksums=checksums), base=base, study_name=study,
+                       tracking_uri=tracking_uri, output_dir=output_dir, optuna_storage="", dataset_record={},
+                       cpus_per_trial=1.0)
+    plan = Plan("tiny", "paper", "fp32", 1, [], 20, 3, Fit(20, 3, 5, 0.0)).scheduled(base, spec.search, spec.losses, None)
+    return open_parent_run(Tracker(tracking_uri, "apao-tiny"), Study(spec, setup, plan, argv))
 
 
 def _started_tiny_study(tmp_path: Path, monkeypatch) -> tuple[list[str], str, dict[str, str], str]:

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from .record.outcomes import short_reason
 from .plan.plan import Plan, cost_summary, make_plan, method_config, validation_users
 from .plan.probe_cache import record_observed
+from .setup import StudySetup, prepare
 from .spec.study import StudySpec
 
 
@@ -40,7 +41,7 @@ class StudyResult:
     cost_summary: str = ""  # per method, the plan's cost estimate next to the trials' recorded cost
 
 
-def study_slots(spec: StudySpec, start_ray: bool) -> int:
+def study_slots(spec: StudySpec, setup: StudySetup, start_ray: bool) -> int:
     """Trials at once: ``max_concurrent``, else the cluster's (or this machine's) CPUs // the CPUs of a trial's
     workers. Refuses a ``workers_per_trial`` that the cluster (or this machine) cannot place."""
     from .run.trial import Resources
@@ -54,16 +55,16 @@ def study_slots(spec: StudySpec, start_ray: bool) -> int:
         cpus, where = cluster_cpus(), "the Ray cluster"
         nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     else:
-        from .cli.train import available_cpus
+        from ..hardware import available_cpus
 
         cpus, where = available_cpus(), "this machine"
         nodes = [{"CPU": cpus, "GPU": local_gpus() if spec.gpus_per_trial else 0}]
     workers = spec.workers_per_trial
     if workers > 1:
-        Resources(workers, spec.trial_cpus, spec.gpus_per_trial).check_placeable(nodes, where)
+        Resources(workers, setup.cpus_per_trial, spec.gpus_per_trial).check_placeable(nodes, where)
     if spec.max_concurrent:
         return spec.max_concurrent
-    return max(1, int(cpus // (spec.trial_cpus * workers)))
+    return max(1, int(cpus // (setup.cpus_per_trial * workers)))
 
 
 def local_gpus() -> int:
@@ -72,39 +73,25 @@ def local_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def plan_study(spec: StudySpec, start_ray: bool = False, use_cache: bool = True) -> Plan:
-    """The plan (with its probe) of a checked spec; Ray is not started unless asked (or a cluster given)."""
-    return make_plan(spec, study_slots(spec, start_ray), use_cache)
-
-
-def planned_options(spec: StudySpec, plan: Plan, command_line: list[str] | None = None) -> Any:
-    """The driver's options for the study the plan runs: the spec as asked, with the plan's schedule (epochs and
-    a preference loss's CE stage, training subset, the budget protocol's batch, trials per tuned method, the
-    deferred methods left out, seeds, slots, start order, ASHA's grace period) and the plan itself to record."""
-    from .spec.study import with_pretrain
-
-    options, fit = spec.options(command_line), plan.fit
-    base = options.base
-    train = base.train.replace(epochs=fit.epochs, effective_batch_size=plan.run_effective_batch_size,
-                               max_train_samples=fit.train_samples or base.train.max_train_samples)
-    base = with_pretrain(base.replace(train=train), spec.losses, spec.pretrain_ce_epochs)
-    search = replace(options.spec, trials_per_tuned=fit.trials_per_tuned, first=plan.start_order,
-                     deferred=tuple(sorted(plan.deferred)))
-    return replace(options, base=base, spec=search, max_concurrent=plan.slots,
-                   asha_grace_period=fit.asha_grace_period, repeat_seeds=plan.run_repeat_seeds,
-                   plan_record=plan.record())
+def plan_study(spec: StudySpec, setup: StudySetup | None = None, start_ray: bool = False,
+               use_cache: bool = True) -> Plan:
+    """The plan (with its probe) of ``spec``, checked first (``prepare``) unless ``setup`` is given; Ray is not
+    started unless asked (or a cluster given)."""
+    setup = setup if setup is not None else prepare(spec)
+    return make_plan(spec, setup, study_slots(spec, setup, start_ray), use_cache)
 
 
 def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str] | None = None,
-              log: Any = None) -> StudyResult:
+              log: Any = None, setup: StudySetup | None = None) -> StudyResult:
     """Prints the plan, runs (or resumes) the study fitted to its budget, and reads back its table.
 
     Args:
-        spec: the checked study.
+        spec: the study as asked.
         plan: a plan already made (the CLI's), else one is made here.
         command_line: recorded on the parent run (default ``sys.argv``).
         log: where the plan and progress notes go (default: ``sys.stderr`` at the time of the call, not
             the stream that was ``sys.stderr`` when this module was imported).
+        setup: what ``prepare(spec)`` found, if it already ran (else it runs here).
     """
     import pandas as pd
 
@@ -113,43 +100,43 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     from ..analysis.results import popularity_ndcg
     from ..tracking import Tracker, experiment_name
     from .record.report import table_rows
-    from .run.driver import StudyOutcome, check_resumable, study_state_exists
-    from .run.driver import run_study as run_options
+    from .run.driver import Study, StudyOutcome, check_same_schedule, invocation, study_state_exists
+    from .run.driver import run_study as run_planned
 
+    setup = setup if setup is not None else prepare(spec)
     if plan is None:
-        plan = plan_study(spec, start_ray=True)
+        plan = plan_study(spec, setup, start_ray=True)
         print(plan.text(), file=log)
-    options = planned_options(spec, plan, command_line)
-    dataset = spec.dataset_loaded
-    check_resumable(options.tracking_uri, options, dataset.checksums)  # with the fitted schedule
-    train_split = dataset.splits["train"]
-    example = [dataset.catalog.item_ids[i] for i in train_split.histories[0] if i >= 0]
-    if study_state_exists(options) and not spec.overwrite:
-        print(f"resuming study {options.study_name} from {options.output_dir / options.study_name}", file=log)
+    study = Study(spec, setup, plan, invocation(sys.argv) if command_line is None else command_line)
+    check_same_schedule(study)  # with the fitted schedule
+    dataset = setup.dataset
+    example = [dataset.catalog.item_ids[i] for i in dataset.splits["train"].histories[0] if i >= 0]
+    if study_state_exists(study.study_dir) and not spec.overwrite:
+        print(f"resuming study {setup.study_name} from {study.study_dir}", file=log)
     try:
-        outcome = run_options(options, dataset.checksums, example)
+        outcome = run_planned(study, example)
     except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
         outcome = StudyOutcome([], interrupted=True)
-    tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
-    rows = table_rows(tracker, study=options.study_name, popularity=popularity_ndcg(dataset.splits))
-    record_rates(spec, plan, outcome.rows)
+    tracker = Tracker(setup.tracking_uri, experiment_name(setup.base.data.dataset))
+    rows = table_rows(tracker, study=setup.study_name, popularity=popularity_ndcg(dataset.splits))
+    record_rates(spec, setup, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
               for row in rows}
     return StudyResult(table=pd.DataFrame(rows), trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
-                       parent_run_id=outcome.parent_run_id, plan=plan, study_name=options.study_name,
-                       tracking_uri=options.tracking_uri, interrupted=outcome.interrupted,
+                       parent_run_id=outcome.parent_run_id, plan=plan, study_name=setup.study_name,
+                       tracking_uri=setup.tracking_uri, interrupted=outcome.interrupted,
                        stop_signal=outcome.stop_signal, optuna_summary=outcome.optuna_summary,
                        cost_summary=cost_summary(plan, actual))
 
 
-def record_rates(spec: StudySpec, plan: Plan, rows: list[dict[str, Any]]) -> int:
+def record_rates(spec: StudySpec, setup: StudySetup, plan: Plan, rows: list[dict[str, Any]]) -> int:
     """Gives the probe cache what this study's trials measured per method (training samples/s, validation
     seconds per user, peak RSS), so the next plan on this machine starts from real epochs; not for a cluster
     (its nodes are not this machine), nor for trials whose tuned negatives differ from the probed config.
     Returns the methods recorded."""
     if spec.address:
         return 0
-    base, splits = spec.resolved["base"], spec.resolved["dataset"].splits
+    base, splits = setup.base, setup.dataset.splits
     valid_users = validation_users(base, splits)
     by_method: dict[tuple[str, str], list[dict[str, float]]] = {}
     for row in rows:
@@ -176,4 +163,4 @@ def trial_row(row: dict[str, Any]) -> dict[str, Any]:
     return {**row["choices"], "seed": row.get("seed"), "repeats": row.get("repeats"), **metrics, "status": status}
 
 
-__all__ = ["StudyResult", "StudySpec", "plan_study", "planned_options", "run_study"]
+__all__ = ["StudyResult", "StudySetup", "StudySpec", "plan_study", "prepare", "run_study"]

@@ -15,7 +15,7 @@ from ...protocol import KNOBS
 from .protocol import add_protocol_arguments
 from .train import add_common_arguments
 from ...cli_types import non_negative_float, non_negative_int, positive_int
-from ..plan.budget import parse_duration
+from ..spec.duration import parse_duration
 from ..spec.study import QUICK_SETTINGS, StudySpec, quick_negatives
 
 SWEEP_EPILOG = """\
@@ -243,12 +243,13 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     if args.json and not args.dry_run:
         parser.error("--json prints the plan: give it with --dry-run")
     apply_quick(args, given)
-    from ..api import plan_study, run_study
+    from ..api import plan_study, prepare, run_study
     from ..record.report import format_rows
 
     try:
         spec = spec_from_args(args)
-        plan = plan_study(spec, use_cache=not args.reprobe)  # the probe; a budget too small for one epoch is refused
+        setup = prepare(spec)  # the files, MLflow, Ray and a resumed study's records, before the probe
+        plan = plan_study(spec, setup, use_cache=not args.reprobe)  # a budget too small for one epoch is refused
     except (ValueError, FileNotFoundError, ConnectionError, RuntimeError) as error:
         parser.error(str(error))
     print(plan.text(), file=sys.stderr)
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
         if args.json:
             print(json.dumps(plan.to_dict()))
         return 0
-    result = run_study(spec, plan=plan)
+    result = run_study(spec, plan=plan, setup=setup)
     if result.interrupted:
         return report_interrupted(result, argv)
     failed = sum(str(status).startswith("failed") for status in result.trials.get("status", []))
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     from ...mlflow_ui import ui_hint, view_key
     from ...tracking import Tracker, experiment_name
 
-    tracker = Tracker(result.tracking_uri, experiment_name(spec.resolved["base"].data.dataset))
+    tracker = Tracker(result.tracking_uri, experiment_name(setup.base.data.dataset))
     print(ui_hint(result.tracking_uri, tracker.experiment_id, view_key(result.study_name)))
     print_failures(result.trials)
     if none_finished:

@@ -13,18 +13,11 @@ from ...cli_types import non_negative_float, non_negative_int, positive_int
 from ...config import (BACKBONE_NAMES, PRECISIONS, TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig,
                       TrialConfig)
 from ...data import canonical_dataset, dataset_label, known_dataset_names
+from ...hardware import available_cpus
 from ...paths import absolute_data_dir_env
 from ...protocol import check_select_by, protocol_tag, resolved_knobs
 from .protocol import add_protocol_arguments, apply_protocol_arguments
 
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, e.g. a container's or taskset's), >= 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -122,22 +115,6 @@ def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
     return apply_protocol_arguments(config, args)
 
 
-def check_against_catalog(config: TrialConfig, catalog: Any, requested_negatives: int | None = None) -> None:
-    """Refuses negatives or a beam the catalog cannot supply, naming the values."""
-    from ...losses import build_loss
-
-    num_negatives = build_loss(config.loss, catalog.tensors()).num_negatives
-    if requested_negatives is not None and num_negatives == 0:
-        raise ValueError(f"--num-negatives {requested_negatives} was given, but loss {config.loss.name!r} uses no "
-                         "negatives; use it with apao_pairwise, dmpo, sdpo or ce_sdpo")
-    if num_negatives >= catalog.num_semantic_ids:
-        raise ValueError(f"num_negatives={num_negatives} must be < the {catalog.num_semantic_ids} semantic IDs "
-                         f"of {config.data.dataset!r}")
-    if config.train.beam_size > catalog.num_semantic_ids:
-        raise ValueError(f"beam_size={config.train.beam_size} exceeds the {catalog.num_semantic_ids} semantic IDs "
-                         f"of {config.data.dataset!r}")
-
-
 def _abs(path: str | None) -> str | None:
     return str(Path(path).resolve()) if path else None
 
@@ -154,7 +131,8 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
             print(json.dumps({"apao.protocol": protocol_tag(config), "knobs": resolved_knobs(config),
                               "config": config.to_dict()}, indent=2))
             return 0
-        from ...data import load_dataset
+        from ...data import load_dataset  # lazy: torch, after --print-config's early exit
+        from ...training.checks import check_against_catalog
 
         # fails fast on bad data; an explicit --data-dir must hold the dataset (no download, no fall-back)
         dataset = load_dataset(config.data.dataset, config.data.data_dir, allow_download=not config.data.data_dir)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...training.memory import find_tcmalloc
-from .budget import TRIAL_START_S, Fit, MethodCost, asha_rungs, fit_budget, format_duration, study_seconds
+from ..spec.duration import format_duration
+from ..spec.study import with_pretrain
+from .budget import TRIAL_START_S, Fit, MethodCost, asha_rungs, fit_budget, study_seconds
 from .probe_cache import PROBE_SECONDS, PROBE_TRIAL_SHARE, SIDE_BY_SIDE_SLOWDOWN, probe, probe_cache_path
 
 MEMORY_WARNING_FRACTION = 0.8  # of the machine's memory, for the plan's peak (Ray's monitor kills at 0.95)
@@ -51,6 +53,10 @@ class Plan:
     side_by_side: float = 1.0  # the factor on probed rates for trials running side by side (SIDE_BY_SIDE_SLOWDOWN)
     search_seed: int = 0  # the seed the search runs on (seeds the fill adds follow the asked ones)
     effective_batch_size: int = 1024  # the asked optimizer batch (fit.effective_batch_size: the budget protocol's)
+    # the trials' schedule as the study runs it: every trial's config (the fitted epochs, training subset,
+    # optimizer batch and CE stage) and the search (trials per tuned method, start order, deferred methods)
+    base: Any = None
+    search: Any = None
 
     @property
     def deferred(self) -> set[tuple[str, str]]:
@@ -131,6 +137,17 @@ class Plan:
         if self.budget_protocol:
             line += "; budget protocol"
         return line
+
+    def scheduled(self, base: Any, search: Any, losses: tuple[str, ...], pretrain_ce_epochs: int | None) -> "Plan":
+        """This plan with the trials' schedule it fits filled in (``base``, ``search``): the asked base config
+        with the fitted epochs (and a preference loss's CE stage), training subset and the budget protocol's
+        batch; the asked search with the fitted trials per tuned method, the start order, the deferred methods."""
+        fit = self.fit
+        train = base.train.replace(epochs=fit.epochs, effective_batch_size=self.run_effective_batch_size,
+                                   max_train_samples=fit.train_samples or base.train.max_train_samples)
+        return replace(self, base=with_pretrain(base.replace(train=train), losses, pretrain_ce_epochs),
+                       search=replace(search, trials_per_tuned=fit.trials_per_tuned, first=self.start_order,
+                                      deferred=tuple(sorted(self.deferred))))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as data (``--dry-run --json``, ``apao_ray.plan_study``): the schedule, and per requested
@@ -242,19 +259,20 @@ def trial_threads(cpus_per_trial: float) -> int:
     return max(1, int(round(cpus_per_trial)))
 
 
-def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
-    """Probes each (backbone, loss) of a checked ``StudySpec`` and fits the study to its budget.
+def make_plan(spec: Any, setup: Any, slots: int, use_cache: bool = True) -> Plan:
+    """Probes each (backbone, loss) of a ``StudySpec`` (checked: ``setup`` is what ``prepare`` found) and fits the
+    study to its budget.
 
     Raises:
         ValueError: the budget is too small for ``min_epochs`` of any method (naming the estimate).
     """
     from ..spec.space import is_baseline
 
-    base, dataset, search = spec.resolved["base"], spec.resolved["dataset"], spec.resolved["search"]
+    base, dataset, search = setup.base, setup.dataset, spec.search
     splits = dataset.splits
     train_samples = min(len(splits["train"]), base.train.max_train_samples or len(splits["train"]))
     valid_users = validation_users(base, splits)
-    threads = trial_threads(spec.trial_cpus)
+    threads = trial_threads(setup.cpus_per_trial)
     # a slot no trial can fill neither runs a trial side by side nor holds memory: a one-trial study runs alone
     num_methods = len({(b, l) for b, l, _ in search.allocation()})
     slots = max(1, min(slots, max(search.num_trials, num_methods * len(spec.repeat_seeds))))
@@ -293,14 +311,16 @@ def make_plan(spec: Any, slots: int, use_cache: bool = True) -> Plan:
     if "cuda" not in devices and "glibc-cached" in allocators and find_tcmalloc() is None:
         notes.append("  note: tcmalloc is not installed here; with it (Debian/Ubuntu: apt-get install "
                      "libtcmalloc-minimal4) CPU training ran ~1.1x faster than on glibc (benchmarks/RESULTS.md)")
-    return Plan(dataset=base.data.dataset, protocol=spec.protocol, precision="/".join(sorted(precisions)), slots=slots,
-                methods=methods, asked_epochs=base.train.epochs, asked_trials_per_tuned=search.trials_per_tuned,
-                fit=fit, budget_s=spec.budget_s, probes_cached=cached, probes_observed=observed, notes=notes,
-                repeat_seeds=spec.repeat_seeds, allocator="/".join(sorted(a for a in allocators if a)),
-                threads=threads, workers=spec.workers_per_trial,
-                machine_bytes=0 if spec.address else machine_memory_bytes(),
+    plan = Plan(dataset=base.data.dataset, protocol=spec.protocol, precision="/".join(sorted(precisions)),
+                slots=slots, methods=methods, asked_epochs=base.train.epochs,
+                asked_trials_per_tuned=search.trials_per_tuned, fit=fit, budget_s=spec.budget_s, probes_cached=cached,
+                probes_observed=observed, notes=notes, repeat_seeds=spec.repeat_seeds,
+                allocator="/".join(sorted(a for a in allocators if a)), threads=threads,
+                workers=spec.workers_per_trial, machine_bytes=0 if spec.address else machine_memory_bytes(),
                 start_order=start_order, search_seed=spec.search_seed,
-                effective_batch_size=base.train.effective_batch_size, side_by_side=side_by_side if observed < len(methods) else 1.0)
+                effective_batch_size=base.train.effective_batch_size,
+                side_by_side=side_by_side if observed < len(methods) else 1.0)
+    return plan.scheduled(base, search, spec.losses, spec.pretrain_ce_epochs)
 
 
 def cost_summary(plan: Plan, actual: dict[tuple[str, str], dict[str, float]]) -> str:

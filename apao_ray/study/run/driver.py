@@ -26,33 +26,35 @@ PARENT_ROLE_TAG = "apao.role"
 
 
 @dataclass(frozen=True)
-class StudyOptions:
-    """Everything ``studies/sweep.py`` decides; see its --help for meanings."""
+class Study:
+    """A study ready to run, from its three sources, none repeating another:
 
-    base: TrialConfig
-    spec: SearchSpec
-    study_name: str
-    output_dir: Path
-    tracking_uri: str
-    address: str | None = None
-    ray_dashboard: bool = False  # start the local Ray's dashboard (a cluster's is its own)
-    max_concurrent: int = 1
-    cpus_per_trial: float = 1.0
-    gpus_per_trial: float = 0.0
-    time_budget_s: float | None = None
-    max_failures: int = 1
-    memory_per_trial_bytes: int | None = None
-    asha_grace_period: int = 5
-    seed: int = 0
-    repeat_seeds: tuple[int, ...] = ()  # after the search, each method's best configuration on these seeds (repeats.py)
-    overwrite: bool = False
-    retry_failed: bool = False  # on a resume, run the trials that failed again (from their last checkpoint)
-    optuna_storage: str | None = None  # SQLAlchemy URL; None: optuna.db beside a SQLite MLflow DB (optuna_storage.py)
-    optuna_storage_given: bool = False  # the user named the storage (--optuna-storage): a resume must not swap it
-    enqueue_paper_setting: bool = True  # each tuned method's first trial is the paper's setting
-    dataset_record: dict[str, Any] | None = None  # logged as each run's MLflow dataset input
-    plan_record: dict[str, Any] | None = None  # the plan's record (Plan.record), a tag of the parent run
+    * ``spec``: what the user asked (``spec.study.StudySpec``): the user's choices (address, GPUs, failures,
+      overwrite, retry, the budget, the Optuna storage as given);
+    * ``setup``: what checking it found (``study.setup.StudySetup``): the dataset, every trial's config as
+      asked, the study's name, paths and URIs, the CPUs per trial;
+    * ``plan``: what fits (``plan.plan.Plan``): the trials' schedule (``plan.base``, ``plan.search``), slots,
+      ASHA's grace period, the repeat seeds, and the record the parent run keeps.
+    """
+
+    spec: Any
+    setup: Any
+    plan: Any
     command_line: list[str] = field(default_factory=lambda: invocation(sys.argv))
+
+    @property
+    def study_dir(self) -> Path:
+        return self.setup.study_dir
+
+    @property
+    def seeds(self) -> list[int]:
+        """The search's seed, then the repeats'."""
+        return [self.plan.base.train.seed, *self.plan.run_repeat_seeds]
+
+
+def memory_bytes(spec: Any) -> int | None:
+    """The per-trial memory cap in bytes (``memory_per_trial_gib``), None without one."""
+    return int(spec.memory_per_trial_gib * 2**30) if spec.memory_per_trial_gib else None
 
 
 def invocation(argv: list[str]) -> list[str]:
@@ -94,11 +96,11 @@ def code_version() -> str:
         return __version__
 
 
-def study_state_exists(options: StudyOptions) -> bool:
-    """Whether Tune saved this study's state under the output directory (it can be resumed)."""
+def study_state_exists(study_dir: Path) -> bool:
+    """Whether Tune saved a study's state in ``study_dir`` (``<output_dir>/<study name>``): it can be resumed."""
     from ray import tune
 
-    return tune.Tuner.can_restore(str(options.output_dir / options.study_name))
+    return tune.Tuner.can_restore(str(study_dir))
 
 
 def parent_tags(study_name: str) -> dict[str, str]:
@@ -108,48 +110,61 @@ def parent_tags(study_name: str) -> dict[str, str]:
     return {STUDY_TAG: study_name, PARENT_ROLE_TAG: "study"}
 
 
-def check_resumable(tracking_uri: str, options: StudyOptions, dataset_checksums: dict[str, str]) -> None:
-    """Refuses to resume a study whose dataset files, search space or named Optuna storage changed.
-
-    Tune restores the search space, trial count and searcher from its own state, so a changed space or
-    storage would be silently ignored, and a changed dataset would mix two datasets in one comparison.
-    """
-    from ...tracking import Tracker, experiment_name
-
-    if options.overwrite:
+def check_resumable(setup: Any, spec: Any) -> None:
+    """Refuses to resume a study whose dataset files or named Optuna storage changed (what the plan does not
+    decide: checked before the plan's probe). Tune restores the searcher from its own state, so a changed
+    storage would be silently ignored, and a changed dataset would mix two datasets in one comparison."""
+    if spec.overwrite:
         return
-    tracker = Tracker.existing(tracking_uri, experiment_name(options.base.data.dataset))
-    parent_id = tracker.find_run(parent_tags(options.study_name)) if tracker else None
-    if parent_id is None:
+    run = _parent_run(setup)
+    if run is None:
         return
-    run = tracker.client.get_run(parent_id)
-    recorded = json.loads(run.data.tags.get("dataset_checksums", "{}"))
-    changed = sorted(name for name in set(recorded) | set(dataset_checksums)
-                     if recorded.get(name) != dataset_checksums.get(name))
+    recorded, now = json.loads(run.data.tags.get("dataset_checksums", "{}")), setup.dataset.checksums
+    changed = sorted(name for name in set(recorded) | set(now) if recorded.get(name) != now.get(name))
     if changed:
-        details = "; ".join(f"{name}: recorded {str(recorded.get(name))[:12]}, now {str(dataset_checksums.get(name))[:12]}"
+        details = "; ".join(f"{name}: recorded {str(recorded.get(name))[:12]}, now {str(now.get(name))[:12]}"
                             for name in changed)
-        raise ValueError(f"dataset files changed since study {options.study_name!r} started ({details}); restore "
+        raise ValueError(f"dataset files changed since study {setup.study_name!r} started ({details}); restore "
                          "the original files, or start a new study with --study-name NAME or --overwrite")
-    if options.optuna_storage_given and options.optuna_storage and study_state_exists(options):
+    study_dir = setup.output_dir / setup.study_name
+    if spec.optuna_storage is not None and study_state_exists(study_dir):
         from .optuna_storage import STORAGE_TAG
 
         storage = run.data.tags.get(STORAGE_TAG)
-        if storage != redact(options.optuna_storage):  # the restored searcher writes where it was started
+        if storage != redact(setup.optuna_storage):  # the restored searcher writes where it was started
             started = f"with Optuna storage {storage!r}" if storage else "without an Optuna storage"
-            raise ValueError(f"study {options.study_name!r} was started {started}; --optuna-storage now gives "
-                             f"{redact(options.optuna_storage)!r}: a resumed study keeps its storage, so drop "
+            raise ValueError(f"study {setup.study_name!r} was started {started}; --optuna-storage now gives "
+                             f"{redact(setup.optuna_storage)!r}: a resumed study keeps its storage, so drop "
                              "--optuna-storage (or give the recorded one), or start a new --study-name")
+
+
+def check_same_schedule(study: Study) -> None:
+    """Refuses to resume a study whose search space, trial count or seeds (as planned) changed: Tune restores
+    them from its own state, so a change would be silently ignored."""
+    spec, setup, plan = study.spec, study.setup, study.plan
+    run = None if spec.overwrite or not study_state_exists(study.study_dir) else _parent_run(setup)
+    if run is None:
+        return
+    name, search = setup.study_name, plan.search
     before = {"space": run.data.params.get("space"), "num_trials": run.data.params.get("num_trials")}
-    now = {"space": space_param(options.spec), "num_trials": str(options.spec.num_trials)}
-    if study_state_exists(options) and before != now:
-        raise ValueError(f"study {options.study_name!r} was started with search space {before['space']} and "
+    now = {"space": space_param(search), "num_trials": str(search.num_trials)}
+    if before != now:
+        raise ValueError(f"study {name!r} was started with search space {before['space']} and "
                          f"{before['num_trials']} trials; now {now['space']} and {now['num_trials']}: a resumed study "
                          "keeps its space, so use a new --study-name or --overwrite")
-    seeds_before, seeds_now = run.data.params.get("seeds"), seeds_param(options)
-    if study_state_exists(options) and seeds_before is not None and seeds_before != seeds_now:
-        raise ValueError(f"study {options.study_name!r} was started with seeds {seeds_before}; now {seeds_now}: a "
+    seeds_before, seeds_now = run.data.params.get("seeds"), json.dumps(study.seeds)
+    if seeds_before is not None and seeds_before != seeds_now:
+        raise ValueError(f"study {name!r} was started with seeds {seeds_before}; now {seeds_now}: a "
                          "resumed study keeps its seeds, so use a new --study-name or --overwrite")
+
+
+def _parent_run(setup: Any) -> Any:
+    """The MLflow parent run of the study ``setup`` names, if the store and the run exist (nothing is created)."""
+    from ...tracking import Tracker, experiment_name
+
+    tracker = Tracker.existing(setup.tracking_uri, experiment_name(setup.base.data.dataset))
+    parent_id = tracker.find_run(parent_tags(setup.study_name)) if tracker else None
+    return None if parent_id is None else tracker.client.get_run(parent_id)
 
 
 def space_param(spec: SearchSpec) -> str:
@@ -159,48 +174,43 @@ def space_param(spec: SearchSpec) -> str:
                       default=list)
 
 
-def seeds_param(options: StudyOptions) -> str:
-    """The study's seeds as recorded on its parent run: the search's first, then the repeats'."""
-    return json.dumps([options.base.train.seed, *options.repeat_seeds])
-
-
-def open_parent_run(tracker: Any, options: StudyOptions, dataset_checksums: dict[str, str]) -> str:
+def open_parent_run(tracker: Any, study: Study) -> str:
     """The study's MLflow parent run: reopened when the study resumes, else created with its space."""
     from ..record.outcomes import STUDY_TAG
 
-    tags = parent_tags(options.study_name)
+    spec, setup, plan = study.spec, study.setup, study.plan
+    tags = parent_tags(setup.study_name)
     parent_id = tracker.find_run(tags)
-    if parent_id is not None and options.overwrite:  # the old runs stay in MLflow under a name of their own
-        retired = f"{options.study_name}.overwritten-{parent_id[:8]}"
+    if parent_id is not None and spec.overwrite:  # the old runs stay in MLflow under a name of their own
+        retired = f"{setup.study_name}.overwritten-{parent_id[:8]}"
         for run_id in [parent_id, *(run.info.run_id for run in tracker.child_runs(parent_id))]:
             tracker.set_tags(run_id, {STUDY_TAG: retired})
         parent_id = None
     if parent_id is None:
-        parent_id = tracker.start_run(f"study {options.study_name}", {**tags, "dataset": options.base.data.dataset})
-        if options.dataset_record:
-            tracker.log_dataset(parent_id, options.dataset_record)
-        tracker.log_params(parent_id, {"space": space_param(options.spec),
-                                       "dataset": options.base.data.dataset, "num_trials": options.spec.num_trials,
-                                       "base": options.base.to_dict(), "max_concurrent": options.max_concurrent,
-                                       "workers_per_trial": options.base.train.num_workers,
-                                       "seeds": seeds_param(options)})
+        parent_id = tracker.start_run(f"study {setup.study_name}", {**tags, "dataset": plan.base.data.dataset})
+        if setup.dataset_record:
+            tracker.log_dataset(parent_id, setup.dataset_record)
+        tracker.log_params(parent_id, {"space": space_param(plan.search),
+                                       "dataset": plan.base.data.dataset, "num_trials": plan.search.num_trials,
+                                       "base": plan.base.to_dict(), "max_concurrent": plan.slots,
+                                       "workers_per_trial": plan.base.train.num_workers,
+                                       "seeds": json.dumps(study.seeds)})
     else:
         tracker.reopen(parent_id)
-    if options.plan_record:
-        from ...names import PLAN_TAG
-        from ..record.outcomes import BUDGET_PROTOCOL_TAG
+    from ...names import PLAN_TAG
+    from ..record.outcomes import BUDGET_PROTOCOL_TAG
 
-        tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(options.plan_record),
-                                     BUDGET_PROTOCOL_TAG: options.plan_record.get("budget_protocol") or "none"})
+    record = plan.record()
+    tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(record), BUDGET_PROTOCOL_TAG: record.get("budget_protocol") or "none"})
     from ...mlflow_ui import save_runs_view, view_key
     from .mlflow_callback import study_columns
 
-    save_runs_view(tracker, view_key(options.study_name), study_columns(
-        options.spec.backbones, options.spec.losses, f"best/val/{options.base.train.metric}"))
-    tracker.set_tags(parent_id, {**run_tags(options.base),
-                                 "command_line": redact(" ".join(options.command_line)), "code_version": code_version(),
-                                 "dataset_checksums": json.dumps(dataset_checksums, sort_keys=True),
-                                 "study_dir": str(options.output_dir / options.study_name)})
+    save_runs_view(tracker, view_key(setup.study_name), study_columns(
+        plan.search.backbones, plan.search.losses, f"best/val/{plan.base.train.metric}"))
+    tracker.set_tags(parent_id, {**run_tags(plan.base),
+                                 "command_line": redact(" ".join(study.command_line)), "code_version": code_version(),
+                                 "dataset_checksums": json.dumps(setup.dataset.checksums, sort_keys=True),
+                                 "study_dir": str(study.study_dir)})
     return parent_id
 
 
@@ -213,23 +223,24 @@ class StudyOutcome:
     parent_run_id: str | None = None  # the study's MLflow parent run
 
 
-def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_history: list[str]) -> StudyOutcome:
+def run_study(study: Study, example_history: list[str]) -> StudyOutcome:
     """Runs (or resumes) the study. On SIGINT or SIGTERM it saves its state, records the unfinished
     trials and the parent run as interrupted, and returns ``interrupted=True`` with the signal."""
     from ...tracking import Tracker, experiment_name
     from ..record.outcomes import INTERRUPTED, OUTCOME_TAG
     from .ray_cluster import init_ray
 
-    study_dir = options.output_dir / options.study_name
-    if options.overwrite and study_dir.exists():
+    spec, setup, plan = study.spec, study.setup, study.plan
+    study_dir = study.study_dir
+    if spec.overwrite and study_dir.exists():
         shutil.rmtree(study_dir)
     # before our handlers: ray.init installs a SIGTERM handler of its own
-    init_ray(options.address, dashboard=options.ray_dashboard)
+    init_ray(spec.address, dashboard=spec.starts_ray_dashboard)
     with interrupt.stop_signals():
-        tracker = Tracker(options.tracking_uri, experiment_name(options.base.data.dataset))
-        parent_id = open_parent_run(tracker, options, dataset_checksums)
+        tracker = Tracker(setup.tracking_uri, experiment_name(plan.base.data.dataset))
+        parent_id = open_parent_run(tracker, study)
         try:
-            outcome = _run_tuner(options, tracker, parent_id, example_history)
+            outcome = _run_tuner(study, tracker, parent_id, example_history)
         except KeyboardInterrupt:  # a signal outside Tune's loop (start-up, figures): Tune's saved state holds
             outcome = StudyOutcome([], interrupted=True)
         outcome.stop_signal = interrupt.received()
@@ -240,7 +251,7 @@ def run_study(options: StudyOptions, dataset_checksums: dict[str, str], example_
         return outcome
 
 
-def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_history: list[str]) -> StudyOutcome:
+def _run_tuner(study: Study, tracker: Any, parent_id: str, example_history: list[str]) -> StudyOutcome:
     """Builds (or restores) the Tuner, runs it, and records the study's end in the parent run."""
     from ray import tune
 
@@ -250,89 +261,90 @@ def _run_tuner(options: StudyOptions, tracker: Any, parent_id: str, example_hist
     from ..record.outcomes import OUTCOME_TAG
     from .progress import ProgressCallback
 
-    study_dir = options.output_dir / options.study_name
+    spec, setup, plan = study.spec, study.setup, study.plan
+    study_dir = study.study_dir
     started = time.monotonic()
-    metric = f"best/val/{options.base.train.metric}"
+    metric = f"best/val/{plan.base.train.metric}"
     train_root = str(study_dir / "train_runs")
 
     def make_callbacks(num_trials: int) -> list[Any]:  # the recorder first (repeats.py reads it)
-        recorder = MlflowStudyCallback(options.tracking_uri, experiment_name(options.base.data.dataset), parent_id,
-                                       options.study_name, train_root,
-                                       {"base": options.base.to_dict()},
-                                       example_history, run_tags(options.base), options.dataset_record)
+        recorder = MlflowStudyCallback(setup.tracking_uri, experiment_name(plan.base.data.dataset), parent_id,
+                                       setup.study_name, train_root,
+                                       {"base": plan.base.to_dict()},
+                                       example_history, run_tags(plan.base), setup.dataset_record)
         return [recorder, ProgressCallback(metric, num_trials)]
 
     # per worker; a trial has the base config's num_workers (--workers-per-trial)
-    resources = Resources(options.base.train.num_workers, options.cpus_per_trial, options.gpus_per_trial,
-                          options.memory_per_trial_bytes)
-    callbacks = make_callbacks(options.spec.num_trials)
+    resources = Resources(plan.base.train.num_workers, setup.cpus_per_trial, spec.gpus_per_trial,
+                          memory_bytes(spec))
+    callbacks = make_callbacks(plan.search.num_trials)
     recorder = callbacks[0]
-    trainable = tune.with_resources(make_trial_function(options.base, train_root, resources),
+    trainable = tune.with_resources(make_trial_function(plan.base, train_root, resources),
                                     resources.tune_resources())
-    storage_url = options.optuna_storage or optuna_storage.resolve_storage_url(None, options.tracking_uri,
-                                                                              options.output_dir)
-    optuna_name = optuna_storage.optuna_study_name(options.base.data.dataset, options.study_name)
-    if options.retry_failed:  # trials that failed for their own reason (non-finite loss, memory) run again
+    storage_url = setup.optuna_storage or optuna_storage.resolve_storage_url(None, setup.tracking_uri,
+                                                                              setup.output_dir)
+    optuna_name = optuna_storage.optuna_study_name(plan.base.data.dataset, setup.study_name)
+    if spec.retry_failed:  # trials that failed for their own reason (non-finite loss, memory) run again
         from .trial import forget_failures
 
         forget_failures(train_root)
     live_callbacks.register(str(study_dir), callbacks)  # what the run's LiveCallbacks call, also after a restore
-    if study_state_exists(options):  # the restored searcher keeps the storage it was started with
+    if study_state_exists(study.study_dir):  # the restored searcher keeps the storage it was started with
         recorded = tracker.client.get_run(parent_id).data.tags.get(optuna_storage.STORAGE_TAG)
         if recorded is None:  # started before studies had an Optuna storage: its searcher has none
             storage_url = None
         elif "***" not in recorded:  # the tag is the URL unless it held a password
             storage_url = recorded
         tuner = tune.Tuner.restore(str(study_dir), trainable, resume_unfinished=True,
-                                   resume_errored=options.retry_failed)
+                                   resume_errored=spec.retry_failed)
     else:
         tracker.set_tags(parent_id, {optuna_storage.STORAGE_TAG: redact(storage_url),
                                      optuna_storage.OPTUNA_STUDY_TAG: optuna_name})
-        searcher = optuna_storage.make_searcher(options.spec, metric, storage_url, optuna_name, options.seed,
-                                                options.enqueue_paper_setting)
-        searcher.set_run_record(options.tracking_uri, experiment_name(options.base.data.dataset), options.study_name,
-                                options.base.train.seed)
-        note = optuna_storage.startup_note(options.spec)
+        searcher = optuna_storage.make_searcher(plan.search, metric, storage_url, optuna_name, spec.search_seed,
+                                                spec.enqueue_paper_setting)
+        searcher.set_run_record(setup.tracking_uri, experiment_name(plan.base.data.dataset), setup.study_name,
+                                plan.base.train.seed)
+        note = optuna_storage.startup_note(plan.search)
         if note:
             print(note, file=sys.stderr)
         # rungs count epochs; max_t one past the last, so that ASHA never cuts the last epoch off from its test
-        scheduler = PerMethodASHA(metric=metric, mode="max", max_t=options.base.train.epochs + 1,
-                                  grace_period=options.asha_grace_period, train_root=train_root)
+        scheduler = PerMethodASHA(metric=metric, mode="max", max_t=plan.base.train.epochs + 1,
+                                  grace_period=plan.fit.asha_grace_period, train_root=train_root)
         tuner = tune.Tuner(trainable, tune_config=tune.TuneConfig(
-            search_alg=searcher, scheduler=scheduler, num_samples=options.spec.num_trials,
-            max_concurrent_trials=options.max_concurrent, time_budget_s=options.time_budget_s),
-            run_config=tune.RunConfig(name=options.study_name, storage_path=str(options.output_dir),
+            search_alg=searcher, scheduler=scheduler, num_samples=plan.search.num_trials,
+            max_concurrent_trials=plan.slots, time_budget_s=spec.budget_s),
+            run_config=tune.RunConfig(name=setup.study_name, storage_path=str(setup.output_dir),
                                       callbacks=run_callbacks(str(study_dir)), verbose=0,
                                       # a crashed trial restarts from its last checkpoint (trial.py)
-                                      failure_config=tune.FailureConfig(max_failures=options.max_failures)))
+                                      failure_config=tune.FailureConfig(max_failures=spec.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()
-    rows = summarize_results(results, options.base.train.seed)
+    rows = summarize_results(results, plan.base.train.seed)
     interrupted = (bool(recorder.interrupted) or interrupt.received() is not None
-                   or (options.time_budget_s is None and len(rows) < options.spec.num_trials))
+                   or (spec.budget_s is None and len(rows) < plan.search.num_trials))
     if interrupted:
         return StudyOutcome(rows, interrupted=True)
     from .pruned import evaluate_pruned_trials
     from ..record.report import log_study_figures
 
     evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker)
-    if options.repeat_seeds:
+    if plan.run_repeat_seeds:
         from .repeats import run_repeats
 
-        remaining = None if options.time_budget_s is None else options.time_budget_s - (time.monotonic() - started)
+        remaining = None if spec.budget_s is None else spec.budget_s - (time.monotonic() - started)
         if remaining is not None and remaining <= 0:
             print("the budget ran out in the search: no repeats on seeds "
-                  f"{list(options.repeat_seeds)}", file=sys.stderr)
+                  f"{list(plan.run_repeat_seeds)}", file=sys.stderr)
         else:
-            methods = len(options.spec.backbones) * len(options.spec.losses)
-            repeat_callbacks = make_callbacks(methods * len(options.repeat_seeds))
-            repeated, interrupted = run_repeats(options, tracker, trainable, repeat_callbacks, metric, remaining)
+            methods = len(plan.search.backbones) * len(plan.search.losses)
+            repeat_callbacks = make_callbacks(methods * len(plan.run_repeat_seeds))
+            repeated, interrupted = run_repeats(study, tracker, trainable, repeat_callbacks, metric, remaining)
             rows += repeated
             if interrupted:
                 return StudyOutcome(rows, interrupted=True)
 
-    log_study_figures(tracker, parent_id, rows, options.base.train.beam_size)
-    log_study_summary(tracker, parent_id, options.study_name, metric)
+    log_study_figures(tracker, parent_id, rows, plan.base.train.beam_size)
+    log_study_summary(tracker, parent_id, setup.study_name, metric)
     optuna_summary = optuna_storage.log_study_artifacts(tracker, parent_id, storage_url, optuna_name) \
         if storage_url else "this study was started without an Optuna storage: no importances or Optuna plots"
     tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})

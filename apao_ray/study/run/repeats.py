@@ -34,7 +34,7 @@ def seed_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
     return {SEED_TAG: str(seed), **({REPEATS_TAG: str(config[REPEATS_KEY])} if REPEATS_KEY in config else {})}
 
 
-def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any], metric: str,
+def run_repeats(study: Any, tracker: Any, trainable: Any, callbacks: list[Any], metric: str,
                 time_budget_s: float | None) -> tuple[list[dict[str, Any]], bool]:
     """Runs (or resumes) the repeat phase; returns (one summary per repeat trial, whether it was stopped
     before every repeat ended). Nothing to repeat (no seeds, no finished method): ``([], False)``."""
@@ -46,29 +46,30 @@ def run_repeats(options: Any, tracker: Any, trainable: Any, callbacks: list[Any]
     from .live_callbacks import run_callbacks
     from ..record.outcomes import summarize_results
 
-    directory = options.output_dir / options.study_name / REPEATS_DIR
+    spec, setup, plan = study.spec, study.setup, study.plan
+    directory = study.study_dir / REPEATS_DIR
     live_callbacks.register(str(directory), callbacks)  # what the run's LiveCallbacks call, also after a restore
     if tune.Tuner.can_restore(str(directory)):  # the configurations were chosen when the phase started
         tuner = tune.Tuner.restore(str(directory), trainable, resume_unfinished=True,
-                                   resume_errored=options.retry_failed)
+                                   resume_errored=spec.retry_failed)
     else:
-        configs = repeat_configs(best_rows(tracker, metric, options.study_name), options.repeat_seeds)
+        configs = repeat_configs(best_rows(tracker, metric, setup.study_name), plan.run_repeat_seeds)
         if not configs:
             return [], False
-        print(f"repeating the best configuration of {len(configs) // len(options.repeat_seeds)} method(s) on seeds "
-              f"{list(options.repeat_seeds)}: {len(configs)} trials", file=sys.stderr)
+        print(f"repeating the best configuration of {len(configs) // len(plan.run_repeat_seeds)} method(s) on seeds "
+              f"{list(plan.run_repeat_seeds)}: {len(configs)} trials", file=sys.stderr)
         # exactly these configurations, once each: points to evaluate over a space of constants that only
         # names their keys (Tune fills a point in by those names); a key of another method's knob stays None
         space = {key: None for config in configs for key in config}
-        searcher = BasicVariantGenerator(points_to_evaluate=configs, max_concurrent=options.max_concurrent)
+        searcher = BasicVariantGenerator(points_to_evaluate=configs, max_concurrent=plan.slots)
         tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=len(configs), time_budget_s=time_budget_s),
             run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=str(directory.parent),
                                       callbacks=run_callbacks(str(directory)),
-                                      verbose=0, failure_config=tune.FailureConfig(max_failures=options.max_failures)))
+                                      verbose=0, failure_config=tune.FailureConfig(max_failures=spec.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()
-    rows = summarize_results(results, options.base.train.seed)
+    rows = summarize_results(results, plan.base.train.seed)
     recorder = callbacks[0]
     interrupted = bool(recorder.interrupted) or interrupt.received() is not None
     return rows, interrupted

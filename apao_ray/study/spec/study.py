@@ -1,4 +1,5 @@
-"""``StudySpec``: everything a study needs, every input checked at construction (before Ray starts).
+"""``StudySpec``: what the user asked for, as plain frozen data, every input checked by pure code at construction
+(no files, MLflow or Ray: ``api.prepare`` checks those, when the study starts or when asked).
 
 The sweep CLI only turns flags into a StudySpec; a notebook builds one directly::
 
@@ -9,12 +10,14 @@ The sweep CLI only turns flags into a StudySpec; a notebook builds one directly:
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from ...config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES, TINY_MODEL
+from ...config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES
+from ...data.files import dataset_label, is_dataset_path
+from ...paths import check_plain_name
+from .duration import parse_duration
+from .space import TUNED_KNOBS, SearchSpec
 
 DEFAULT_LOSSES = ("ce", "apao_pointwise", "apao_pairwise")
 DEFAULT_NEGATIVES = (10, 200)
@@ -28,8 +31,6 @@ QUICK_NEGATIVES = (10, 20)
 
 def quick_negatives(losses: tuple[str, ...]) -> tuple[int, int] | None:
     """The quick range of negatives where a loss uses them (None otherwise: nothing to give)."""
-    from .space import TUNED_KNOBS
-
     return QUICK_NEGATIVES if any("num_negatives" in TUNED_KNOBS.get(name, ()) for name in losses) else None
 
 
@@ -123,8 +124,6 @@ class StudySpec:
     enqueue_paper_setting: bool = True
     optuna_storage: str | None = None
     seeds: tuple[int, ...] | None = None
-    # resolved by the checks: the dataset, the base trial config, the search space, the URI
-    resolved: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def quick(cls, **changes: Any) -> "StudySpec":
@@ -145,7 +144,11 @@ class StudySpec:
         if self.seeds is not None:
             object.__setattr__(self, "seeds", check_seeds(self.seeds, self.seed))
         self._check_numbers()
-        self._resolve()
+        self._check_names()
+        # parsed and built once, here: what the plan and the driver read (``budget_s``, ``search``)
+        object.__setattr__(self, "_budget_s", None if self.budget is None else parse_duration(self.budget))
+        object.__setattr__(self, "_search", SearchSpec(self.backbones, self.losses, tuple(self.beta), tuple(self.eta),
+                                                       tuple(self.negatives or DEFAULT_NEGATIVES), self.num_samples))
 
     def _check_numbers(self) -> None:
         def check(name: str, low: float, *, integer: bool = False, optional: bool = False, above: bool = False) -> None:
@@ -178,10 +181,29 @@ class StudySpec:
                               ("protocol", PROTOCOL_NAMES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r}; choose from {list(allowed)}")
-        if self.budget is not None:
-            from ..plan.budget import parse_duration
 
-            parse_duration(self.budget)
+    def _check_names(self) -> None:
+        """Backbones, losses, names that become paths, and flags that contradict each other."""
+        # lazy: the registry and the protocol import torch, which ``import apao_ray`` and --help never load
+        from ...config import TrialConfig
+        from ...losses import LOSSES
+        from ...protocol import apply_protocol
+
+        unknown = [b for b in self.backbones if b not in BACKBONE_NAMES]
+        if unknown:
+            raise ValueError(f"unknown backbone(s) {unknown}; choose from {list(BACKBONE_NAMES)}")
+        unknown = [name for name in self.losses if name not in LOSSES]
+        if unknown:
+            raise ValueError(f"unknown loss(es) {unknown}; choose from {sorted(LOSSES)}")
+        if self.negatives is not None and not any("num_negatives" in TUNED_KNOBS.get(n, ()) for n in self.losses):
+            raise ValueError(f"--negatives was given, but none of the losses {list(self.losses)} uses negatives; "
+                             "add apao_pairwise, dmpo, sdpo or ce_sdpo")
+        if not is_dataset_path(self.dataset):
+            check_plain_name("dataset", self.dataset)  # before the default study name is made from it
+        check_plain_name("study", self.study_label)
+        if self.resume and self.overwrite:
+            raise ValueError("--resume and --overwrite contradict each other; give one")
+        apply_protocol(TrialConfig(), self.protocol, self.protocol_knobs)  # unknown knobs or values, named
 
     @property
     def search_seed(self) -> int:
@@ -195,88 +217,18 @@ class StudySpec:
 
     @property
     def budget_s(self) -> float | None:
-        from ..plan.budget import parse_duration
+        """The budget in seconds (None: no budget)."""
+        return self._budget_s
 
-        return None if self.budget is None else parse_duration(self.budget)
+    @property
+    def search(self) -> SearchSpec:
+        """The search space as asked (the plan's copy carries its fitted trial count and start order)."""
+        return self._search
 
-    def _resolve(self) -> None:
-        """The checks that need the loss registry, the dataset, MLflow and the Ray address."""
-        from ...config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
-        from ...data import load_dataset
-        from ...losses import LOSSES
-        from ...paths import check_plain_name
-        from ...protocol import apply_protocol, check_select_by
-        from ...tracking import check_tracking_uri, resolve_tracking_uri
-        from ..cli.train import check_against_catalog
-        from ..run.ray_cluster import check_ray_address
-        from .space import TUNED_KNOBS, SearchSpec
-
-        unknown = [b for b in self.backbones if b not in BACKBONE_NAMES]
-        if unknown:
-            raise ValueError(f"unknown backbone(s) {unknown}; choose from {list(BACKBONE_NAMES)}")
-        unknown = [name for name in self.losses if name not in LOSSES]
-        if unknown:
-            raise ValueError(f"unknown loss(es) {unknown}; choose from {sorted(LOSSES)}")
-        if self.negatives is not None and not any("num_negatives" in TUNED_KNOBS.get(n, ()) for n in self.losses):
-            raise ValueError(f"--negatives was given, but none of the losses {list(self.losses)} uses negatives; "
-                             "add apao_pairwise, dmpo, sdpo or ce_sdpo")
-        negatives = tuple(self.negatives or DEFAULT_NEGATIVES)
-        search = SearchSpec(self.backbones, self.losses, tuple(self.beta), tuple(self.eta), negatives,
-                            self.num_samples)
-        from ...data import canonical_dataset, dataset_label, is_dataset_path
-
-        if not is_dataset_path(self.dataset):
-            check_plain_name("dataset", self.dataset)  # before the default study name is made from it
-        study_name = check_plain_name("study", self.study_name or f"{dataset_label(self.dataset)}-study")
-        dataset = load_dataset(self.dataset, self.data_dir, allow_download=not self.data_dir)  # given: it is there
-        workers = self.workers_per_trial  # a micro-batch on each of a trial's workers per optimizer step
-        base = TrialConfig(
-            # where the driver found the files: the trials read them there, from any working directory, never downloading
-            DataConfig(dataset=canonical_dataset(self.dataset), data_dir=dataset.data_dir),
-            ModelConfig(**(TINY_MODEL if self.model_size == "tiny" else {})),
-            LossConfig(num_negatives=negatives[1]),
-            TrainConfig(epochs=self.epochs, patience=self.patience, batch_size=self.batch_size,
-                        effective_batch_size=max(self.effective_batch_size, (self.batch_size or 0) * workers),
-                        lr=self.lr, num_workers=workers,
-                        beam_size=self.beam_size, seed=self.search_seed, max_train_samples=self.max_train_samples,
-                        eval_max_users=self.eval_max_users, precision=self.precision,
-                        group_by_length=self.group_by_length, use_gpu=self.gpus_per_trial > 0,
-                        retention_users=self.retention_users))
-        # eta stays searched under every protocol; the preset's weighting and other knobs hold for all trials
-        base = apply_protocol(base, self.protocol, {k: v for k, v in self.protocol_knobs.items() if k != "eta"})
-        base = with_pretrain(base, self.losses, self.pretrain_ce_epochs)
-        for name in self.losses:  # every loss against the catalog, with the most negatives asked for
-            check_against_catalog(base.replace(loss=base.loss.replace(name=name).to_dict()), dataset.catalog)
-        tracking_uri = resolve_tracking_uri(self.tracking_uri)
-        check_tracking_uri(tracking_uri)
-        if self.resume and self.overwrite:
-            raise ValueError("--resume and --overwrite contradict each other; give one")
-        check_ray_address(self.address)  # an unreachable cluster is refused here, before any trial
-        from ..run.mlflow_callback import dataset_record_of
-        from ..run.optuna_storage import resolve_storage_url
-
-        output_dir = Path(self.output_dir).resolve()
-        cpus_per_trial = self.cpus_per_trial
-        if cpus_per_trial is None:
-            cpus_per_trial = 1.0 if self.address else local_cpus_per_trial(search.num_trials, self.max_concurrent,
-                                                                            self.workers_per_trial)
-        self.resolved.update(dataset=dataset, cpus_per_trial=cpus_per_trial, base=base, search=search, study_name=study_name,
-                             tracking_uri=tracking_uri, output_dir=output_dir,
-                             optuna_storage=resolve_storage_url(self.optuna_storage, tracking_uri, output_dir),
-                             dataset_record=dataset_record_of(dataset, self.data_dir))
-        from ..run.driver import check_resumable, study_state_exists
-
-        options = self.options()
-        if self.resume and not study_state_exists(options):
-            raise ValueError(f"--resume: no study {study_name!r} to resume under {options.output_dir}; "
-                             "check --study-name and --output-dir, or drop --resume to start it")
-        if self.retry_failed and not study_state_exists(options):
-            raise ValueError(f"--retry-failed: no study {study_name!r} under {options.output_dir} whose failed "
-                             "trials could run again; check --study-name and --output-dir")
-        if self.budget is None:  # a budget fits the schedule first: run_study checks the fitted one
-            check_resumable(tracking_uri, options, dataset.checksums)
-        # after the checks on the data: a changed dataset is the first thing to say on a resume
-        check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are
+    @property
+    def study_label(self) -> str:
+        """The study's name: ``study_name``, else ``<dataset>-study``."""
+        return self.study_name or f"{dataset_label(self.dataset)}-study"
 
     @property
     def starts_ray_dashboard(self) -> bool:
@@ -284,48 +236,6 @@ class StudySpec:
         Train placement groups are freed by a cleaner that reads the dashboard's State API (without it the
         first trial's CPUs stayed reserved and the next trial's workers never started)."""
         return self.ray_dashboard or self.workers_per_trial > 1
-
-    @property
-    def trial_cpus(self) -> float:
-        """CPUs per trial: ``cpus_per_trial``, or what None resolved to on this machine."""
-        return self.resolved["cpus_per_trial"]
-
-    @property
-    def dataset_loaded(self) -> Any:
-        return self.resolved["dataset"]
-
-    def options(self, command_line: list[str] | None = None) -> Any:
-        """The driver's ``StudyOptions`` for the study as asked (``api.planned_options`` gives it the plan's
-        schedule)."""
-        from ..run.driver import StudyOptions
-
-        base, search = self.resolved["base"], self.resolved["search"]
-        budget = self.budget_s
-        extra = {} if command_line is None else {"command_line": command_line}
-        return StudyOptions(
-            base=base, spec=search, study_name=self.resolved["study_name"], output_dir=self.resolved["output_dir"],
-            tracking_uri=self.resolved["tracking_uri"], address=self.address, ray_dashboard=self.starts_ray_dashboard,
-            max_concurrent=self.max_concurrent or 1, cpus_per_trial=self.trial_cpus,
-            gpus_per_trial=self.gpus_per_trial, time_budget_s=budget, max_failures=self.max_failures,
-            memory_per_trial_bytes=int(self.memory_per_trial_gib * 2**30) if self.memory_per_trial_gib else None,
-            asha_grace_period=self.asha_grace_period, seed=self.search_seed,
-            repeat_seeds=self.repeat_seeds, overwrite=self.overwrite,
-            retry_failed=self.retry_failed, enqueue_paper_setting=self.enqueue_paper_setting,
-            optuna_storage=self.resolved["optuna_storage"], optuna_storage_given=self.optuna_storage is not None,
-            dataset_record=self.resolved["dataset_record"], **extra)
-
-
-def local_cpus_per_trial(num_trials: int, max_concurrent: int | None, workers_per_trial: int = 1) -> float:
-    """This machine's CPUs shared by the workers of the trials that can run at once, but no more than the CPUs
-    not busy now (1-minute load average, this process's start-up included): a 2-thread trial given one core's
-    worth ran 10x slower than alone, 3.6x slower than on 1 thread (OpenMP threads waiting on each other;
-    benchmarks/RESULTS.md, session 16). Per worker when ``workers_per_trial`` > 1."""
-    from ..cli.train import available_cpus
-
-    cpus = available_cpus()
-    at_once = max(1, min(num_trials, max_concurrent or cpus, cpus // workers_per_trial))
-    busy = int(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0
-    return float(max(1, min(cpus // (at_once * workers_per_trial), (cpus - busy) // workers_per_trial)))
 
 
 def check_seeds(seeds: Any, seed: int) -> tuple[int, ...]:

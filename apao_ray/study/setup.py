@@ -1,0 +1,124 @@
+"""``prepare(spec) -> StudySetup``: a ``StudySpec`` checked against the world before any trial.
+
+A ``StudySpec`` is what the user asked, checked by pure code when it is built. Whether it can run here is
+another question, answered once, when the study starts (``api.run_study`` and ``api.plan_study`` call
+``prepare``) or when asked (``apao_ray.prepare(spec)``, e.g. in a notebook before a long study): the dataset
+files load and hold what every loss needs, the MLflow store answers, the Ray cluster is reachable, a resumed
+study's dataset and Optuna storage are the ones it started with. What that finds is a ``StudySetup``; the
+plan (``plan.plan.make_plan``) then fits the trials' schedule to the budget.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+from ..hardware import available_cpus
+from .spec.study import StudySpec, with_pretrain
+
+
+@dataclass(frozen=True)
+class StudySetup:
+    """What checking a ``StudySpec`` found.
+
+    Attributes:
+        dataset: the loaded dataset (catalog, splits, checksums).
+        base: every trial's config as asked: the dataset where its files were found (absolute), the model,
+            the schedule, the protocol preset; each trial sets its backbone, loss and knobs, the plan its
+            schedule (``Plan.base``).
+        study_name: the study's name (``StudySpec.study_label``).
+        tracking_uri: the MLflow store, resolved (``$MLFLOW_TRACKING_URI``, else ``sqlite:///$PWD/mlflow.db``)
+            and answering.
+        output_dir: Ray Tune's state and checkpoints, absolute.
+        optuna_storage: the searcher's Optuna storage URL (given, else beside a SQLite MLflow database).
+        dataset_record: the dataset as each MLflow run logs it.
+        cpus_per_trial: CPUs (and torch threads) per trial worker: as given, else what this machine affords.
+    """
+
+    dataset: Any
+    base: TrialConfig
+    study_name: str
+    tracking_uri: str
+    output_dir: Path
+    optuna_storage: str
+    dataset_record: dict[str, Any]
+    cpus_per_trial: float
+
+    @property
+    def study_dir(self) -> Path:
+        return self.output_dir / self.study_name
+
+
+def prepare(spec: StudySpec) -> StudySetup:
+    """Checks ``spec`` against the files, MLflow, Ray and a resumed study's records; nothing is created.
+
+    Raises:
+        ValueError, FileNotFoundError, ConnectionError: naming what is wrong and what would do.
+    """
+    # lazy: torch, MLflow and Ray load when a study is checked, not when apao_ray or a StudySpec is imported
+    from ..data import load_dataset
+    from ..protocol import check_select_by
+    from ..tracking import check_tracking_uri, resolve_tracking_uri
+    from ..training.checks import check_against_catalog
+    from .run.driver import check_resumable, study_state_exists
+    from .run.mlflow_callback import dataset_record_of
+    from .run.optuna_storage import resolve_storage_url
+    from .run.ray_cluster import check_ray_address
+
+    dataset = load_dataset(spec.dataset, spec.data_dir, allow_download=not spec.data_dir)  # given: it is there
+    base = with_pretrain(trial_base(spec, dataset.data_dir), spec.losses, spec.pretrain_ce_epochs)
+    for name in spec.losses:  # every loss against the catalog, with the most negatives asked for
+        check_against_catalog(base.replace(loss=base.loss.replace(name=name).to_dict()), dataset.catalog)
+    tracking_uri = resolve_tracking_uri(spec.tracking_uri)
+    check_tracking_uri(tracking_uri)
+    check_ray_address(spec.address)  # an unreachable cluster is refused here, before any trial
+    output_dir = Path(spec.output_dir).resolve()
+    cpus_per_trial = spec.cpus_per_trial
+    if cpus_per_trial is None:
+        cpus_per_trial = 1.0 if spec.address else local_cpus_per_trial(spec.search.num_trials, spec.max_concurrent,
+                                                                        spec.workers_per_trial)
+    setup = StudySetup(dataset=dataset, base=base, study_name=spec.study_label, tracking_uri=tracking_uri,
+                       output_dir=output_dir, cpus_per_trial=cpus_per_trial,
+                       optuna_storage=resolve_storage_url(spec.optuna_storage, tracking_uri, output_dir),
+                       dataset_record=dataset_record_of(dataset, spec.data_dir))
+    if (spec.resume or spec.retry_failed) and not study_state_exists(setup.study_dir):
+        flag = "--resume" if spec.resume else "--retry-failed"
+        raise ValueError(f"{flag}: no study {setup.study_name!r} to {'resume' if spec.resume else 'retry'} under "
+                         f"{output_dir}; check --study-name and --output-dir, or drop {flag} to start it")
+    check_resumable(setup, spec)  # a changed dataset is the first thing to say on a resume
+    check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are
+    return setup
+
+
+def trial_base(spec: StudySpec, data_dir: str) -> TrialConfig:
+    """Every trial's config as asked, reading the dataset from ``data_dir`` (where the driver found it: the
+    trials read it there, from any working directory, never downloading)."""
+    from ..data import canonical_dataset
+    from ..protocol import apply_protocol
+
+    workers = spec.workers_per_trial  # a micro-batch on each of a trial's workers per optimizer step
+    base = TrialConfig(
+        DataConfig(dataset=canonical_dataset(spec.dataset), data_dir=data_dir),
+        ModelConfig(**(TINY_MODEL if spec.model_size == "tiny" else {})),
+        LossConfig(num_negatives=spec.search.num_negatives[1]),
+        TrainConfig(epochs=spec.epochs, patience=spec.patience, batch_size=spec.batch_size,
+                    effective_batch_size=max(spec.effective_batch_size, (spec.batch_size or 0) * workers),
+                    lr=spec.lr, num_workers=workers, beam_size=spec.beam_size, seed=spec.search_seed,
+                    max_train_samples=spec.max_train_samples, eval_max_users=spec.eval_max_users,
+                    precision=spec.precision, group_by_length=spec.group_by_length, use_gpu=spec.gpus_per_trial > 0,
+                    retention_users=spec.retention_users))
+    # eta stays searched under every protocol; the preset's weighting and other knobs hold for all trials
+    return apply_protocol(base, spec.protocol, {k: v for k, v in spec.protocol_knobs.items() if k != "eta"})
+
+
+def local_cpus_per_trial(num_trials: int, max_concurrent: int | None, workers_per_trial: int = 1) -> float:
+    """This machine's CPUs shared by the workers of the trials that can run at once, but no more than the CPUs
+    not busy now (1-minute load average, this process's start-up included): a 2-thread trial given one core's
+    worth ran 10x slower than alone, 3.6x slower than on 1 thread (OpenMP threads waiting on each other;
+    benchmarks/RESULTS.md, session 16). Per worker when ``workers_per_trial`` > 1."""
+    cpus = available_cpus()
+    at_once = max(1, min(num_trials, max_concurrent or cpus, cpus // workers_per_trial))
+    busy = int(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0
+    return float(max(1, min(cpus // (at_once * workers_per_trial), (cpus - busy) // workers_per_trial)))
