@@ -8,6 +8,8 @@ Imports nothing heavy at package import; the public entry points load lazily::
 """
 from __future__ import annotations
 
+import importlib
+from pathlib import Path
 from typing import Any
 
 __version__ = "0.1.0"
@@ -25,20 +27,16 @@ def load_recommender(model_uri: str, device: str = "cpu", precision: str | None 
     an ``export --format hf`` directory. ``precision`` (fp32/bf16/auto, or ``trial``: the trial's own) defaults to
     fp32, what the export and the served model decode in. Here, above both: MLflow (tracking) serves a
     Recommender (inference), so inference itself never imports tracking."""
-    from pathlib import Path
-
-    from .inference import Recommender, load_local
+    from .inference import Recommender, load_local  # lazy: torch; `import apao_ray` stays torch-free (test_api)
 
     if Path(model_uri).is_dir():
         return load_local(model_uri, device, precision)
-    from .tracking import load_checkpoint_dir_from_model
+    from .tracking import load_checkpoint_dir_from_model  # lazy: mlflow, only for a models:/ or runs:/ URI
 
     return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri, tracking_uri), device, precision)
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'apao_ray' has no attribute {name!r}")

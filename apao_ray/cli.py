@@ -11,6 +11,8 @@ import importlib
 import json
 import sys
 
+from .cli_types import int_at_least, positive_int
+from .data import known_dataset_names, load_dataset
 from .paths import absolute_data_dir_env
 
 # name -> ("module:function", help): a pass-through main(argv, prog=...) with its own --help
@@ -34,8 +36,6 @@ _ORDER = ["users", "items", "interactions", "density", "distinct_semantic_ids", 
 
 
 def _data_stats(args: argparse.Namespace) -> int:
-    from .data import load_dataset
-
     stats = load_dataset(args.dataset, data_dir=args.data_dir, max_history=args.max_history,
                          min_interactions=args.min_interactions).stats()
     if args.json:
@@ -51,9 +51,6 @@ def _data_stats(args: argparse.Namespace) -> int:
 
 def register(commands: argparse._SubParsersAction) -> None:
     """``data stats``: dataset figures."""
-    from .cli_types import int_at_least, positive_int
-    from .data import known_dataset_names
-
     data = commands.add_parser("data", help="dataset utilities").add_subparsers(dest="data_command", required=True)
     stats = data.add_parser("stats", help="users, items, interactions, semantic IDs, collisions, split sizes")
     stats.add_argument("--dataset", required=True, help=f"one of {known_dataset_names()} (any case), or a "

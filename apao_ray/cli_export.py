@@ -5,18 +5,19 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from . import load_recommender
 from .export import FORMATS, export_hf
 from .export import __doc__ as EXPORT_DOC
 from .paths import add_tracking_uri_argument
 
 
 def _run(args: argparse.Namespace) -> int:
-    from . import load_recommender
+    # lazy: mlflow; every `python -m apao_ray` command builds the parser that imports this module
     from .tracking import require_model, resolve_tracking_uri
 
     if args.format not in FORMATS:
         raise ValueError(f"--format {args.format!r} is not known; choose from {list(FORMATS)}")
-    try:
+    try:  # lazy: transformers, an optional extra, checked when asked for
         import transformers  # noqa: F401
     except ImportError:
         raise ValueError("export --format hf needs transformers: pip install 'apao_ray[hf]'") from None

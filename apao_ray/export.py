@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .data.catalog import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
 from .data.files import LEVEL_LETTERS
+from .protocol import decoding_scoring
 
 if TYPE_CHECKING:  # annotations only: every `python -m apao_ray ... --help` imports this module
     import torch
@@ -78,7 +79,7 @@ def _load_mapped(hf_model: Any, ours: Any, names: dict[str, str]) -> Any:
 
 def from_hf_state(ours: Any, hf_state: dict[str, torch.Tensor]) -> Any:
     """Loads an exported (or HF-fine-tuned) model's weights back into our backbone of the same sizes."""
-    from .models import TigerBackbone
+    from .models import TigerBackbone  # lazy: torch; every command's parser imports this module (cli_export)
 
     names = tiger_names(ours) if isinstance(ours, TigerBackbone) else llama_names(ours)
     uncovered = sorted(set(ours.state_dict()) - set(names.values()))
@@ -94,7 +95,7 @@ def from_hf_state(ours: Any, hf_state: dict[str, torch.Tensor]) -> Any:
 
 def tiger_to_t5(ours: Any) -> Any:
     """T5ForConditionalGeneration of the same sizes holding a copy of a ``TigerBackbone``'s weights."""
-    from transformers import T5Config, T5ForConditionalGeneration
+    from transformers import T5Config, T5ForConditionalGeneration  # lazy: transformers, an optional extra
 
     enc0 = ours.encoder_layers[0]
     config = T5Config(vocab_size=ours.vocab_size, d_model=ours.d_model, d_kv=enc0.attn.head_dim,
@@ -110,7 +111,7 @@ def tiger_to_t5(ours: Any) -> Any:
 
 def llama_to_hf(ours: Any) -> Any:
     """LlamaForCausalLM of the same sizes holding a copy of a ``LlamaBackbone``'s weights (tied head)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: transformers, an optional extra
 
     block0 = ours.blocks[0]
     head_dim = block0.attn.head_dim
@@ -127,7 +128,7 @@ def llama_to_hf(ours: Any) -> Any:
 
 def to_hf(ours: Any) -> Any:
     """Our backbone -> the equivalent ``transformers`` model (eval mode, float32)."""
-    from .models import LlamaBackbone, TigerBackbone
+    from .models import LlamaBackbone, TigerBackbone  # lazy: torch, as in from_hf_state
 
     if isinstance(ours, TigerBackbone):
         return tiger_to_t5(ours)
@@ -159,11 +160,10 @@ def item_map(recommender: Any) -> dict[str, Any]:
 
 def export_hf(recommender: Any, directory: str | Path) -> Path:
     """Writes the transformers directory for ``recommender`` (see the module docstring)."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig  # lazy: an optional extra
 
-    from . import hf_generate
-    from .decoding.scoring import VOCABULARY_SCORING
-    from .protocol import decoding_scoring
+    from . import hf_generate  # lazy: torch, as in from_hf_state
+    from .decoding.scoring import VOCABULARY_SCORING  # lazy: torch
 
     scoring = decoding_scoring(recommender.config)
     if scoring != VOCABULARY_SCORING:

@@ -24,7 +24,7 @@ ITEM_MAP_FILE = "item_map.json"
 
 def load(directory: str | Path):
     """The exported model (T5ForConditionalGeneration or LlamaForCausalLM, eval mode) and its item map."""
-    from transformers import AutoConfig, LlamaForCausalLM, T5ForConditionalGeneration
+    from transformers import AutoConfig, LlamaForCausalLM, T5ForConditionalGeneration  # lazy: an optional extra
 
     config = AutoConfig.from_pretrained(directory)
     model_class = T5ForConditionalGeneration if config.model_type == "t5" else LlamaForCausalLM

@@ -19,6 +19,9 @@ from .config import TrialConfig
 from .data import Catalog
 from .data.batches import encode_histories
 from .decoding import beam_search
+from .export import TRIAL_CONFIG_FILE, from_hf_state
+from .hf_generate import ITEM_MAP_FILE
+from .models import build_model
 from .protocol import decoding_scoring
 from .training.checkpoint import BEST_MODEL_FILE, CONFIG_FILE, load_catalog_arrays
 from .training.precision import autocast, resolve_precision
@@ -56,8 +59,6 @@ class Recommender:
     @classmethod
     def from_checkpoint(cls, directory: str | Path, device: str = "cpu", precision: str | None = None) -> "Recommender":
         """Loads a final checkpoint directory (best weights, trial config, catalog)."""
-        from .models import build_model
-
         directory = Path(directory)
         config = TrialConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
         item_ids, item_codes = load_catalog_arrays(directory)
@@ -69,11 +70,7 @@ class Recommender:
     @classmethod
     def from_export(cls, directory: str | Path, device: str = "cpu", precision: str | None = None) -> "Recommender":
         """Loads an ``export --format hf`` directory: safetensors weights, item map, trial config."""
-        from safetensors.torch import load_file
-
-        from .export import TRIAL_CONFIG_FILE, from_hf_state
-        from .hf_generate import ITEM_MAP_FILE
-        from .models import build_model
+        from safetensors.torch import load_file  # lazy: safetensors, an optional extra (hf)
 
         directory = Path(directory)
         config = TrialConfig.from_dict(json.loads((directory / TRIAL_CONFIG_FILE).read_text()))
@@ -179,8 +176,6 @@ def load_local(directory: str | Path, device: str = "cpu", precision: str | None
     """Loads a local final-checkpoint directory or an ``export --format hf`` directory (``apao_ray.load_recommender``
     also takes MLflow URIs). ``precision`` (fp32/bf16/auto, or ``trial``: the trial's own) defaults to fp32, what
     the export and the served model decode in (``INFERENCE_PRECISION``)."""
-    from .export import TRIAL_CONFIG_FILE
-
     if (Path(directory) / TRIAL_CONFIG_FILE).is_file():  # an `export --format hf` directory
         return Recommender.from_export(directory, device, precision)
     return Recommender.from_checkpoint(directory, device, precision)

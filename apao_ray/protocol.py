@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import PROTOCOL_NAMES, ProtocolConfig, TrialConfig
+from .data.catalog import EOS_TOKEN
 
 if TYPE_CHECKING:  # torch where a tensor is touched: the study's driver and `--help` import this module
     import torch
@@ -119,7 +120,7 @@ def protocol_tag(config: TrialConfig) -> str:
 def decoding_scoring(config: TrialConfig) -> "StepScoring":
     """How a model trained under ``config`` is decoded: its loss's step normaliser and
     temperature, and the end token when the labels carried one (``protocol.label_eos``)."""
-    from .data.catalog import EOS_TOKEN
+    # lazy: torch; the study driver and every command's parser import this module
     from .decoding.scoring import StepScoring
     from .losses import LOSSES
 
@@ -160,9 +161,7 @@ def with_end_token(tokens: torch.Tensor, label_eos: bool) -> torch.Tensor:
     """
     if not label_eos:
         return tokens
-    import torch
-
-    from .data.catalog import EOS_TOKEN
+    import torch  # lazy: as in decoding_scoring
 
     return torch.cat([tokens, torch.full_like(tokens[..., :1], EOS_TOKEN)], dim=-1)
 

@@ -144,7 +144,7 @@ async def _answer(send: Any, status: int, content: dict) -> None:
 
 def limited_app() -> RequestLimits:
     """The app the server process runs (``serve_app.py``), configured by the environment ``_run`` sets."""
-    from .tracking import SERVED_PARAMS, scoring_app
+    from .tracking import SERVED_PARAMS, scoring_app  # lazy: mlflow; every command's parser imports this module
 
     return RequestLimits(scoring_app(os.environ[MODEL_PATH_ENV]), SERVED_PARAMS,
                          int(os.environ.get(MAX_BODY_ENV, DEFAULT_MAX_BODY_BYTES)),
@@ -158,6 +158,7 @@ def serve_command(host: str, port: int, workers: int) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # lazy: mlflow; every command's parser imports this module
     from .tracking import TRACKING_URI_ENV, check_tracking_uri, download_model, require_model, resolve_tracking_uri
 
     if not 0 <= args.port <= 65535:

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 
-from apao_ray.paths import DATA_DIR_ENV, absolute_data_dir_env
+from apao_ray.config import TINY_MODEL
+from apao_ray.data.files import DATA_URL_ENV
+from apao_ray.paths import DATA_DIR_ENV, TRACKING_URI_ENV, absolute_data_dir_env
 
 ROOT = Path(__file__).resolve().parents[1]
 absolute_data_dir_env()  # as each command does where it starts: tests change directory, their subprocesses run elsewhere
@@ -79,8 +82,6 @@ def pytest_xdist_auto_num_workers(config) -> int:
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(_usable_cpus(), MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
 
-from apao_ray.config import TINY_MODEL  # noqa: E402,F401 - the product's own tiny size, imported by the tests
-
 
 def train_tiny(backbone: str, output_dir: Path, dataset, precision: str = "fp32") -> Path:
     """A tiny ``backbone`` trained with CE for 2 short epochs (seconds on a CPU) in ``precision``: its final
@@ -139,6 +140,27 @@ class InterruptedHooks(TrainingHooks):
         super().report(metrics, checkpoint_dir)
         if metrics.get("epoch") == self.stop_after and not metrics.get("done"):
             raise KeyboardInterrupt(f"simulated preemption after epoch {self.stop_after}")
+
+
+def closed_port() -> int:
+    """A local port nothing listens on: a dataset mirror there refuses at once, never reaching a network."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch) -> Path:
+    """``tmp_path`` as the working directory, none of the user's state: no ``$APAO_DATA_DIR`` or
+    ``$MLFLOW_TRACKING_URI`` (a store defaults to ``./mlflow.db`` here), an empty cache at ``tmp_path/cache``
+    (``XDG_CACHE_HOME``; absent until something writes it) and a dataset mirror that refuses connections,
+    so nothing is found or downloaded by accident. Returns ``tmp_path``."""
+    monkeypatch.delenv(DATA_DIR_ENV, raising=False)
+    monkeypatch.delenv(TRACKING_URI_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv(DATA_URL_ENV, f"http://127.0.0.1:{closed_port()}")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 _MLFLOW_TEMPLATE: list[tempfile.TemporaryDirectory] = []  # holds this process's empty MLflow store, made on first use

@@ -11,13 +11,6 @@ import pytest
 from conftest import ROOT, run_script
 
 
-@pytest.fixture
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    return tmp_path
-
-
 def test_package_import_stays_light_and_exports_the_api():
     code = ("import sys, apao_ray; spec = apao_ray.StudySpec; heavy = [m for m in ('torch', 'ray', 'mlflow', 'pandas') "
             "if m in sys.modules]; print(heavy, sorted(n for n in apao_ray.__all__ if not n.startswith('_')))")

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,17 +12,11 @@ import pytest
 
 from apao_ray import cli, paths
 from apao_ray.data import files
-from conftest import SHARED_DATASETS
+from conftest import SHARED_DATASETS, closed_port
 
 REPO = Path(__file__).parents[1]
 needs_shared = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
                                   reason=f"shared datasets not found at {SHARED_DATASETS}")
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_cli(workdir: Path, *args: str) -> subprocess.Popen:
@@ -77,15 +70,6 @@ def test_unknown_dataset_exits_2_with_one_line(cli_runs):
     for known in ["beauty", "grocery", "office", "synthetic", "yelp"]:
         assert known in lines[0]
     assert not (workdir / "cache").exists()
-
-
-@pytest.fixture
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.delenv(paths.DATA_DIR_ENV, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv(files.DATA_URL_ENV, f"http://127.0.0.1:{closed_port()}")
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "/etc"])

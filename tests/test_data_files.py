@@ -1,20 +1,19 @@
 """Dataset files: parsing with validation, name checks, where datasets are found, synthetic data.
 
-Every test runs with a private cache ($XDG_CACHE_HOME in tmp_path), no $APAO_DATA_DIR, the
-working directory in tmp_path and $APAO_DATA_URL pointing at a closed loopback port, so
-nothing here reads the user's files or the network.
+Tests that touch files run in conftest's ``isolated``: a private cache, no $APAO_DATA_DIR, the
+working directory in tmp_path and a dataset mirror on a closed loopback port, so nothing here
+reads the user's files or the network.
 """
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from apao_ray import paths
-from apao_ray.data import files, load_dataset
+from apao_ray.data import load_dataset
 from apao_ray.data.files import CHECKSUMS, known_dataset_names, locate, parse_index, parse_interactions
 from apao_ray.data.synthetic import make_synthetic
 from conftest import SHARED_DATASETS
@@ -30,24 +29,6 @@ GOOD_INDEX = {
     "i4": ["<a_1>", "<b_0>", "<c_1>", "<d_0>"],  # collides with i3
 }
 GOOD_INTER = {"u1": ["i1", "i2", "i3"], "u2": ["i3", "i1", "i2", "i4"], "u3": ["i4", "i4", "i1", "i2", "i3"]}
-
-
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def isolated(tmp_path, monkeypatch):
-    """No user cache, no $APAO_DATA_DIR, an empty working directory, no reachable mirror."""
-    monkeypatch.delenv(paths.DATA_DIR_ENV, raising=False)
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setenv(files.DATA_URL_ENV, f"http://127.0.0.1:{closed_port()}")
-    work = tmp_path / "work"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    return tmp_path
 
 
 def write_dataset(root: Path, folder: str, index: object = None, inter: object = None, *,
@@ -260,7 +241,7 @@ def _office_with_users(root: Path, num_users: int) -> None:
 
 def test_resolution_order_explicit_env_cwd_cache(isolated, monkeypatch):
     explicit, env_dir, cache = isolated / "explicit", isolated / "env", isolated / "cache" / "apao_ray" / "datasets"
-    cwd_data = isolated / "work" / "data"
+    cwd_data = isolated / "data"
     for root, users in [(explicit, 1), (env_dir, 2), (cwd_data, 3), (cache, 4)]:
         _office_with_users(root, users)
     monkeypatch.setenv(paths.DATA_DIR_ENV, str(env_dir))
@@ -274,14 +255,15 @@ def test_resolution_order_explicit_env_cwd_cache(isolated, monkeypatch):
         users(isolated / "empty")
     monkeypatch.delenv(paths.DATA_DIR_ENV)
     assert users() == 3
-    monkeypatch.chdir(isolated)  # no ./data here
+    (isolated / "elsewhere").mkdir()
+    monkeypatch.chdir(isolated / "elsewhere")  # no ./data here
     assert users() == 4
     assert locate("office").inter_path == cache / "Office" / "Office.inter.json"
 
 
 def test_data_dir_candidates_and_download_dir(isolated, monkeypatch):
     cache = isolated / "cache" / "apao_ray" / "datasets"
-    cwd_data = (isolated / "work" / "data").resolve()
+    cwd_data = (isolated / "data").resolve()
     assert paths.data_dir_candidates() == [cwd_data, cache.resolve()]
     assert paths.download_dir() == cache
     monkeypatch.setenv(paths.DATA_DIR_ENV, str(isolated / "env"))
@@ -291,7 +273,7 @@ def test_data_dir_candidates_and_download_dir(isolated, monkeypatch):
 
 
 def test_relative_data_dir_is_relative_to_cwd(isolated):
-    _office_with_users(isolated / "work" / "rel", 5)
+    _office_with_users(isolated / "rel", 5)
     assert len(load_dataset("office", data_dir="rel", allow_download=False).user_ids) == 5
 
 

@@ -26,7 +26,7 @@ import torch
 
 from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from apao_ray.training.hooks import TrainingHooks
-from conftest import TINY_MODEL
+from apao_ray.config import TINY_MODEL
 
 RELATIVE = 1e-2
 EPOCHS = 2

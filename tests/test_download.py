@@ -192,7 +192,7 @@ def test_a_trial_never_downloads_and_names_where_it_looked(mirror, env, where):
     from apao_ray.config import DataConfig, ModelConfig, TrainConfig, TrialConfig
     from apao_ray.training.hooks import TrainingHooks
     from apao_ray.training.loop import run_trial
-    from conftest import TINY_MODEL
+    from apao_ray.config import TINY_MODEL
 
     gone = env / "moved-away"
     gone.mkdir()

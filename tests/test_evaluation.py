@@ -9,7 +9,7 @@ from apao_ray.config import ModelConfig, TrainConfig
 from apao_ray.models import build_model
 from apao_ray.training.evaluation import evaluate_split
 
-from conftest import TINY_MODEL
+from apao_ray.config import TINY_MODEL
 
 
 @torch.inference_mode()

@@ -8,7 +8,7 @@ import torch
 from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from apao_ray.inference import Recommender, served_request
 from apao_ray.models import build_model
-from conftest import TINY_MODEL
+from apao_ray.config import TINY_MODEL
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from apao_ray.config import ModelConfig
 from apao_ray.data.batches import Batch
 from apao_ray.data.catalog import EOS_TOKEN, NUM_SPECIAL_TOKENS, PAD_TOKEN
 from apao_ray.models import BACKBONES, PAPER_SIZES, build_model, label_log_probs
-from apao_ray.models.llama import LlamaBackbone, apply_rotary
+from apao_ray.models.llama import LlamaBackbone
+from apao_ray.models.llama_layers import apply_rotary
 
 NUM_LEVELS, CODES_PER_LEVEL = 4, 8
 VOCAB = NUM_SPECIAL_TOKENS + NUM_LEVELS * CODES_PER_LEVEL

@@ -10,7 +10,7 @@ from apao_ray.config import ModelConfig, TrainConfig
 from apao_ray.decoding import PerUser
 from apao_ray.models import build_model
 from apao_ray.training.evaluation import evaluate_split_per_user, per_user_table, write_per_user
-from conftest import TINY_MODEL
+from apao_ray.config import TINY_MODEL
 
 
 def test_table_means_are_the_split_metrics(synthetic, one_torch_thread):

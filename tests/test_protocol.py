@@ -28,7 +28,7 @@ from apao_ray.training.loop import run_trial
 from apao_ray.training.selection import selection_score
 from apao_ray.training.steps import EpochRunner
 
-from conftest import TINY_MODEL
+from apao_ray.config import TINY_MODEL
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

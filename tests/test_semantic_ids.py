@@ -13,7 +13,8 @@ from apao_ray.data import load_dataset
 from apao_ray.data.files import parse_index
 from apao_ray.semantic_ids import report, semantic_ids, tokenize
 from apao_ray.semantic_ids.quantize import disambiguate
-from conftest import ROOT, TINY_MODEL
+from apao_ray.config import TINY_MODEL
+from conftest import ROOT
 from test_own_data import needs_office, office_as_table
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from apao_ray.names import ENERGY, GPU_MEMORY
 from conftest import ROOT, mlflow_sqlite, run_script
 
 SWEEP, BEST = str(ROOT / "studies" / "sweep.py"), str(ROOT / "studies" / "best.py")
@@ -103,6 +104,69 @@ def test_parent_and_one_child_per_trial(study):
     assert all(c.info.status in ("FINISHED", "KILLED") for c in children)  # KILLED = stopped by ASHA
     names = {c.info.run_name for c in children}
     assert "tiger/ce" in names and any(n.startswith("tiger/apao_pointwise b=") and "eta=" in n for n in names)
+
+
+MLFLOW_NAMES = ROOT / "tests" / "mlflow_names.json"
+UPDATE_NAMES_ENV = "APAO_UPDATE_MLFLOW_NAMES"
+# names present or not by machine: tags MLflow adds from where a run starts (user, entry point, git checkout),
+# and the cost metrics a machine may lack (energy without CodeCarbon, GPU memory without CUDA; also per method)
+ENVIRONMENT_TAGS = ("mlflow.source.", "mlflow.user", "mlflow.git")
+ENVIRONMENT_METRICS = tuple(name.split("/")[-1] for name in (ENERGY, GPU_MEMORY))
+
+
+def _logged_names(runs) -> dict[str, list[str]]:
+    """The param, metric and tag names ``runs`` logged, each sorted, over all of them (values ignored)."""
+    return {"params": sorted({name for run in runs for name in run.data.params}),
+            "metrics": sorted({name for run in runs for name in run.data.metrics
+                               if name.split("/")[-1] not in ENVIRONMENT_METRICS}),
+            "tags": sorted({name for run in runs for name in run.data.tags if not name.startswith(ENVIRONMENT_TAGS)})}
+
+
+def names_diff(expected: dict[str, list[str]], found: dict[str, list[str]]) -> list[str]:
+    """One line per section whose names differ: the names added and removed."""
+    lines = []
+    for section in sorted(expected.keys() | found.keys()):
+        added = sorted(set(found.get(section, ())) - set(expected.get(section, ())))
+        removed = sorted(set(expected.get(section, ())) - set(found.get(section, ())))
+        if added or removed:
+            lines.append(f"{section}: added {added}, removed {removed}")
+    return lines
+
+
+def test_names_diff_names_what_was_added_and_removed():
+    assert names_diff({"a": ["x", "y"]}, {"a": ["y", "z"], "b": ["w"]}) == [
+        "a: added ['z'], removed ['x']", "b: added ['w'], removed []"]
+    assert names_diff({"a": ["x"]}, {"a": ["x"]}) == []
+
+
+@pytest.mark.e2e
+def test_the_study_logs_the_committed_mlflow_names(study):
+    """The names of the params, metrics and tags a --smoke study logs (parent, and children together)
+    are the ones in tests/mlflow_names.json: dashboards, ``best``, the exports and studies written before
+    read them by name, so a rename must be deliberate.
+
+    Names only: values, steps and per-epoch points do not matter. Every name here is fixed by the code (the
+    trial id, study name and run ids are values, never part of a name; the methods in the parent's
+    ``best/<backbone>/<loss>/...`` names are the smoke study's own), so none is normalised. Left out, as
+    present or absent by machine: tags MLflow adds from the environment a run starts in
+    (``mlflow.source.*``, ``mlflow.user``, git) and the cost metrics a machine may not measure
+    (``cost/energy_kwh`` without CodeCarbon, ``cost/peak_gpu_memory_mb`` without CUDA). The names that
+    come from the fixture's interruption (``train/resumed_after_epoch``, ``apao.previous_outcome``) are
+    in: the fixture always interrupts a trial mid-way. To accept a deliberate change, rewrite the file
+    from a real run and review its diff:
+
+        APAO_UPDATE_MLFLOW_NAMES=1 ./apao test -n 0 tests/test_sweep.py -k committed_mlflow_names
+    """
+    tracker = study["tracker"]
+    parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    found = {f"{role}_{kind}": names for role, runs in (("parent", parents), ("child", _children(study)))
+             for kind, names in _logged_names(runs).items()}
+    if os.environ.get(UPDATE_NAMES_ENV) == "1":
+        MLFLOW_NAMES.write_text(json.dumps(found, indent=1) + "\n")
+    expected = json.loads(MLFLOW_NAMES.read_text())
+    changes = names_diff(expected, found)
+    assert not changes, (f"MLflow names differ from {MLFLOW_NAMES.name} (if deliberate: {UPDATE_NAMES_ENV}=1 "
+                         "rewrites it):\n" + "\n".join(changes))
 
 
 @pytest.mark.e2e

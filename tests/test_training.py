@@ -28,7 +28,8 @@ from apao_ray.training.loop import run_trial
 from apao_ray.training.steps import NonFiniteLossError
 from apao_ray.training.precision import resolve_precision
 
-from conftest import TINY_MODEL, InterruptedHooks
+from apao_ray.config import TINY_MODEL
+from conftest import InterruptedHooks
 from test_evaluation import split_ce_loss
 
 MAX_HISTORY = 2

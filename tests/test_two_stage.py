@@ -17,7 +17,8 @@ from apao_ray.training.checkpoint import load_checkpoint
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.training.loop import run_trial
 
-from conftest import TINY_MODEL, InterruptedHooks
+from apao_ray.config import TINY_MODEL
+from conftest import InterruptedHooks
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

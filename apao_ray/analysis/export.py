@@ -29,7 +29,7 @@ import pandas as pd
 
 from ..cli_types import positive_int
 from ..paths import add_tracking_uri_argument
-from .per_user import PER_USER_FILE, read_per_user
+from .per_user import PER_USER_FILE, read_per_user, recompute_per_user
 
 STUDY_FILE = "study.json"
 EPOCHS_FILE = "epochs.csv.gz"
@@ -42,7 +42,7 @@ _SKIPPED_TAGS = ("mlflow.log-model.history", "mlflow.source.", "mlflow.user")
 def snapshot(tracking_uri: str) -> Iterator[str]:
     """A read-only view of the store: a SQLite database is copied (sqlite's online backup, consistent
     while a study writes to it) into a temporary directory; other URIs are used as they are."""
-    from ..tracking import check_tracking_uri, resolve_tracking_uri
+    from ..tracking import check_tracking_uri, resolve_tracking_uri  # lazy: mlflow, only when the store is read: not for --help or a report from exports
 
     uri = resolve_tracking_uri(tracking_uri)
     if not uri.startswith("sqlite:///"):
@@ -97,7 +97,7 @@ def _checkpoint_for(run: Any) -> Path | None:
         return Path(tagged)
     model_uri = run.data.tags.get("apao.model_uri")
     if model_uri:
-        from ..tracking import load_checkpoint_dir_from_model
+        from ..tracking import load_checkpoint_dir_from_model  # lazy: mlflow, as in snapshot
 
         with contextlib.suppress(Exception):  # an unreadable model: reported as "no per-user table"
             return Path(load_checkpoint_dir_from_model(model_uri))
@@ -106,8 +106,7 @@ def _checkpoint_for(run: Any) -> Path | None:
 
 def _recompute(run: Any, destination: Path, num_threads: int) -> str:
     """Writes the per-user table recomputed from the run's checkpoint; returns how it went (a sentence)."""
-    from ..training.evaluation import write_per_user
-    from .per_user import recompute_per_user
+    from ..training.evaluation import write_per_user  # lazy: torch, only when a table is recomputed
 
     checkpoint = _checkpoint_for(run)
     if checkpoint is None:
@@ -137,6 +136,7 @@ def export_study(tracking_uri: str, study: str, to_dir: str | Path, recompute_pe
     Raises:
         ValueError: no study of that name in the store (the message lists those that exist).
     """
+    # lazy: mlflow, as in snapshot
     from ..tracking import Tracker, quiet_mlflow, redact, resolve_tracking_uri, studies_in, study_experiment
 
     to_dir, tracking_uri = Path(to_dir), resolve_tracking_uri(tracking_uri)

@@ -9,7 +9,10 @@ from typing import Any
 
 import pandas as pd
 
+from ..config import TrialConfig
+from ..data import load_dataset
 from ..names import PER_USER_FILE
+from ..protocol import decoding_scoring
 
 PER_USER_METRICS = ("recall_at_10", "recall_at_20", "ndcg_at_10", "ndcg_at_20")
 
@@ -34,12 +37,11 @@ def recompute_per_user(checkpoint_dir: str | os.PathLike, num_threads: int = 1) 
         checkpoint_dir: an ``epoch_XXXX_final`` directory (or a logged model's ``checkpoint`` artifact).
         num_threads: torch threads for the evaluation.
     """
+    # lazy: torch (and the modules that import it), only when a table is recomputed; the report and
+    # every command's parser import this module
     import torch
 
-    from ..config import TrialConfig
-    from ..data import load_dataset
     from ..models import build_model
-    from ..protocol import decoding_scoring
     from ..training.checkpoint import CONFIG_FILE, load_checkpoint
     from ..training.evaluation import evaluate_split_per_user
     from ..training.precision import resolve_precision

@@ -19,6 +19,7 @@ from ..cli_types import positive_int
 from ..names import PLAN_TAG
 from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export
+from .grid import build_grid, load_queue, queue_path_default
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
                       compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials)
 
@@ -137,7 +138,7 @@ def _plans(exports: list[StudyExport]) -> list[str]:
 def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str = "ce", trials: str = "best",
                  num_resamples: int = 10_000) -> Path:
     """Writes ``report.md`` and its PNGs into ``out_dir``; returns the markdown file's path."""
-    from . import figures  # matplotlib (which writes a font cache on first import) only when a report is made
+    from . import figures  # lazy: matplotlib (which writes a font cache on first import) only when a report is made
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -214,8 +215,6 @@ def _main(args: argparse.Namespace) -> int:
     if args.grid:
         if not args.exports:
             raise ValueError("--grid reads committed exports: give --exports DIR (e.g. benchmarks/results)")
-        from .grid import build_grid, load_queue, queue_path_default
-
         queue_file = args.queue or queue_path_default(args.exports)
         grid = build_grid(find_exports(args.exports, args.study), args.out,
                           load_queue(queue_file) if queue_file else [], args.resamples)

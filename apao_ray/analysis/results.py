@@ -50,7 +50,7 @@ def convergence(curve: list[float]) -> str:
 
 def popularity_ndcg(splits: dict[str, Any], k: int = 10) -> np.ndarray:
     """Per test user, NDCG@k of the popularity baseline: the k items most often a training target, for everyone."""
-    from ..metrics import ndcg_from_ranks, target_ranks
+    from ..metrics import ndcg_from_ranks, target_ranks  # lazy: metrics imports torch; a report needs it only here
 
     top = np.argsort(-np.bincount(splits["train"].targets), kind="stable")[:k]  # (k,) most frequent first
     test = splits["test"]

@@ -12,7 +12,7 @@ users are tested under every seed, so stacking seeds as extra "users" would over
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -99,7 +99,7 @@ def bootstrap_ci(differences: np.ndarray, num_resamples: int = DEFAULT_RESAMPLES
 def wilcoxon_p(differences: np.ndarray) -> float:
     """Two-sided Wilcoxon signed-rank p-value of per-user differences (zeros dropped, Wilcoxon's
     convention: most users tie at 0 for a top-K hit); 1.0 when no difference is non-zero."""
-    from scipy.stats import wilcoxon
+    from scipy.stats import wilcoxon  # lazy: scipy.stats, only when a p-value is computed
 
     differences = np.asarray(differences, dtype=float)
     if not np.any(differences != 0):
@@ -143,8 +143,6 @@ def holm(p_values: list[float]) -> list[float]:
 def with_holm(comparisons: list[Comparison], family: str = "") -> list[Comparison]:
     """The comparisons of one family with ``p_holm`` filled in; ``family`` says what they are
     (``3 methods x 1 metric``), recorded as ``holm_family`` with their count."""
-    from dataclasses import replace
-
     size = f"{len(comparisons)} comparison{'s' if len(comparisons) != 1 else ''}"
     named = f"{size}: {family}" if family else size
     return [replace(c, p_holm=p, holm_family=named) for c, p in zip(comparisons, holm([c.p_value for c in comparisons]))]

@@ -9,6 +9,7 @@ from .files import (SYNTHETIC, DatasetFiles, canonical_dataset, dataset_label, i
                     known_dataset_names, locate, locate_directory, parse_index, parse_interactions)
 from .splits import SPLIT_NAMES, Split, build_splits
 from .synthetic import make_synthetic
+from .tables import DEFAULT_MIN_INTERACTIONS, table_sequences
 
 __all__ = ["Batch", "Catalog", "CatalogTensors", "Dataset", "Split", "collate", "iter_batches",
            "load_dataset", "known_dataset_names", "PAD_TOKEN", "EOS_TOKEN", "BOS_TOKEN",
@@ -22,7 +23,7 @@ def __getattr__(name: str):
     """``Batch``, ``collate`` and ``iter_batches`` on first use: a study's driver, ``--help`` and the CLIs that
     read MLflow load datasets without torch (~1 s of CPU per process)."""
     if name in _BATCHES:
-        from . import batches
+        from . import batches  # lazy: torch, see above
 
         return getattr(batches, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -85,8 +86,6 @@ def read_sequences(files: DatasetFiles, item_index: dict[str, int],
     if not files.is_table:
         users, sequences = parse_interactions(files.inter_path, item_index, files.index_path)
         return users, sequences, notes
-    from .tables import DEFAULT_MIN_INTERACTIONS, table_sequences
-
     core = min_interactions or int(meta.get("min_interactions", DEFAULT_MIN_INTERACTIONS))
     table = table_sequences(files.inter_path, core)
     users, sequences = index_sequences(table.sequences, item_index, files.inter_path, files.index_path)

@@ -55,7 +55,7 @@ class CatalogTensors:
         Read off the trie: the code of leaf u at level m is the column of ``child_node[m]`` at its
         length-m prefix node that leads to its length-(m+1) prefix node.
         """
-        import torch  # the module stays torch-free for the driver; these tables exist only where torch is loaded
+        import torch  # lazy: the module stays torch-free for the driver; these tables exist only where torch is loaded
 
         nodes = self.leaf_prefix_nodes                                           # (U, T+1)
         columns = []
@@ -197,7 +197,7 @@ class Catalog:
         return report
 
     def tensors(self, device: torch.device | str = "cpu") -> CatalogTensors:
-        import torch
+        import torch  # lazy: as in semantic_id_tokens
 
         return CatalogTensors(
             child_node=tuple(torch.as_tensor(t, device=device) for t in self.child_node),

@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 DEFAULT_MIN_INTERACTIONS = 5
 USER_COLUMNS = ("user", "user_id")
 ITEM_COLUMNS = ("item", "item_id", "parent_asin")
@@ -53,7 +55,7 @@ def _column(path: Path, columns: list[str], choices: tuple[str, ...], what: str)
 
 def read_table(path: Path):
     """The table as a pandas DataFrame of strings (ids) and the original time column."""
-    import pandas as pd
+    import pandas as pd  # lazy: pandas, only for a table; every Ray worker imports data
 
     try:
         if path.suffix.lower() == ".parquet":
@@ -66,8 +68,6 @@ def read_table(path: Path):
 
 def five_core(users, items, min_interactions: int):
     """Boolean mask of the rows kept by the iterated k-core filter (pandas Series of ids in)."""
-    import numpy as np
-
     keep = np.ones(len(users), dtype=bool)
     while True:
         user_counts = users[keep].value_counts()
@@ -82,7 +82,7 @@ def five_core(users, items, min_interactions: int):
 
 def table_sequences(path: Path, min_interactions: int = DEFAULT_MIN_INTERACTIONS) -> TableSequences:
     """Reads ``path`` and returns each user's item ids in time order after the k-core filter."""
-    import pandas as pd
+    import pandas as pd  # lazy: pandas, only for a table; every Ray worker imports data
 
     if not isinstance(min_interactions, int) or min_interactions < 3:
         raise ValueError(f"min_interactions={min_interactions!r} must be an integer >= 3 (each user needs training, "

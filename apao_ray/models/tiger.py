@@ -10,7 +10,6 @@ a stack, and a tied LM head on the decoder output scaled by d_model**-0.5.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +18,9 @@ from torch import nn
 
 from ..data.catalog import BOS_TOKEN
 from .base import Backbone, DecodeCache
-from .dropout import Dropout, attention
-from .packing import PackedHistory, attend_in_buckets
+from .dropout import Dropout
+from .packing import PackedHistory
+from .t5_layers import Attention, DecoderLayer, EncoderLayer, FeedForward, RelativePositionBias, padding_bias
 
 
 @dataclass
@@ -45,180 +45,6 @@ class TigerContext:
         """The context of a subset (or reordering) of the B rows; ``rows`` is (B',) int64."""
         return TigerContext(self.key_bias[rows], tuple(k[rows] for k in self.cross_keys),
                             tuple(v[rows] for v in self.cross_values))
-
-
-def relative_position_bucket(relative_position: torch.Tensor, *, is_bidirectional: bool,
-                             num_buckets: int, max_distance: int) -> torch.Tensor:
-    """T5's bucket of each (key - query) offset: exact below num_buckets/4, log-spaced above.
-
-    Args:
-        relative_position: (Q, K) int64 key position minus query position.
-
-    Returns:
-        (Q, K) int64 bucket ids in [0, num_buckets).
-    """
-    buckets = torch.zeros_like(relative_position)
-    if is_bidirectional:
-        num_buckets //= 2
-        buckets = buckets + (relative_position > 0).long() * num_buckets
-        distance = relative_position.abs()
-    else:
-        # future keys collapse into bucket 0; the causal mask hides them anyway
-        distance = (-relative_position).clamp(min=0)
-    max_exact = num_buckets // 2
-    # clamp(min=1) only avoids log(0) on entries that the torch.where below discards
-    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
-    large = (max_exact + (log_ratio * (num_buckets - max_exact)).long()).clamp(max=num_buckets - 1)
-    return buckets + torch.where(distance < max_exact, distance, large)
-
-
-def padding_bias(mask: torch.Tensor) -> torch.Tensor:
-    """(B, L) bool mask -> (B, 1, 1, L) additive float bias: 0 on real tokens, float32 min on PAD."""
-    bias = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], device=mask.device)
-    return bias.masked_fill(~mask[:, None, None, :], torch.finfo(bias.dtype).min)
-
-
-class RelativePositionBias(nn.Module):
-    """One learned scalar per (bucket, head); computed once per stack and shared by its layers."""
-
-    def __init__(self, num_heads: int, num_buckets: int, max_distance: int, is_bidirectional: bool):
-        super().__init__()
-        self.embedding = nn.Embedding(num_buckets, num_heads)
-        self.num_buckets, self.max_distance = num_buckets, max_distance
-        self.is_bidirectional = is_bidirectional
-
-    def forward(self, query_len: int, key_len: int) -> torch.Tensor:
-        """Returns the (1, heads, query_len, key_len) additive attention bias."""
-        device = self.embedding.weight.device
-        offset = torch.arange(key_len, device=device)[None, :] - torch.arange(query_len, device=device)[:, None]
-        buckets = relative_position_bucket(offset, is_bidirectional=self.is_bidirectional,
-                                           num_buckets=self.num_buckets, max_distance=self.max_distance)
-        return self.embedding(buckets).permute(2, 0, 1).unsqueeze(0)           # (1, H, Q, K)
-
-
-class Attention(nn.Module):
-    """T5 multi-head attention: no biases, no 1/sqrt(d) scaling, inner size heads*head_dim."""
-
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, dropout: float):
-        super().__init__()
-        inner = num_heads * head_dim
-        self.q, self.k, self.v = (nn.Linear(d_model, inner, bias=False) for _ in range(3))
-        self.o = nn.Linear(inner, d_model, bias=False)
-        self.num_heads, self.head_dim, self.dropout = num_heads, head_dim, dropout
-
-    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(*x.shape[:2], self.num_heads, self.head_dim).transpose(1, 2)  # (N, H, S, dh)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        # the additive bias must share q's dtype under autocast; -inf-like entries stay -inf
-        return attention(q, k, v, bias.to(q.dtype), self.dropout, self.training)
-
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """Self-attention of (N, S, d_model) under a bias broadcastable to (N, H, S, S)."""
-        q, k, v = (self.split_heads(proj(x)) for proj in (self.q, self.k, self.v))
-        out = self.attend(q, k, v, bias)                                        # (N, H, S, dh)
-        return self.o(out.transpose(1, 2).reshape(*x.shape[:2], -1))
-
-    def forward_cached(self, x: torch.Tensor, bias: torch.Tensor, past_keys: torch.Tensor | None,
-                       past_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Self-attention of S new positions (N, S, d) against cached earlier ones and themselves.
-
-        Args:
-            bias: (1, H, S, t + S) the new queries' bias over all t + S positions (causal).
-            past_keys, past_values: (N, H, t, dh) or None when t = 0.
-
-        Returns:
-            (N, S, d) output, and the (N, H, t + S, dh) keys and values including the new ones.
-        """
-        q, k, v = (self.split_heads(proj(x)) for proj in (self.q, self.k, self.v))   # (N, H, S, dh)
-        if past_keys is not None:
-            k, v = torch.cat([past_keys, k], dim=2), torch.cat([past_values, v], dim=2)
-        out = self.attend(q, k, v, bias)                                        # (N, H, S, dh)
-        return self.o(out.transpose(1, 2).reshape(*x.shape[:2], -1)), k, v
-
-    def packed_self_attention(self, x: torch.Tensor, packing: PackedHistory,
-                              biases: list[torch.Tensor]) -> torch.Tensor:
-        """Self-attention of packed (N, d_model) tokens, attending within each bucket of rows.
-
-        Args:
-            biases: per bucket, the (b, H, l, l) additive bias (positions + key padding).
-        """
-        weight = torch.cat([self.q.weight, self.k.weight, self.v.weight])       # (3*inner, d)
-        qkv = F.linear(x, weight)                                               # (N, 3*inner)
-        out = attend_in_buckets(packing, qkv, self.num_heads, self.head_dim,
-                                lambda index, q, k, v: self.attend(q, k, v, biases[index]))
-        return self.o(out)                                                      # (N, d)
-
-    def cross(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
-        """Cross-attention of the B*C candidates against their row's cached keys/values.
-
-        Args:
-            x: (B*C, S, d_model) decoder states, candidates of a row contiguous.
-            keys, values: (B, H, L, dh) from :meth:`TigerBackbone.encode`.
-            key_bias: (B, 1, 1, L) padding bias.
-        """
-        num_rows = keys.shape[0]
-        num_seqs, seq_len, _ = x.shape
-        q = self.q(x).view(num_rows, -1, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, C*S, dh)
-        out = self.attend(q, keys, values, key_bias)                            # (B, H, C*S, dh)
-        return self.o(out.transpose(1, 2).reshape(num_seqs, seq_len, -1))       # (B*C, S, d)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, d_model: int, d_ff: int, dropout: float):
-        super().__init__()
-        self.wi = nn.Linear(d_model, d_ff, bias=False)
-        self.wo = nn.Linear(d_ff, d_model, bias=False)
-        self.dropout = Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.wo(self.dropout(F.relu(self.wi(x))))
-
-
-class EncoderLayer(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, d_ff: int, dropout: float):
-        super().__init__()
-        self.attn_norm, self.ff_norm = nn.RMSNorm(d_model, eps=1e-6), nn.RMSNorm(d_model, eps=1e-6)
-        self.attn = Attention(d_model, num_heads, head_dim, dropout)
-        self.ff = FeedForward(d_model, d_ff, dropout)
-        self.dropout = Dropout(dropout)
-
-    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), bias))
-        return x + self.dropout(self.ff(self.ff_norm(x)))
-
-    def forward_packed(self, x: torch.Tensor, packing: PackedHistory, biases: list[torch.Tensor]) -> torch.Tensor:
-        """The same layer on packed (N, d) tokens; token-wise parts never see padding."""
-        x = x + self.dropout(self.attn.packed_self_attention(self.attn_norm(x), packing, biases))
-        return x + self.dropout(self.ff(self.ff_norm(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, d_model: int, num_heads: int, head_dim: int, d_ff: int, dropout: float):
-        super().__init__()
-        self.self_norm, self.cross_norm, self.ff_norm = (nn.RMSNorm(d_model, eps=1e-6) for _ in range(3))
-        self.self_attn = Attention(d_model, num_heads, head_dim, dropout)
-        self.cross_attn = Attention(d_model, num_heads, head_dim, dropout)
-        self.ff = FeedForward(d_model, d_ff, dropout)
-        self.dropout = Dropout(dropout)
-
-    def forward(self, x: torch.Tensor, self_bias: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.self_attn(self.self_norm(x), self_bias))
-        return self.cross_and_feed_forward(x, keys, values, key_bias)
-
-    def step(self, x: torch.Tensor, self_bias: torch.Tensor, past_keys: torch.Tensor | None,
-             past_values: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
-             key_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The layer on new positions only (N, S, d), reading the earlier ones' key/value cache."""
-        out, self_keys, self_values = self.self_attn.forward_cached(self.self_norm(x), self_bias,
-                                                                    past_keys, past_values)
-        return self.cross_and_feed_forward(x + self.dropout(out), keys, values, key_bias), self_keys, self_values
-
-    def cross_and_feed_forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                               key_bias: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.cross_attn.cross(self.cross_norm(x), keys, values, key_bias))
-        return x + self.dropout(self.ff(self.ff_norm(x)))
 
 
 class TigerBackbone(Backbone):

@@ -12,9 +12,9 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
 from ..cli_types import int_at_least, non_negative_int, positive_int
+from ..data.files import LEVEL_LETTERS, _read_json, index_meta_path, locate_directory
+from ..data.tables import table_sequences
 from .embeddings import DEFAULT_ENCODER, describe_source, item_vectors
 from .quantize import QuantizerReport, report, semantic_ids
 
@@ -24,9 +24,6 @@ METHOD = "rq-kmeans"
 
 def dataset_item_ids(files, min_interactions: int) -> list[str]:
     """Items of the (filtered) interactions: item-text file order first, then first appearance."""
-    from ..data.files import _read_json
-    from ..data.tables import table_sequences
-
     if files.is_table:
         sequences = table_sequences(files.inter_path, min_interactions).sequences.values()
     else:
@@ -49,8 +46,6 @@ def tokenize(dataset: str, num_levels: int = 4, num_codes: int = 256, embeddings
     Returns:
         The meta record: paths, embedding source, settings, ``QuantizerReport`` fields, CPU seconds.
     """
-    from ..data.files import LEVEL_LETTERS, index_meta_path, locate_directory
-
     start_cpu, start_wall = time.process_time(), time.perf_counter()
     files = locate_directory(dataset)
     target = Path(output).resolve() if output else (files.index_path or

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.files import _read_json
+
 TEXT_FIELDS = ("title", "brand", "categories", "description")
 DEFAULT_ENCODER = "tfidf-svd"
 DEFAULT_DIMENSIONS = 128
@@ -19,8 +21,6 @@ DEFAULT_DIMENSIONS = 128
 def read_item_texts(path: Path) -> dict[str, str]:
     """``{item id: {"title", "brand", "categories", "description"}}`` (``<Name>.item.json``) -> one
     text per item, its fields joined in that order; fields may be strings or lists of strings."""
-    from ..data.files import _read_json
-
     raw = _read_json(path)
     if not isinstance(raw, dict) or not raw:
         raise ValueError(f"{path}: expected a non-empty JSON object {{item id: {{{', '.join(TEXT_FIELDS)}}}}}")
@@ -39,6 +39,7 @@ def read_item_texts(path: Path) -> dict[str, str]:
 
 def tfidf_svd(texts: list[str], dimensions: int = DEFAULT_DIMENSIONS, seed: int = 0) -> tuple[np.ndarray, str]:
     """(I, D) L2-normalised LSA vectors: TF-IDF (words and bigrams, sublinear tf) then truncated SVD."""
+    # lazy: scikit-learn, only when tokenizing; every command's parser imports this package
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfVectorizer
     from sklearn.preprocessing import normalize
@@ -61,7 +62,7 @@ def sentence_encoder(texts: list[str], name: str) -> tuple[np.ndarray, str]:
     """Vectors from a sentence-transformers model that is already on this machine (never downloaded)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a missing model is an error, not a download
     try:
-        from sentence_transformers import SentenceTransformer
+        from sentence_transformers import SentenceTransformer  # lazy: an optional extra
     except ImportError:
         raise ValueError(f"--encoder {name!r} needs sentence-transformers: pip install 'apao_ray[st]' (or use the "
                          f"default {DEFAULT_ENCODER!r}, which needs no download)") from None
@@ -90,7 +91,7 @@ def read_vectors(path: Path, item_ids: list[str], text_order: list[str] | None) 
                              f"{'item-text file' if text_order else 'dataset'}'s order")
         by_id = dict(zip(order, array))
     elif path.suffix == ".parquet":
-        import pandas as pd
+        import pandas as pd  # lazy: only for a Parquet file
 
         frame = pd.read_parquet(path)
         id_column = next((c for c in ("item", "item_id") if c in frame.columns), None)

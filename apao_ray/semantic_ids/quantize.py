@@ -41,7 +41,7 @@ def residual_kmeans(vectors: np.ndarray, num_levels: int, num_codes: int, seed: 
     every later level, and collide (Office, TF-IDF vectors: 1,996 distinct IDs for 2,420
     items plainly, 2,191 with directions).
     """
-    from sklearn.cluster import KMeans
+    from sklearn.cluster import KMeans  # lazy: scikit-learn, as in embeddings.tfidf_svd
 
     residual = np.asarray(vectors, dtype=np.float64).copy()                     # float64: deterministic sums
     codes = np.zeros((len(residual), num_levels), dtype=np.int64)

@@ -33,7 +33,7 @@ def _cpu_model_from_proc() -> Iterator[None]:
     Python process that reads CPUID: that process cost 1.1 CPU-s and ~1.1 s of every trial's start on 2 CPUs
     (the start 1.47 -> 0.33 s wall). CodeCarbon reads only the name (``brand_raw``) from it, once per process."""
     model = proc_cpu_model()
-    try:
+    try:  # lazy: py-cpuinfo comes with CodeCarbon, an optional extra
         import cpuinfo
     except ImportError:
         model = None
@@ -72,7 +72,7 @@ class CostMeter:
             self._start_energy()
 
     def _start_energy(self) -> None:
-        try:
+        try:  # lazy: CodeCarbon, an optional extra
             from codecarbon import OfflineEmissionsTracker
         except ImportError:
             return

@@ -21,6 +21,7 @@ from torch import nn
 from ..config import LossConfig, TrialConfig
 from ..data import Dataset, load_dataset
 from ..losses import build_loss
+from ..models import build_model
 from ..names import PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
@@ -114,8 +115,6 @@ class EpochProgress:
 
 def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None = None) -> dict[str, Any]:
     """Trains one trial to the end (or early stop) and returns its final metrics (incl. test/*)."""
-    from ..models import build_model  # models import torch only; kept local for a light import
-
     # 'auto' becomes this worker's precision: recorded in the checkpoint, the reports and MLflow
     config = config.replace(train=config.train.replace(precision=resolve_precision(config.train.precision, hooks.device)))
     train_cfg, loss_cfg = config.train, config.loss

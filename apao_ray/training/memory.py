@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import resource  # POSIX only, as training/cost.py: Ray Train workers run on Linux and macOS
 import time
 
 SOFT_LIMIT_BYTES = int(1.5 * 2**30)
@@ -140,8 +141,6 @@ class MemoryCap:
     """
 
     def __init__(self, max_bytes: int) -> None:
-        import resource
-
         if max_bytes <= 0:
             raise ValueError(f"memory cap {max_bytes} bytes must be > 0")
         self.max_bytes = max_bytes

@@ -62,7 +62,7 @@ class TuneTrialHooks(ScratchCheckpoints, TrainingHooks):
         self._open_scratch(scratch_prefix)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
-        from ray import tune
+        from ray import tune  # lazy: Tune, only in a trial's Tune actor; Ray Train's workers never load it
 
         super().report(metrics, checkpoint_dir)  # the checkpoint is in place before Tune's callbacks hear of it
         tune.report({**metrics, **worker_facts(self.node_id)})
@@ -73,7 +73,7 @@ class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
 
     def __init__(self, verbose: bool = True, scratch_prefix: str = SCRATCH_PREFIX,
                  run_dir: str | Path | None = None) -> None:
-        import ray.train.torch  # here, not at the top: a trial in Tune's actor does without Ray Train
+        import ray.train.torch  # lazy: a trial in Tune's actor does without Ray Train
 
         context = ray.train.get_context()
         self.rank = context.get_world_rank()
@@ -85,7 +85,7 @@ class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
         self._open_scratch(scratch_prefix)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        import ray.train.torch
+        import ray.train.torch  # lazy: as in __init__
 
         return ray.train.torch.prepare_model(model)  # moves to the device; DDP when world_size > 1
 
@@ -135,7 +135,7 @@ def quiet_report_log(level: str) -> None:
     """Applies Ray Train's console log level to its "Reporting training result" line too: Ray 2.60 logs
     every report (with the whole metrics dict) at INFO under a logger named after its file's path, not
     ``ray.train.*``, so ``RunConfig(logging_config=...)`` misses it."""
-    try:
+    try:  # lazy: a private module of Ray 2.60 that another Ray may not have
         from ray.train.v2._internal.execution import context
     except ImportError:  # another Ray: nothing to do
         return

@@ -322,11 +322,6 @@ def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
                                      "--seeds studies, mean and std over its seeds and the paired significance against "
                                      "the baseline.")
     parser.add_argument("--dataset", required=True, help="dataset whose experiment (apao-<dataset>) to read")
-    parser.add_argument("--seeds", type=seed_list, default=DEFAULTS["seeds"], metavar="S,S,...",
-                        help="seeds as a study dimension, e.g. 0,1,2: the search runs on the first; then the best "
-                             "configuration of every (backbone, loss) trains again on each other seed (trials of the "
-                             "same study, resumable) and the table shows mean, std and significance over the seeds; "
-                             "not with --seed (default: --seed alone)")
     parser.add_argument("--study-name", help="only this study (default: every study of the dataset)")
     parser.add_argument("--metric", default="best/val/ndcg_at_10", help="validation metric that picks the best trial (default %(default)s)")
     parser.add_argument("--baseline", default="ce", help="loss every method is compared with, per user on the test "

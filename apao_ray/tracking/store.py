@@ -1,0 +1,156 @@
+"""Where MLflow writes: the tracking URI (resolved, checked, redacted), the artifact location, MLflow's
+fluent API pointed at a store, and which experiments and studies a store holds."""
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import re
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from ..data.files import dataset_label
+from ..paths import DEFAULT_DB_NAME, TRACKING_URI_ENV
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """``--tracking-uri`` > ``$MLFLOW_TRACKING_URI`` > ``sqlite:///<cwd>/mlflow.db``, made absolute.
+
+    Inside a trial the working directory is a per-trial folder, so a relative SQLite path would
+    create a second database: every path is resolved here, in the driver.
+    """
+    uri = uri or os.environ.get(TRACKING_URI_ENV) or DEFAULT_DB_NAME
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):]
+        return "sqlite:///" + str(Path(path).expanduser().resolve()) if not path.startswith("/") else uri
+    if uri.startswith(("http://", "https://", "databricks", "postgresql", "mysql", "mssql")):
+        return uri
+    if uri.startswith("file:") or "://" in uri:
+        raise ValueError(f"tracking URI {uri!r} is not supported: use a SQLite file (sqlite:////abs/mlflow.db or a "
+                         "plain path), a database URI, or an MLflow server http://host:port (MLflow 3 refuses file stores)")
+    return "sqlite:///" + str(Path(uri).expanduser().resolve())  # a plain path -> a SQLite database
+
+
+def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
+    """Fails fast, naming the URI, when a tracking server cannot be reached or a DB not created."""
+    if uri.startswith(("http://", "https://")):
+        parts = urllib.parse.urlsplit(uri)
+        netloc = parts.hostname + (f":{parts.port}" if parts.port else "") if parts.hostname else parts.netloc
+        request = urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=netloc)).rstrip("/") + "/health")
+        if parts.username:  # credentials in the URI: send them as MLflow's client would, never print them
+            token = base64.b64encode(f"{parts.username}:{parts.password or ''}".encode()).decode()
+            request.add_header("Authorization", f"Basic {token}")
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                response.read()
+        except (urllib.error.URLError, OSError) as error:
+            raise ConnectionError(f"MLflow tracking server {redact(uri)!r} is unreachable: {error}") from None
+    elif uri.startswith("sqlite:///"):
+        directory = Path(uri[len("sqlite:///"):]).parent
+        if not directory.is_dir() or not os.access(directory, os.W_OK):
+            raise ValueError(f"tracking URI {uri!r}: directory {directory} does not exist or is not writable")
+
+
+_URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@/\s]+@")
+_SECRET_FLAG = re.compile(r"(?P<flag>--?[\w-]*(?:token|password|passwd|secret|api[-_]?key)[\w-]*(?:=|\s+))\S+",
+                          re.IGNORECASE)
+
+
+def redact(text: str) -> str:
+    """Hides passwords in URLs (``http://user:***@host``) and values of token/password/secret flags:
+    command lines are recorded as tags, and an MLflow server's users can read every tag."""
+    return _SECRET_FLAG.sub(r"\g<flag>***", _URL_PASSWORD.sub(r"\g<head>:***@", text))
+
+
+def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
+    """Where a new experiment keeps its artifacts: beside a SQLite database, in ``mlartifacts/<experiment>``.
+
+    MLflow's own default for a database store is ``./mlruns`` of whatever directory the first run
+    happened in (tens of MB of models per study, far from the database the user named). A tracking
+    server decides for itself (``--artifacts-destination``): None leaves it to the server.
+    """
+    if tracking_uri.startswith("sqlite:///"):
+        return str(Path(tracking_uri[len("sqlite:///"):]).parent / "mlartifacts" / experiment)
+    return None
+
+
+def experiment_name(dataset: str) -> str:
+    """``apao-<dataset>``; a dataset directory path gives its folder name (``data.dataset_label``)."""
+    return f"apao-{dataset_label(dataset)}"
+
+
+def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config dict -> ``{"loss.beta": 0.3, ...}`` (MLflow params)."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+@contextlib.contextmanager
+def quiet_mlflow():
+    """MLflow without its per-call chatter: no artifact download bars (``log_model`` downloads the
+    model back to validate its input example), no INFO/WARNING lines from model logging (a
+    CloudPickle notice and "Inferring model signature" per trial). Errors still show."""
+    loggers = [logging.getLogger(name) for name in ("mlflow.pyfunc", "mlflow.models")]
+    levels = [logger.level for logger in loggers]
+    previous = os.environ.get("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR")
+    os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = previous or "false"  # a user's own choice wins
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if previous is None:
+            os.environ.pop("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", None)
+
+
+@contextlib.contextmanager
+def tracking_at(tracking_uri: str | None):
+    """MLflow's fluent API (models:/ URIs, log_model) pointed at ``tracking_uri`` for a block (None: unchanged)."""
+    previous = mlflow.get_tracking_uri()
+    if tracking_uri:
+        mlflow.set_tracking_uri(tracking_uri)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+
+def study_experiment(tracking_uri: str, study: str) -> str | None:
+    """The name of the experiment whose parent run is study ``study`` (tag ``apao.study``), if any."""
+    client = MlflowClient(tracking_uri)
+    for experiment in client.search_experiments():
+        runs = client.search_runs([experiment.experiment_id], f"tags.`apao.study` = '{study}' and "
+                                  "tags.`apao.role` = 'study'", max_results=1)
+        if runs:
+            return experiment.name
+    return None
+
+
+def experiment_names(tracking_uri: str) -> list[str]:
+    """Names of the experiments in the store (for messages naming what exists)."""
+    return sorted(e.name for e in MlflowClient(tracking_uri).search_experiments())
+
+
+def studies_in(tracking_uri: str) -> list[str]:
+    """Names of every study with a parent run in the store (for messages naming what exists)."""
+    client = MlflowClient(tracking_uri)
+    names = set()
+    for experiment in client.search_experiments():
+        for run in client.search_runs([experiment.experiment_id], "tags.`apao.role` = 'study'", max_results=5000):
+            names.add(run.data.tags.get("apao.study", "?"))
+    return sorted(names)
