@@ -12,11 +12,12 @@ like the others. What a loss tunes, its ranges and its paper settings are the lo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...config import TrialConfig
-from ...losses import LOSSES, Knob
-from ...losses.knobs import check_range
+
+if TYPE_CHECKING:  # apao_ray.losses imports torch, which the driver's callbacks do not load: see loss_class
+    from ...losses.knobs import Knob
 
 SEPARATOR = "__"
 # keys of a repeat trial's config (repeats.py): the seed it trains on, the MLflow run it repeats
@@ -96,7 +97,7 @@ class SearchSpec:
         return points[:max(needed, default=0)]
 
     def _paper_point(self, backbone: str, loss: str) -> dict[str, Any]:
-        setting = LOSSES[loss].paper_point(backbone, self.dataset)
+        setting = loss_class(loss).paper_point(backbone, self.dataset)
         return {param_name(backbone, loss, k.name): k.clip(setting[k.name], *self.range_of(k)) for k in knobs_of(loss)}
 
     def define_by_run(self) -> "DefineByRun":
@@ -129,19 +130,20 @@ def param_name(backbone: str, loss: str, knob: str) -> str:
 
 
 def trial_choices(config: dict[str, Any]) -> dict[str, Any]:
-    """A Tune trial config -> ``{"backbone", "loss", <each tuned knob>...}`` (e.g. ``beta``, ``eta``)."""
+    """A Tune trial config -> ``{"backbone", "loss", <each tuned knob>...}`` (e.g. ``beta``, ``eta``), read from
+    the config's own param names, so that the driver's callbacks need not load the registry (and torch)."""
     backbone, loss = config["backbone"], config["loss"]
-    choices: dict[str, Any] = {"backbone": backbone, "loss": loss}
-    for knob in knobs_of(loss):
-        choices[knob.name] = config[param_name(backbone, loss, knob.name)]
-    return choices
+    prefix = param_name(backbone, loss, "")
+    return {"backbone": backbone, "loss": loss,
+            **{key[len(prefix):]: value for key, value in config.items() if key.startswith(prefix)}}
 
 
 def trial_config(base: TrialConfig, config: dict[str, Any]) -> TrialConfig:
     """What a trial trains: the study's base config with the trial's backbone, loss and knobs, and a
     repeat's seed (a search trial trains on the base's)."""
     choices = trial_choices(config)
-    loss = base.loss.replace(name=choices["loss"]).with_knobs({k.name: choices[k.name] for k in knobs_of(choices["loss"])})
+    knobs = {k: v for k, v in choices.items() if k not in ("backbone", "loss")}
+    loss = base.loss.replace(name=choices["loss"]).with_knobs(knobs)
     train = base.train.replace(seed=int(config[SEED_KEY])) if SEED_KEY in config else base.train
     return TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, train, base.protocol)
 
@@ -150,13 +152,25 @@ def trial_config(base: TrialConfig, config: dict[str, Any]) -> TrialConfig:
 NAMED_RANGES = ("beta", "eta", "num_negatives")
 
 
+def loss_class(loss: str) -> Any:
+    """The registered class of ``loss`` (``LOSSES``), None for an unknown name."""
+    # here, not at the top: the registry imports torch, which the driver's callbacks do not load
+    # (tests/test_tracking.py) though they read this module's trial_choices
+    from ...losses import LOSSES
+
+    return LOSSES.get(loss)
+
+
 def knobs_of(loss: str) -> tuple[Knob, ...]:
     """What a study tunes for ``loss`` (its class's ``knobs``); none for a baseline."""
-    return LOSSES[loss].knobs if loss in LOSSES else ()
+    registered = loss_class(loss)
+    return registered.knobs if registered is not None else ()
 
 
 def knob_names() -> tuple[str, ...]:
     """Every registered loss's knob names: ``NAMED_RANGES`` first (the table's columns), then the others."""
+    from ...losses import LOSSES  # the registry imports torch: see loss_class
+
     others = sorted({k.name for loss in LOSSES.values() for k in loss.knobs} - set(NAMED_RANGES))
     return (*NAMED_RANGES, *others)
 
@@ -171,6 +185,8 @@ def tunes(loss: str, knob: str) -> bool:
 
 def check_knob_ranges(ranges: dict[str, tuple[float, float]], losses: tuple[str, ...]) -> None:
     """Each range names a knob one of ``losses`` tunes (not one with its own field) and fits its scale."""
+    from ...losses.knobs import check_range  # torch: see loss_class
+
     declared = {k.name: k for loss in losses for k in knobs_of(loss)}
     for name, bounds in ranges.items():
         if name in NAMED_RANGES or name not in declared:
