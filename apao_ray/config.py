@@ -83,6 +83,8 @@ def _coerce(owner: str, name: str, hint: Any, value: Any) -> Any:
             return value
         if typing.get_origin(option) is tuple and isinstance(value, (list, tuple)):
             return tuple(value)
+        if typing.get_origin(option) is dict and isinstance(value, dict):
+            return dict(value)  # its values are checked by the owner's __post_init__
     raise ValueError(f"{owner}.{name} must be {hint}, got {value!r} ({type(value).__name__})")
 
 
@@ -150,8 +152,31 @@ class LossConfig(_Config):
     drop_level: int | None = None      # ablation: no supervision at prefix level m (1..T)
     beta_pref: float = 1.0             # DPO / DMPO / S-DPO temperature
     pretrain_ce_epochs: int = 0        # two-stage: CE epochs, then this loss from the best CE epoch (own optimizer)
+    # knobs of losses defined later (``Loss.knobs`` not named above), by name; configs written before: none
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def knob(self, name: str, default: float | None = None) -> float:
+        """The knob ``name``: a field above or an ``extra`` knob, else ``default`` (None: a KeyError)."""
+        if name in self.extra:
+            return self.extra[name]
+        if name != "extra" and name in {f.name for f in dataclasses.fields(self)}:
+            return getattr(self, name)
+        if default is None:
+            raise KeyError(f"LossConfig has no knob {name!r}: not a field and not in extra {sorted(self.extra)}")
+        return default
+
+    def with_knobs(self, knobs: dict[str, float]) -> "LossConfig":
+        """This config with ``knobs`` set: a field's name sets the field, any other name goes in ``extra``."""
+        fields = {f.name for f in dataclasses.fields(self)} - {"extra"}
+        extra = {**self.extra, **{k: v for k, v in knobs.items() if k not in fields}}
+        return self.replace(**{k: v for k, v in knobs.items() if k in fields}, extra=extra)
 
     def __post_init__(self) -> None:
+        fields = {f.name for f in dataclasses.fields(self)}
+        for name, value in self.extra.items():
+            if name in fields or not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"LossConfig.extra[{name!r}]={value!r}: extra knobs are numbers whose names are "
+                                 f"not LossConfig fields ({sorted(fields)})")
         _check_choice("LossConfig", "weighting", self.weighting, WEIGHTING_MODES)
         _check_range("LossConfig", "beta", self.beta, 0.0)
         _check_range("LossConfig", "eta", self.eta, 0.0)

@@ -11,6 +11,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+# modules that define losses outside the package (comma-separated), imported by apao_ray.losses in the
+# driver and in every Ray worker (the study passes it through Ray's runtime_env)
+PLUGINS_ENV = "APAO_PLUGINS"
 # keys in a trial's reports (one per epoch, then the final one)
 RESUMED_HISTORY_KEY = "resumed_history"  # per-epoch metrics so far, in the first report after a resume
 PRECISION_KEY = "precision"  # the resolved precision (fp32/bf16), in every report

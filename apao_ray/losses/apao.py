@@ -14,6 +14,7 @@ from ..config import WEIGHTING_MODES, LossConfig
 from ..data.catalog import CatalogTensors
 from .base import LossInputs, LossOutput
 from .negatives import counted_negatives_mask
+from .knobs import BETA, ETA, NUM_NEGATIVES
 from .registry import Loss, register
 
 __all__ = ["prefix_scores", "apao_pointwise_losses", "apao_pairwise_losses", "AdaptivePrefixWeights",
@@ -288,6 +289,15 @@ class _APAOLoss(Loss):
 class APAOPointwiseLoss(_APAOLoss):
     """APAO with L_m = L_point(m) = -(1/m) S_+^m; no negatives (paper Eq. final_pointwise)."""
 
+    display_name = "APAO-pointwise"
+    help = "CE + beta x adaptively weighted pointwise prefix losses"
+    knobs = (BETA, ETA)
+    paper_settings = {  # paper Table 5
+        "tiger": {"office": {"beta": 0.3, "eta": 1e-4}, "grocery": {"beta": 0.1, "eta": 5e-5},
+                  "beauty": {"beta": 0.1, "eta": 1e-5}, "yelp": {"beta": 0.05, "eta": 1e-5}},
+        "llama": {"office": {"beta": 0.4, "eta": 5e-4}, "grocery": {"beta": 0.4, "eta": 5e-5},
+                  "beauty": {"beta": 0.3, "eta": 1e-4}, "yelp": {"beta": 0.4, "eta": 1e-5}},
+    }
     num_negatives = 0
 
     def prefix_losses(self, token_logp: torch.Tensor, inputs: LossInputs) -> torch.Tensor:
@@ -302,6 +312,18 @@ class APAOPairwiseLoss(_APAOLoss):
     are dropped when ``pairwise_mask_duplicates``; ``pairwise_scale_negatives`` scales by
     (P_m - 1) / counted (``pairwise_scale_plus_one``: / (counted + 1)); ``pairwise_divide_by_m`` divides by m.
     """
+
+    display_name = "APAO-pairwise"
+    help = "CE + beta x adaptively weighted pairwise prefix losses against N sampled negatives"
+    knobs = (BETA, ETA, NUM_NEGATIVES)
+    # paper Table 5; it gives no number of negatives: 100 (NUM_NEGATIVES.default) everywhere
+    paper_settings = {
+        "tiger": {"office": {"beta": 0.2, "eta": 3e-5}, "grocery": {"beta": 0.1, "eta": 5e-5},
+                  "beauty": {"beta": 0.1, "eta": 1e-4}, "yelp": {"beta": 0.05, "eta": 5e-6}},
+        "llama": {"office": {"beta": 0.4, "eta": 5e-5}, "grocery": {"beta": 0.2, "eta": 3e-5},
+                  "beauty": {"beta": 0.4, "eta": 1e-5}, "yelp": {"beta": 0.1, "eta": 5e-6}},
+    }
+    uses_negatives = True
 
     def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
         super().__init__(config, catalog)

@@ -12,6 +12,8 @@ class CrossEntropyLoss(Loss):
     Only candidate 0 (the target) is read; no negatives, no reference, no state.
     """
 
+    display_name = "CE"
+    help = "token cross-entropy of the target item (the baseline)"
     num_negatives = 0
 
     def __call__(self, inputs: LossInputs) -> LossOutput:

@@ -40,6 +40,8 @@ class MaskedSoftmaxLoss(Loss):
     ``candidate_nodes``; also logs the plain full-vocabulary CE as ``loss_ce`` for comparison.
     """
 
+    display_name = "MSL"
+    help = "masked softmax over the catalog's valid next tokens, temperature tau (LossConfig.tau, not tuned)"
     num_negatives = 0
     step_normaliser = "valid_children"  # invalid tokens are never trained down: decode without them
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..config import LossConfig
 from ..data.catalog import CatalogTensors
 from .base import LossInputs, LossOutput
+from .knobs import BETA, NUM_NEGATIVES
 from .registry import Loss, at_least_float32, register
 
 
@@ -20,6 +21,8 @@ class _PreferenceLoss(Loss):
     """Shared plumbing: rewards (B, C) -> per-row loss (B,), batch mean, reward metrics."""
 
     needs_reference = True
+    needs_ce_stage = True  # the reference is the CE stage's model
+    uses_negatives = True
     metric_name = ""
 
     def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
@@ -70,6 +73,8 @@ class _PreferenceLoss(Loss):
 class DPOLoss(_PreferenceLoss):
     """DPO with one negative: -log sigma(r(e_+) - r(e_-)), batch mean."""
 
+    display_name = "DPO"
+    help = "two-stage: CE, then DPO against one sampled negative"
     metric_name = "dpo"
 
     def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
@@ -84,6 +89,9 @@ class DPOLoss(_PreferenceLoss):
 class DMPOLoss(_PreferenceLoss):
     """DMPO: the positive against the mean over N negatives, -log sigma(r_+ - (1/N) sum_j r_j)."""
 
+    display_name = "DMPO"
+    help = "two-stage: CE, then DMPO, the positive against the mean of N negatives"
+    knobs = (NUM_NEGATIVES,)
     metric_name = "dmpo"
 
     def row_losses(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -94,6 +102,9 @@ class DMPOLoss(_PreferenceLoss):
 class SDPOLoss(_PreferenceLoss):
     """S-DPO (paper Eq. s_dpo): -log sigma(-log sum_j exp(r_j - r_+)), batch mean."""
 
+    display_name = "S-DPO"
+    help = "two-stage: CE, then S-DPO, softmax DPO over N negatives"
+    knobs = (NUM_NEGATIVES,)
     metric_name = "sdpo"
 
     def row_losses(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -109,7 +120,11 @@ class CESDPOLoss(SDPOLoss):
     cancels in r_j - r_+; a given ``ref_token_logp`` is used.
     """
 
+    display_name = "CE+S-DPO"
+    help = "one stage: CE + beta x S-DPO over N negatives, no reference model"
+    knobs = (BETA, NUM_NEGATIVES)
     needs_reference = False
+    needs_ce_stage = False
 
     def combine(self, loss_ce: torch.Tensor, loss_pref: torch.Tensor) -> torch.Tensor:
         return loss_ce + self.config.beta * loss_pref

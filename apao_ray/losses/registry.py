@@ -13,6 +13,7 @@ from ..config import LossConfig
 from ..data.catalog import CatalogTensors
 from ..models.base import label_log_probs
 from .base import LossInputs, LossOutput
+from .knobs import Knob, PaperSettings, paper_setting
 
 
 class Loss:
@@ -29,6 +30,13 @@ class Loss:
 
     Attributes:
         name: the registry key.
+        display_name, help: how tables and ``--help`` name it, and one line on what it is.
+        knobs: what a study tunes, with default ranges (``Knob``); none: a baseline, trained once per backbone.
+        paper_settings: backbone -> dataset -> knob values (paper Table 5): a study's first trial of the
+            method (``paper_point``); a dataset not named takes the Office setting, a knob not named its default.
+        needs_ce_stage: a two-stage loss: CE for ``LossConfig.pretrain_ce_epochs`` epochs first, then this
+            loss against the frozen CE model.
+        uses_negatives: whether it scores sampled negatives (true also where their number is fixed, as DPO's one).
         num_negatives: N, sampled negatives per target (C = 1 + N).
         needs_reference: whether ``ref_token_logp`` is required.
         step_normaliser: ``vocabulary`` or ``valid_children``, what decoding must normalise
@@ -36,6 +44,12 @@ class Loss:
     """
 
     name: str = ""
+    display_name: str = ""
+    help: str = ""
+    knobs: tuple[Knob, ...] = ()
+    paper_settings: PaperSettings = {}
+    needs_ce_stage: bool = False
+    uses_negatives: bool = False
     num_negatives: int = 0
     needs_reference: bool = False
     # how decoding normalises step scores for a model trained with this loss (decoding/scoring.py)
@@ -49,9 +63,24 @@ class Loss:
         """Temperature decoding divides the logits by (MSL: its tau; others 1)."""
         return 1.0
 
+    @classmethod
+    def knob_named(cls, name: str) -> Knob | None:
+        return next((knob for knob in cls.knobs if knob.name == name), None)
+
+    @classmethod
+    def paper_point(cls, backbone: str, dataset: str) -> dict[str, float]:
+        """Each tuned knob's paper value for (backbone, dataset) (``paper_settings``)."""
+        return paper_setting(cls.paper_settings, cls.knobs, backbone, dataset)
+
     def __init__(self, config: LossConfig, catalog: CatalogTensors) -> None:
         self.config = config
         self.catalog = catalog
+
+    def knob(self, name: str) -> float:
+        """The value of knob ``name`` in this loss's config: a ``LossConfig`` field or one of its ``extra``
+        knobs, else the default of the ``Knob`` declared here."""
+        declared = self.knob_named(name)
+        return self.config.knob(name, None if declared is None else declared.default)
 
     def __call__(self, inputs: LossInputs) -> LossOutput:
         raise NotImplementedError
@@ -93,8 +122,7 @@ def at_least_float32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
 
 
-LossFactory = Callable[[LossConfig, CatalogTensors], Loss]
-LOSSES: dict[str, LossFactory] = {}
+LOSSES: dict[str, type[Loss]] = {}
 
 
 def register(name: str) -> Callable[[type[Loss]], type[Loss]]:
@@ -103,6 +131,7 @@ def register(name: str) -> Callable[[type[Loss]], type[Loss]]:
         if name in LOSSES:
             raise ValueError(f"loss {name!r} is registered twice")
         cls.name = name
+        cls.display_name = cls.__dict__.get("display_name") or name
         LOSSES[name] = cls
         return cls
     return add

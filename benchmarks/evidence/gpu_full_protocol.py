@@ -37,11 +37,11 @@ sys.path.insert(0, str(ROOT))
 
 
 def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
-    """``apao train`` flags of one trial: the loss's paper Table 5 knobs for the backbone (what office_full.sh's
-    sweep gives its one trial per loss with ``--num-samples 1``)."""
-    from apao_ray.study.spec.space import PAPER_SETTINGS
+    """``apao train`` flags of one trial: the loss's paper Table 5 knobs for the backbone and dataset (what
+    office_full.sh's sweep gives its one trial per loss with ``--num-samples 1``)."""
+    from apao_ray.losses import LOSSES
 
-    knobs = PAPER_SETTINGS.get((args.backbone, loss), {})
+    knobs = LOSSES[loss].paper_point(args.backbone, args.dataset)
     flags = {"beta": "--beta", "eta": "--eta", "num_negatives": "--num-negatives"}
     return ["--dataset", args.dataset, "--data-dir", args.data_dir, "--backbone", args.backbone, "--loss", loss,
             *(item for knob, value in knobs.items() for item in (flags[knob], str(value))),
@@ -110,7 +110,7 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
     from apao_ray.config import TrialConfig
     from apao_ray.protocol import run_tags
     from apao_ray.study.cli.train import build_parser, trial_config_from_args
-    from apao_ray.study.spec.space import PAPER_SETTINGS
+    from apao_ray.losses import LOSSES
     from apao_ray.tracking import flatten
 
     (to_dir / PER_USER_DIR).mkdir(parents=True, exist_ok=True)
@@ -128,7 +128,7 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
         metrics = {k: v for k, v in (epochs[-1] if epochs else {}).items() if isinstance(v, (int, float))}
         metrics.update({"best/epoch": best.get("epoch", 0), "best/val/ndcg_at_10": best.get("val/ndcg_at_10", 0.0)})
         metrics.update({k: v for k, v in (trial.get("final") or {}).items() if isinstance(v, (int, float))})
-        knobs = PAPER_SETTINGS.get((backbone, loss), {})
+        knobs = LOSSES[loss].paper_point(backbone, config.data.dataset)
         record = {"run_id": run_id, "name": f"{backbone}/{loss} seed={seed}",
                   "status": "FINISHED" if trial["finished"] else "KILLED", "start_time": None, "end_time": None,
                   "tags": {"backbone": backbone, "loss": loss, "apao.study": study, "apao.seed": str(seed),

@@ -25,8 +25,9 @@ DATASET=${DATASET:-office}
 BACKBONE=${BACKBONE:-tiger}
 LOSSES=${LOSSES:-ce,apao_pointwise}
 PROTOCOL=${PROTOCOL:-paper}
-# the main study's knobs as given since it started (a resume must see the same space); any other study gets
-# each loss's paper Table 5 setting for its backbone from the study itself (--num-samples 1 runs the enqueued one)
+# the main study's knobs as given since it started (a resume must see the same space; Office's Table 5 setting);
+# any other study gets each loss's paper Table 5 setting for its backbone and DATASET from the study itself
+# (Loss.paper_settings; --num-samples 1 runs the enqueued one)
 [ "$DATASET,$BACKBONE,$PROTOCOL,$LOSSES" = office,tiger,paper,ce,apao_pointwise ] && KNOBS=${KNOBS:---beta 0.3 --eta 1e-4} || KNOBS=${KNOBS:-}
 [ "$LOSSES" = ce,apao_pointwise ] && suffix="" || suffix="-${LOSSES//,/_}"
 [ "$PROTOCOL" = paper ] || suffix="-$PROTOCOL$suffix"

@@ -106,6 +106,9 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
     parser.add_argument("--eta", type=parse_range, default=DEFAULTS["eta"], help="LOW:HIGH, log scale (default 5e-6:5e-4)")
     parser.add_argument("--negatives", type=lambda t: parse_range(t, int), default=None,
                         help="LOW:HIGH negatives for pairwise losses, log scale (default 10:200; 10:20 with --quick)")
+    parser.add_argument("--knob", dest="knob_ranges", type=parse_knob_range, action="append", default=[],
+                        metavar="NAME=LOW:HIGH", help="search range of another knob a loss declares (Loss.knobs; "
+                        "repeatable; default: the knob's own range; docs/own-loss.md)")
     parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=None,
                         help="CE epochs before a preference loss (dpo/dmpo/sdpo; default half the epochs)")
     parser.add_argument("--max-concurrent", type=positive_int, default=None, help="trials at once (default: the cluster's CPUs // cpus-per-trial)")
@@ -227,8 +230,17 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
     values.update(budget=args.budget if args.budget is not None else args.time_budget,
                   memory_per_trial_gib=args.memory_per_trial,
                   protocol_knobs={k: v for k, v in knobs.items() if v is not None},
+                  knob_ranges=dict(args.knob_ranges),
                   retention_users=32 if args.quick or args.smoke else DEFAULTS["retention_users"])
     return StudySpec(**values)
+
+
+def parse_knob_range(text: str) -> tuple[str, tuple[float, float]]:
+    """'NAME=LOW:HIGH' (or NAME=VALUE) -> (name, (low, high)); the knob and its scale are checked by the spec."""
+    name, equals, bounds = text.partition("=")
+    if not equals or not name.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} must be NAME=LOW:HIGH, e.g. gamma=0.01:0.3")
+    return name.strip(), parse_range(bounds)
 
 
 def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:

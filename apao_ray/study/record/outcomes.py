@@ -62,6 +62,8 @@ def describe(choices: dict[str, Any]) -> str:
         parts.append(f"eta={choices['eta']:.2g}")
     if "num_negatives" in choices:
         parts.append(f"N={int(choices['num_negatives'])}")
+    named = {"backbone", "loss", "beta", "eta", "num_negatives"}
+    parts += [f"{name}={value:.3g}" for name, value in choices.items() if name not in named]  # other losses' knobs
     return " ".join(parts)
 
 

@@ -11,11 +11,11 @@ from ...names import PLAN_TAG, REPEATS_TAG
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
 from . import plots
+from ..spec.space import NAMED_RANGES, knob_names
 from .outcomes import short_reason
 from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
     significance_column
 
-KNOBS = ("beta", "eta", "num_negatives")
 COST_COLUMNS = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb", "cost/energy_kwh")
 
 
@@ -36,7 +36,7 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
     rows = []
     for (backbone, loss), run in sorted(best.items()):
         row: dict[str, Any] = {"backbone": backbone, "loss": loss}
-        row.update({k: _number(run.data.params.get(k)) for k in KNOBS})
+        row.update({k: _number(run.data.params.get(k)) for k in knob_names()})
         row[metric] = run.data.metrics[metric]
         row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
         # MLflow 3 keeps models as LoggedModels (models:/m-...); runs:/<id>/model also loads
@@ -142,7 +142,7 @@ def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list
         scored = [run for run in runs if run.data.metrics.get(metric) is not None]
         if scored:
             run = max(scored, key=lambda r: r.data.metrics[metric])
-            row.update({k: _number(run.data.params.get(k)) for k in KNOBS})
+            row.update({k: _number(run.data.params.get(k)) for k in knob_names()})
             row[metric] = run.data.metrics[metric]
             row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
             row.update({"run_id": run.info.run_id, "study": run.data.tags.get("apao.study")})
@@ -185,7 +185,9 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     significance = sorted({k for row in rows for k in row if k.startswith("vs ")})
     costs = [k for k in COST_COLUMNS if any(row.get(k) is not None for row in rows)]
     registered = ["registered_model"] if any(row.get("registered_model") for row in rows) else []
-    columns = ["backbone", "loss", *KNOBS, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
+    # the paper's knobs always (the table's columns before knobs moved to the losses), others where a row has one
+    knobs = [k for k in knob_names() if k in NAMED_RANGES or any(row.get(k) is not None for row in rows)]
+    columns = ["backbone", "loss", *knobs, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
                "protocol", "schedule", "converged", "run_id", *registered]
     if any("status" in row for row in rows):
         columns.append("status")

@@ -169,9 +169,10 @@ def _parent_run(setup: Any) -> Any:
 
 def space_param(spec: SearchSpec) -> str:
     """The searched space as the parent run records it; not the start order, which a resume may plan
-    anew (the restored searcher keeps its own)."""
-    return json.dumps({k: v for k, v in spec.__dict__.items() if k != "first" and (k != "deferred" or v)},
-                      default=list)
+    anew (the restored searcher keeps its own), nor the dataset (a resume checks its files). Fields added
+    later are left out while empty, so a study recorded before them resumes."""
+    return json.dumps({k: v for k, v in spec.__dict__.items()
+                       if k not in ("first", "dataset") and (k not in ("deferred", "knob_ranges") or v)}, default=list)
 
 
 def open_parent_run(tracker: Any, study: Study) -> str:

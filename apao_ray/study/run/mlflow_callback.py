@@ -40,6 +40,7 @@ def child_params(config: TrialConfig, choices: dict[str, Any]) -> dict[str, Any]
     del base["model"]["backbone"], base["loss"]["name"]
     for knob in choices:
         base["loss"].pop(knob, None)
+        base["loss"]["extra"].pop(knob, None)
     return {"base": base, **choices}
 
 

@@ -27,7 +27,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from ...tracking import redact
 from .scheduler import TIME_ATTR
-from ..spec.space import SEPARATOR, SearchSpec
+from ..spec.space import SEPARATOR, SearchSpec, knob_names
 
 OPTUNA_DB_NAME = "optuna.db"
 STORAGE_TAG = "apao.optuna_storage"  # on the parent run: where the study's Optuna trials are
@@ -308,7 +308,7 @@ def importance_table(importances: dict[str, dict[str, Any]]) -> str:
     rows = {m: e["importances"] for m, e in importances.items() if "importances" in e}
     if not rows:
         return ""
-    knobs = [k for k in ("beta", "eta", "num_negatives") if any(k in r for r in rows.values())]
+    knobs = [k for k in knob_names() if any(k in r for r in rows.values())]
     lines = ["| method | trials | " + " | ".join(knobs) + " |", "|---|---|" + "---|" * len(knobs)]
     for method, row in rows.items():
         cells = [f"{row[k]:.2f}" if k in row else "-" for k in knobs]

@@ -7,6 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
+from ...names import PLUGINS_ENV
 from ...training.memory import ALLOCATOR_ENV, allocator_env
 
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
@@ -29,7 +30,8 @@ WORKER_NICENESS_ENV = "RAY_worker_niceness"
 LOCAL_RAY_ENV = {PREEMPTION_WATCHER_ENV: "0", WORKER_NICENESS_ENV: "0"}
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 RAY_TRAIN_LOG_LEVEL_ENV = "APAO_RAY_TRAIN_LOG_LEVEL"  # Ray Train's console log level (default WARNING)
-PASSED_ENV = (RAY_TRAIN_LOG_LEVEL_ENV,)  # the driver's settings that Ray's processes read too
+# the driver's settings that Ray's processes read too; a cluster's nodes must be able to import the plugins
+PASSED_ENV = (RAY_TRAIN_LOG_LEVEL_ENV, PLUGINS_ENV)
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:

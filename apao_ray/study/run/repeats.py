@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ...names import REPEATS_TAG, SEED_TAG
-from ..spec.space import REPEATS_KEY, SEED_KEY, TUNED_KNOBS, param_name
+from ..spec.space import REPEATS_KEY, SEED_KEY, knobs_of, param_name
 
 REPEATS_DIR = "repeats"
 
@@ -23,7 +23,7 @@ def repeat_configs(best: list[dict[str, Any]], seeds: tuple[int, ...]) -> list[d
     every seed, in the search's own parameter names so that ``trial_choices`` reads them unchanged."""
     configs = []
     for row in best:
-        knobs = {param_name(row["backbone"], row["loss"], knob): row[knob] for knob in TUNED_KNOBS.get(row["loss"], ())}
+        knobs = {param_name(row["backbone"], row["loss"], k.name): row[k.name] for k in knobs_of(row["loss"])}
         configs += [{"backbone": row["backbone"], "loss": row["loss"], **knobs, SEED_KEY: int(seed),
                      REPEATS_KEY: row["run_id"]} for seed in seeds]
     return configs

@@ -4,32 +4,21 @@ Which (backbone, loss) a trial runs is fixed by its Optuna trial number: every b
 (a loss with nothing to tune) runs once per backbone, then the tuned losses take turns. Each
 tuned combination has its own parameter names (``tiger__apao_pairwise__beta``) so TPE models
 each conditional space separately, and negatives are only suggested for losses that use them.
-The first trial of each tuned combination evaluates the paper's setting (Table 5) when the study
-enqueues it (``--enqueue-paper-setting``, the default); else it is a startup draw like the others.
+The first trial of each tuned combination evaluates the paper's setting (Table 5) for the study's
+dataset when the study enqueues it (``--enqueue-paper-setting``, the default); else it is a startup draw
+like the others. What a loss tunes, its ranges and its paper settings are the loss class's
+(``Loss.knobs``, ``Loss.paper_settings``, apao_ray/losses/knobs.py).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from ...config import TrialConfig
 
-# loss -> the knobs a study tunes for it (SPEC §3, §5); losses absent here are baselines
-TUNED_KNOBS: dict[str, tuple[str, ...]] = {
-    "apao_pointwise": ("beta", "eta"),
-    "apao_pairwise": ("beta", "eta", "num_negatives"),
-    "ce_sdpo": ("beta", "num_negatives"),
-    "dmpo": ("num_negatives",),
-    "sdpo": ("num_negatives",),
-}
-# paper Table 5 (Office) as the first point of each tuned combination
-PAPER_SETTINGS: dict[tuple[str, str], dict[str, float]] = {
-    ("tiger", "apao_pointwise"): {"beta": 0.3, "eta": 1e-4},
-    ("tiger", "apao_pairwise"): {"beta": 0.2, "eta": 3e-5, "num_negatives": 100},
-    ("llama", "apao_pointwise"): {"beta": 0.4, "eta": 5e-4},
-    ("llama", "apao_pairwise"): {"beta": 0.4, "eta": 5e-5, "num_negatives": 100},
-}
-DEFAULT_SETTING = {"beta": 0.1, "eta": 1e-4, "num_negatives": 100}
+if TYPE_CHECKING:  # apao_ray.losses imports torch, which the driver's callbacks do not load: see loss_class
+    from ...losses.knobs import Knob
+
 SEPARATOR = "__"
 # keys of a repeat trial's config (repeats.py): the seed it trains on, the MLflow run it repeats
 SEED_KEY, REPEATS_KEY = "seed", "repeats"
@@ -37,7 +26,10 @@ SEED_KEY, REPEATS_KEY = "seed", "repeats"
 
 @dataclass(frozen=True)
 class SearchSpec:
-    """What the study explores. Ranges are inclusive (low, high); eta and negatives on a log scale."""
+    """What the study explores. Ranges are inclusive (low, high), on the scale the loss's ``Knob`` says (eta and
+    negatives: log). ``beta``, ``eta``, ``num_negatives`` are the ranges of those knobs (the CLI's --beta, --eta,
+    --negatives); ``knob_ranges`` holds any other knob's (``--knob NAME=LOW:HIGH``); a knob in neither is searched
+    over its ``Knob`` range. ``dataset`` picks each tuned method's paper setting (Table 5)."""
 
     backbones: tuple[str, ...]
     losses: tuple[str, ...]
@@ -51,6 +43,8 @@ class SearchSpec:
     first: tuple[tuple[str, str], ...] = ()
     # (backbone, loss) pairs the plan deferred (their trial does not fit the budget): no trials at all
     deferred: tuple[tuple[str, str], ...] = ()
+    knob_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)
+    dataset: str = ""
 
     def __post_init__(self) -> None:
         for name, (low, high) in (("beta", self.beta), ("eta", self.eta), ("num_negatives", self.num_negatives)):
@@ -64,20 +58,27 @@ class SearchSpec:
             raise ValueError("a study needs at least one backbone and one loss")
         if self.trials_per_tuned < 1:
             raise ValueError(f"trials_per_tuned={self.trials_per_tuned} must be >= 1")
+        check_knob_ranges(self.knob_ranges, self.losses)
 
     def allocation(self) -> list[tuple[str, str, bool]]:
         """(backbone, loss, is_paper_point) for every trial number, in order: one trial of every method
         (a tuned method's first is its paper point), then the tuned methods take turns."""
         methods = [(b, l) for b in self.backbones for l in self.losses if (b, l) not in self.deferred]
         order = {method: i for i, method in enumerate(self.first)}
-        methods.sort(key=lambda m: (order.get(m, len(order)), m[1] in TUNED_KNOBS))  # stable: as given otherwise
-        tuned = [(b, l) for b, l in methods if l in TUNED_KNOBS]
+        methods.sort(key=lambda m: (order.get(m, len(order)), bool(knobs_of(m[1]))))  # stable: as given otherwise
+        tuned = [(b, l) for b, l in methods if knobs_of(l)]
         rest = [(b, l, False) for _ in range(self.trials_per_tuned - 1) for b, l in tuned]
-        return [(b, l, l in TUNED_KNOBS) for b, l in methods] + rest
+        return [(b, l, bool(knobs_of(l))) for b, l in methods] + rest
 
     def searches(self, loss: str) -> bool:
         """Whether ``loss`` has a knob left to search (a range wider than one value)."""
-        return any(getattr(self, knob)[0] < getattr(self, knob)[1] for knob in TUNED_KNOBS.get(loss, ()))
+        return any(self.range_of(knob)[0] < self.range_of(knob)[1] for knob in knobs_of(loss))
+
+    def range_of(self, knob: Knob) -> tuple[float, float]:
+        """The range searched for ``knob``: the study's for it, else the ``Knob``'s own."""
+        if knob.name in NAMED_RANGES:
+            return getattr(self, knob.name)
+        return tuple(self.knob_ranges.get(knob.name, (knob.low, knob.high)))  # type: ignore[return-value]
 
     @property
     def num_trials(self) -> int:
@@ -87,21 +88,17 @@ class SearchSpec:
         """Enqueued first trials (Optuna numbers them first), one per method: a tuned method's paper
         setting clipped to the ranges searched when asked, else an empty point that only holds the trial
         number (its knobs are then drawn as in any other trial)."""
-        first_round = [(b, l) for b, l, is_paper in self.allocation() if is_paper or l not in TUNED_KNOBS]
-        points = [self._paper_point(b, l) if l in TUNED_KNOBS and enqueue_paper_setting else {}
+        first_round = [(b, l) for b, l, is_paper in self.allocation() if is_paper or not knobs_of(l)]
+        points = [self._paper_point(b, l) if knobs_of(l) and enqueue_paper_setting else {}
                   for b, l in first_round]
         # up to the last baseline or paper setting: a tuned method's empty point after them holds nothing
         needed = [i + 1 for i, (point, (_, loss)) in enumerate(zip(points, first_round))
-                  if point or loss not in TUNED_KNOBS]
+                  if point or not knobs_of(loss)]
         return points[:max(needed, default=0)]
 
     def _paper_point(self, backbone: str, loss: str) -> dict[str, Any]:
-        setting = {**DEFAULT_SETTING, **PAPER_SETTINGS.get((backbone, loss), {})}
-        return {param_name(backbone, loss, k): self._clip(k, setting[k]) for k in TUNED_KNOBS[loss]}
-
-    def _clip(self, knob: str, value: float) -> float:
-        low, high = getattr(self, knob)
-        return type(low)(min(max(value, low), high))
+        setting = loss_class(loss).paper_point(backbone, self.dataset)
+        return {param_name(backbone, loss, k.name): k.clip(setting[k.name], *self.range_of(k)) for k in knobs_of(loss)}
 
     def define_by_run(self) -> "DefineByRun":
         return DefineByRun(self)
@@ -118,13 +115,13 @@ class DefineByRun:
         backbone, loss, _ = self.allocation[trial.number % len(self.allocation)]
         trial.set_user_attr("backbone", backbone)  # a baseline has no knobs: these say what it ran
         trial.set_user_attr("loss", loss)
-        for knob in TUNED_KNOBS.get(loss, ()):
-            name = param_name(backbone, loss, knob)
-            low, high = getattr(self.spec, knob)
-            if knob == "num_negatives":
-                trial.suggest_int(name, low, high, log=True)
+        for knob in knobs_of(loss):
+            name = param_name(backbone, loss, knob.name)
+            low, high = self.spec.range_of(knob)
+            if knob.integer:
+                trial.suggest_int(name, int(low), int(high), log=knob.log)
             else:
-                trial.suggest_float(name, low, high, log=knob == "eta")
+                trial.suggest_float(name, low, high, log=knob.log)
         return {"backbone": backbone, "loss": loss}
 
 
@@ -133,25 +130,68 @@ def param_name(backbone: str, loss: str, knob: str) -> str:
 
 
 def trial_choices(config: dict[str, Any]) -> dict[str, Any]:
-    """A Tune trial config -> ``{"backbone", "loss", "beta"?, "eta"?, "num_negatives"?}``."""
+    """A Tune trial config -> ``{"backbone", "loss", <each tuned knob>...}`` (e.g. ``beta``, ``eta``), read from
+    the config's own param names, so that the driver's callbacks need not load the registry (and torch)."""
     backbone, loss = config["backbone"], config["loss"]
-    choices: dict[str, Any] = {"backbone": backbone, "loss": loss}
-    for knob in TUNED_KNOBS.get(loss, ()):
-        choices[knob] = config[param_name(backbone, loss, knob)]
-    return choices
+    prefix = param_name(backbone, loss, "")
+    return {"backbone": backbone, "loss": loss,
+            **{key[len(prefix):]: value for key, value in config.items() if key.startswith(prefix)}}
 
 
 def trial_config(base: TrialConfig, config: dict[str, Any]) -> TrialConfig:
     """What a trial trains: the study's base config with the trial's backbone, loss and knobs, and a
     repeat's seed (a search trial trains on the base's)."""
     choices = trial_choices(config)
-    loss = base.loss.replace(name=choices["loss"], **{k: v for k, v in choices.items() if k in _KNOB_NAMES})
+    knobs = {k: v for k, v in choices.items() if k not in ("backbone", "loss")}
+    loss = base.loss.replace(name=choices["loss"]).with_knobs(knobs)
     train = base.train.replace(seed=int(config[SEED_KEY])) if SEED_KEY in config else base.train
     return TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, train, base.protocol)
 
 
-_KNOB_NAMES = {knob for knobs in TUNED_KNOBS.values() for knob in knobs}
+# the knobs whose ranges are SearchSpec fields (and CLI flags); any other knob's range is in knob_ranges
+NAMED_RANGES = ("beta", "eta", "num_negatives")
+
+
+def loss_class(loss: str) -> Any:
+    """The registered class of ``loss`` (``LOSSES``), None for an unknown name."""
+    # here, not at the top: the registry imports torch, which the driver's callbacks do not load
+    # (tests/test_tracking.py) though they read this module's trial_choices
+    from ...losses import LOSSES
+
+    return LOSSES.get(loss)
+
+
+def knobs_of(loss: str) -> tuple[Knob, ...]:
+    """What a study tunes for ``loss`` (its class's ``knobs``); none for a baseline."""
+    registered = loss_class(loss)
+    return registered.knobs if registered is not None else ()
+
+
+def knob_names() -> tuple[str, ...]:
+    """Every registered loss's knob names: ``NAMED_RANGES`` first (the table's columns), then the others."""
+    from ...losses import LOSSES  # the registry imports torch: see loss_class
+
+    others = sorted({k.name for loss in LOSSES.values() for k in loss.knobs} - set(NAMED_RANGES))
+    return (*NAMED_RANGES, *others)
 
 
 def is_baseline(loss: str) -> bool:
-    return loss not in TUNED_KNOBS
+    return not knobs_of(loss)
+
+
+def tunes(loss: str, knob: str) -> bool:
+    return any(k.name == knob for k in knobs_of(loss))
+
+
+def check_knob_ranges(ranges: dict[str, tuple[float, float]], losses: tuple[str, ...]) -> None:
+    """Each range names a knob one of ``losses`` tunes (not one with its own field) and fits its scale."""
+    from ...losses.knobs import check_range  # torch: see loss_class
+
+    declared = {k.name: k for loss in losses for k in knobs_of(loss)}
+    for name, bounds in ranges.items():
+        if name in NAMED_RANGES or name not in declared:
+            other = sorted(set(declared) - set(NAMED_RANGES))
+            raise ValueError(f"knob range {name}={bounds!r}: " + (
+                f"give it with --{name.replace('_', '-')} / its own field" if name in NAMED_RANGES else
+                f"none of the losses {list(losses)} tunes {name!r}; their other knobs: {other or 'none'}"))
+        check_range(name, bounds, log=declared[name].log, integer=declared[name].integer)

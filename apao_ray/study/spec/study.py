@@ -14,14 +14,12 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES
-from ...data.files import dataset_label, is_dataset_path
+from ...data.files import canonical_dataset, dataset_label, is_dataset_path
 from ...paths import check_plain_name
 from .duration import parse_duration
-from .space import TUNED_KNOBS, SearchSpec
+from .space import SearchSpec, tunes
 
 DEFAULT_LOSSES = ("ce", "apao_pointwise", "apao_pairwise")
-DEFAULT_NEGATIVES = (10, 200)
-PREFERENCE_LOSSES = ("dpo", "dmpo", "sdpo")  # two-stage: a CE stage first
 # --quick / --smoke / StudySpec.quick(): a plumbing check in a few minutes on 2 CPUs, not a result
 QUICK_SETTINGS = {"model_size": "tiny", "epochs": 2, "max_train_samples": 2048, "eval_max_users": 256,
                   "batch_size": 128, "effective_batch_size": 256, "losses": ("ce", "apao_pointwise"),
@@ -30,8 +28,8 @@ QUICK_NEGATIVES = (10, 20)
 
 
 def quick_negatives(losses: tuple[str, ...]) -> tuple[int, int] | None:
-    """The quick range of negatives where a loss uses them (None otherwise: nothing to give)."""
-    return QUICK_NEGATIVES if any("num_negatives" in TUNED_KNOBS.get(name, ()) for name in losses) else None
+    """The quick range of negatives where a loss tunes them (None otherwise: nothing to give)."""
+    return QUICK_NEGATIVES if any(tunes(name, "num_negatives") for name in losses) else None
 
 
 @dataclass(frozen=True)
@@ -45,8 +43,10 @@ class StudySpec:
             absolute directory the dataset was found in.
         backbones, losses: the methods: every (backbone, loss) pair is studied.
         num_samples: Optuna trials per tuned (backbone, loss); baselines run once.
-        beta, eta, negatives: search ranges (low, high); negatives only for losses that use them
-            (None: 10..200).
+        beta, eta, negatives: search ranges (low, high); negatives only for losses that tune them
+            (None: the loss's ``Knob`` range, 10..200).
+        knob_ranges: search ranges of the losses' other knobs by name (``--knob NAME=LOW:HIGH``); a knob not
+            named is searched over its ``Knob`` range (apao_ray/losses/knobs.py).
         epochs, patience: per-trial schedule (the sweep's 20 / 5, not the paper's 200 / 20).
         budget: wall-clock budget ("3h", "90m", "1h30m" or seconds): the study is fitted to it and
             stopped at it. None: no budget.
@@ -124,6 +124,7 @@ class StudySpec:
     enqueue_paper_setting: bool = True
     optuna_storage: str | None = None
     seeds: tuple[int, ...] | None = None
+    knob_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # the losses' other knobs
 
     @classmethod
     def quick(cls, **changes: Any) -> "StudySpec":
@@ -147,8 +148,10 @@ class StudySpec:
         self._check_names()
         # parsed and built once, here: what the plan and the driver read (``budget_s``, ``search``)
         object.__setattr__(self, "_budget_s", None if self.budget is None else parse_duration(self.budget))
-        object.__setattr__(self, "_search", SearchSpec(self.backbones, self.losses, tuple(self.beta), tuple(self.eta),
-                                                       tuple(self.negatives or DEFAULT_NEGATIVES), self.num_samples))
+        negatives = {"num_negatives": tuple(self.negatives)} if self.negatives else {}  # else SearchSpec's default
+        object.__setattr__(self, "_search", SearchSpec(
+            self.backbones, self.losses, tuple(self.beta), tuple(self.eta), trials_per_tuned=self.num_samples,
+            knob_ranges=dict(self.knob_ranges), dataset=canonical_dataset(self.dataset), **negatives))
 
     def _check_numbers(self) -> None:
         def check(name: str, low: float, *, integer: bool = False, optional: bool = False, above: bool = False) -> None:
@@ -195,9 +198,9 @@ class StudySpec:
         unknown = [name for name in self.losses if name not in LOSSES]
         if unknown:
             raise ValueError(f"unknown loss(es) {unknown}; choose from {sorted(LOSSES)}")
-        if self.negatives is not None and not any("num_negatives" in TUNED_KNOBS.get(n, ()) for n in self.losses):
-            raise ValueError(f"--negatives was given, but none of the losses {list(self.losses)} uses negatives; "
-                             "add apao_pairwise, dmpo, sdpo or ce_sdpo")
+        if self.negatives is not None and not any(tunes(n, "num_negatives") for n in self.losses):
+            raise ValueError(f"--negatives was given, but none of the losses {list(self.losses)} uses negatives a study "
+                             f"tunes; add one of {sorted(n for n in LOSSES if tunes(n, 'num_negatives'))}")
         if not is_dataset_path(self.dataset):
             check_plain_name("dataset", self.dataset)  # before the default study name is made from it
         check_plain_name("study", self.study_label)
@@ -252,8 +255,10 @@ def check_seeds(seeds: Any, seed: int) -> tuple[int, ...]:
 
 
 def with_pretrain(base: Any, losses: tuple[str, ...], pretrain_ce_epochs: int | None) -> Any:
-    """The CE stage of two-stage (preference) losses: as given, else half the epochs (at least 1)."""
-    if not any(name in PREFERENCE_LOSSES for name in losses):
+    """The CE stage of two-stage losses (``Loss.needs_ce_stage``): as given, else half the epochs (at least 1)."""
+    from ...losses import LOSSES
+
+    if not any(LOSSES[name].needs_ce_stage for name in losses if name in LOSSES):
         return base
     epochs = base.train.epochs
     pretrain = pretrain_ce_epochs if pretrain_ce_epochs is not None else max(1, epochs // 2)
