@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu/study.sh --install-only   # the install, then Ray, MLflow (SQLite) and Optuna without torch
 #
 # Environment: OUT (what comes back; default /tmp/apao-gpu-out), PYTHON (the Python that holds torch; default
-# python3), DATASET (office), BUDGET (the study's --budget, 6m), GPUS_PER_TRIAL (0.25), CPUS_PER_TRIAL (4),
+# python3), DATASET (office), BUDGET (the study's --budget, 6m; empty: none, the trials' own --epochs and
+# --patience in SWEEP_FLAGS), STUDY (the study's name, <dataset>-gpu), GPUS_PER_TRIAL (0.25), CPUS_PER_TRIAL (4),
 # STUDY_LIMIT (seconds after which the sweep is interrupted and what finished is exported, 450), SWEEP_FLAGS
 # (more sweep flags, e.g. "--losses ce,apao_pointwise").
 # Writes into $OUT (at most 8 files come back): runner.log (versions, timings, pip's output), progress.log (the
@@ -19,7 +20,7 @@ root=$(pwd)
 OUT=${OUT:-/tmp/apao-gpu-out}
 PYTHON=${PYTHON:-python3}
 DATASET=${DATASET:-office}
-BUDGET=${BUDGET:-6m}
+BUDGET=${BUDGET-6m}
 GPUS_PER_TRIAL=${GPUS_PER_TRIAL:-0.25}  # four trials per GPU (an H200: 1.25x one trial's throughput)
 CPUS_PER_TRIAL=${CPUS_PER_TRIAL:-4}     # 16 CPUs there: one trial per GPU quarter
 STUDY_LIMIT=${STUDY_LIMIT:-450}
@@ -109,9 +110,9 @@ if [ $smoke = 1 ]; then
   study=wheelset-smoke
   flags=(--smoke)
 else
-  study="$DATASET-gpu"
+  study=${STUDY:-$DATASET-gpu}
   flags=(--dataset "$DATASET" --data-dir "$root/.gpu/datasets" --gpus-per-trial "$GPUS_PER_TRIAL"
-         --cpus-per-trial "$CPUS_PER_TRIAL" --budget "$BUDGET")
+         --cpus-per-trial "$CPUS_PER_TRIAL" ${BUDGET:+--budget "$BUDGET"})
   if command -v nvidia-smi >/dev/null; then  # a job of this shell, so `jobs -p` below stops it
     nvidia-smi --query-gpu=timestamp,name,utilization.gpu,memory.used --format=csv -l 10 >"$OUT/gpu.csv" 2>&1 &
   fi
@@ -125,6 +126,17 @@ study_rc=${PIPESTATUS[0]}
 study_s=$(( $(date +%s) - t0 ))
 log "sweep exited $study_rc after ${study_s}s"
 
+# 4b. FALLBACK_SEEDS: a sweep that failed early (a first GPU run of it) leaves the rest of the call to the same
+# trials without Ray, MLflow or Optuna (benchmarks/evidence/gpu_full_protocol.py), its files in fallback.tar.gz
+if [ "$study_rc" != 0 ] && [ -n "${FALLBACK_SEEDS:-}" ] && [ "$study_s" -lt 180 ]; then
+  left=$(( STUDY_LIMIT - study_s ))
+  log "the sweep failed; gpu_full_protocol.py on seeds $FALLBACK_SEEDS for ${left}s"
+  "$venv/bin/python" benchmarks/evidence/gpu_full_protocol.py --data-dir "$root/.gpu/datasets" \
+    --out "$work/fallback" --seeds "$FALLBACK_SEEDS" --deadline "$left" ${FALLBACK_FLAGS:-} >>"$OUT/runner.log" 2>&1
+  log "gpu_full_protocol.py exited $?"
+  tar czf "$OUT/fallback.tar.gz" -C "$work" fallback
+fi
+
 # 5. the MLflow export (what the report reads), whatever the sweep's end
 "$venv/bin/python" -m apao_ray export-study --study "$study" --tracking-uri "$store" --to "$work/export" \
   >>"$OUT/runner.log" 2>&1 && tar czf "$OUT/export.tar.gz" -C "$work" export
@@ -133,7 +145,7 @@ log "export-study exited $export_rc"
 "$venv/bin/python" - "$OUT/summary.json" <<EOF
 import json, sys
 json.dump({"python": "$version", "wheel_set": "$wheels", "install_s": $install_s, "study": "$study",
-           "smoke": bool($smoke), "budget": None if $smoke else "$BUDGET", "study_rc": $study_rc,
+           "smoke": bool($smoke), "budget": None if $smoke else "$BUDGET" or None, "study_rc": $study_rc,
            "study_s": $study_s, "export_rc": $export_rc, "total_s": $(( $(date +%s) - started ))},
           open(sys.argv[1], "w"), indent=1)
 EOF
