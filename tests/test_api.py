@@ -439,22 +439,39 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
     assert printed["ce"]["n_seeds"] == 2 and printed["ce"]["test/ndcg_at_10 std"] is not None
 
 
-def test_every_study_field_has_its_sweep_flag_with_the_fields_default():
-    """The CLI and StudySpec cannot drift: each field is a flag of `sweep` (or named below with the flag that
-    sets it) whose default is the field's own."""
+def test_every_study_field_is_one_table_entry_that_builds_its_flags_and_checks():
+    """The CLI, StudySpec and --help cannot drift: every field is declared with `option` (help, bounds, flag), and
+    `sweep` (every field) and `train` (the trial group) build their flags from those entries: same dest, default and
+    help; a value out of a field's bounds is refused by its flag and by the spec alike."""
     from dataclasses import MISSING, fields
 
     from apao_ray.study.cli import sweep as cli_sweep
+    from apao_ray.study.cli import train as cli_train
+    from apao_ray.study.spec.fields import flag_of, table
     from apao_ray.study.spec.study import StudySpec
 
-    set_otherwise = {"protocol_knobs": "--weighting, --select-by, ... (the protocol flags)",
-                     "memory_per_trial_gib": "--memory-per-trial", "retention_users": "--quick / --smoke"}
+    assert [f.name for f in table(StudySpec)] == [f.name for f in fields(StudySpec)], "a field outside the table"
+    written_by_the_command = {"protocol", "protocol_knobs", "tracking_uri"}  # --protocol and its knobs, --tracking-uri
+    for name, parser in (("sweep", cli_sweep.build_parser()), ("train", cli_train.build_parser())):
+        actions = {action.dest: action for action in parser._actions}
+        for entry in table(StudySpec):
+            if name == "train" and entry.metadata["group"] != "trial" or entry.name in written_by_the_command:
+                continue
+            action = actions.get(entry.name)
+            assert action is not None and flag_of(entry) in action.option_strings, f"{name}: no flag for {entry.name}"
+            assert action.help == entry.metadata["help"], entry.name
+            default = entry.default if entry.default is not MISSING else entry.default_factory()
+            if not (name == "train" and entry.name in ("epochs", "patience")) and entry.metadata["kind"] != "knobs" \
+                    and entry.metadata["env"] is None:
+                assert action.default == default, (name, entry.name)
+    assert cli_train.build_parser().get_default("epochs") == 200  # one trial at the paper's schedule
     parser = cli_sweep.build_parser()
-    defaults = {action.dest: action.default for action in parser._actions}
-    for field in fields(StudySpec):
-        if field.name in set_otherwise:
+    for entry in table(StudySpec):
+        low = entry.metadata["low"]
+        if low is None or not entry.metadata["cli"]:
             continue
-        assert field.name in defaults, f"StudySpec.{field.name} has no sweep flag"
-        if field.default is not MISSING and field.name not in ("epochs", "patience"):  # set_defaults: same values
-            assert defaults[field.name] == field.default, field.name
-    assert parser.get_default("epochs") == StudySpec().epochs and parser.get_default("patience") == StudySpec().patience
+        bad = low if entry.metadata["above"] else low - 1
+        with pytest.raises(SystemExit):
+            parser.parse_args([flag_of(entry), str(bad)])
+        with pytest.raises(ValueError, match=entry.name):
+            StudySpec(**{entry.name: bad})

@@ -11,7 +11,7 @@ import statistics
 import optuna
 import pytest
 
-from apao_ray.study.run import optuna_storage
+from apao_ray.study.run import optuna_storage, optuna_summary
 from apao_ray.study.spec.space import SearchSpec, param_name
 from apao_ray.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, dataset_record
 from conftest import mlflow_sqlite
@@ -151,17 +151,17 @@ def test_importances_need_ten_trials_of_a_method_with_two_varied_knobs_and_say_s
     rng = random.Random(3)
     points = [((rng.uniform(0.05, 0.4), 10 ** rng.uniform(-5.3, -3.3)), rng.random()) for _ in range(9)]
     url = _finished_study(points, tmp_path)
-    importances = optuna_storage.param_importances(optuna_storage.load_study(url, "apao-x/s"))
+    importances = optuna_summary.param_importances(optuna_summary.load_study(url, "apao-x/s"))
     assert importances == {"tiger/apao_pointwise": {"num_trials": 9, "skipped": importances["tiger/apao_pointwise"]["skipped"]}}
     assert "9 complete trial(s), 2 varied knob(s): needs 10 and 2" in importances["tiger/apao_pointwise"]["skipped"]
-    assert optuna_storage.importance_table(importances) == ""
+    assert optuna_summary.importance_table(importances) == ""
     tracker = Tracker(mlflow_uri, "apao-few")
-    summary = optuna_storage.log_study_artifacts(tracker, tracker.start_run("study s", {}), url, "apao-x/s")
+    summary = optuna_summary.log_study_artifacts(tracker, tracker.start_run("study s", {}), url, "apao-x/s")
     assert "Optuna parameter importances" not in summary
     assert "no parameter importance where a method has too few trials to mean something (tiger/apao_pointwise: 9" in summary
-    note = optuna_storage.importance_note(importances)
+    note = optuna_summary.importance_note(importances)
     assert "at least 10 trials: no method here has that many" in note
-    study = optuna_storage.load_study(url, "apao-x/s")  # optuna-dashboard shows these beside its importance panel
+    study = optuna_summary.load_study(url, "apao-x/s")  # optuna-dashboard shows these beside its importance panel
     assert study.user_attrs["parameter importance"] == note and study.user_attrs["mlflow_study_run_id"]
 
 
@@ -172,10 +172,10 @@ def test_importances_plots_and_the_dashboard_command_reach_the_parent_run(tmp_pa
     url = _finished_study([((beta, eta), beta) for beta, eta in points], tmp_path)
     tracker = Tracker(mlflow_uri, "apao-importances")
     parent = tracker.start_run("study s", {})
-    summary = optuna_storage.log_study_artifacts(tracker, parent, url, "apao-x/s")
+    summary = optuna_summary.log_study_artifacts(tracker, parent, url, "apao-x/s")
     assert f"optuna-dashboard {url}" in summary
     assert "| tiger/apao_pointwise | 12 |" in summary
-    assert "at least 10 trials: tiger/apao_pointwise." in optuna_storage.load_study(url, "apao-x/s").user_attrs[
+    assert "at least 10 trials: tiger/apao_pointwise." in optuna_summary.load_study(url, "apao-x/s").user_attrs[
         "parameter importance"]
     files = {a.path for a in tracker.client.list_artifacts(parent, "optuna")}
     assert files == {"optuna/param_importances.json", "optuna/optimization_history.png",
@@ -229,6 +229,6 @@ def test_the_ui_link_opens_the_runs_table_of_the_server_or_of_mlflow_ui():
 def test_a_study_missing_from_its_storage_is_reported_not_raised(tmp_path, mlflow_uri):
     tracker = Tracker(mlflow_uri, "apao-missing")
     parent = tracker.start_run("study s", {})
-    summary = optuna_storage.log_study_artifacts(tracker, parent, f"sqlite:///{tmp_path}/optuna.db", "apao-x/gone")
+    summary = optuna_summary.log_study_artifacts(tracker, parent, f"sqlite:///{tmp_path}/optuna.db", "apao-x/gone")
     assert summary.startswith("Optuna study 'apao-x/gone' is not in sqlite:///") and "no importances" in summary
     assert not tracker.client.list_artifacts(parent)

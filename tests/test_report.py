@@ -116,3 +116,21 @@ def test_a_method_within_noise_of_the_popularity_baseline_is_not_converged():
     assert re.fullmatch(r"not converged: test ndcg_at_10 0\.0\d{3} within noise of popularity's 0\.0\d{3}",
                         popularity_check(method(0.011), popularity))
     assert popularity_check(method(0.05), popularity) == ""  # well above it
+
+
+def test_failed_trials_are_listed_by_their_method_and_knobs_not_by_the_rows_other_columns(capsys):
+    """The list after the table names each failed trial as the progress lines do; the row's result columns
+    (text such as the status, numbers such as metrics) are not knobs (they once crashed the name's formatting)."""
+    import pandas as pd
+
+    from apao_ray.study.cli.sweep import print_failures
+
+    trials = pd.DataFrame([
+        {"backbone": "tiger", "loss": "apao_pointwise", "beta": 0.2, "eta": 3e-5, "num_negatives": float("nan"),
+         "best/val/ndcg_at_10": 0.0123, "run_id": "abc", "status": "failed: out of memory (memory cap 1.00 GiB)"},
+        {"backbone": "tiger", "loss": "ce", "beta": float("nan"), "eta": float("nan"), "num_negatives": float("nan"),
+         "best/val/ndcg_at_10": 0.02, "run_id": "def", "status": "finished"}])
+    print_failures(trials)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["failed trials (1):", "  tiger/apao_pointwise b=0.2 eta=3e-05: failed: out of memory (memory cap "
+                                          "1.00 GiB)"]

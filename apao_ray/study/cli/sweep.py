@@ -5,18 +5,14 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ...config import BACKBONE_NAMES
 from ...paths import absolute_data_dir_env, add_tracking_uri_argument
 from ...protocol import KNOBS
-from .protocol import add_protocol_arguments
-from .train import add_common_arguments
-from ...cli_types import non_negative_float, non_negative_int, positive_int
-from ..spec.duration import parse_duration
 from ..spec.study import QUICK_SETTINGS, StudySpec, quick_negatives
+from .fields import add_field_arguments, field_values
+from .protocol import add_protocol_arguments
 
 SWEEP_EPILOG = """\
 defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to 20
@@ -48,136 +44,29 @@ exit codes: 0 the study ran and at least one trial finished (failed trials are c
 reason); 1 no trial finished (its table and that list say why); 2 input refused before anything ran; 130 / 143
 stopped by SIGINT (Ctrl-C) / SIGTERM, its state saved for --resume
 """
-DEFAULTS = {f.name: f.default for f in fields(StudySpec)}
-
-
-def parse_range(text: str, cast: type = float) -> tuple:
-    """'LOW:HIGH' (or one value) -> (low, high)."""
-    parts = text.split(":")
-    try:
-        values = tuple(cast(float(p)) if cast is int else cast(p) for p in parts)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not LOW:HIGH numbers") from None
-    if len(values) == 1:
-        values = values * 2
-    if len(values) != 2:
-        raise argparse.ArgumentTypeError(f"{text!r} must be LOW:HIGH")
-    return values
-
-
-def comma_list(text: str) -> tuple[str, ...]:
-    items = tuple(t.strip() for t in text.split(",") if t.strip())
-    if not items:
-        raise argparse.ArgumentTypeError("give at least one name")
-    return items
-
-
-def seed_list(text: str) -> tuple[int, ...]:
-    """'0,1,2' -> (0, 1, 2)."""
-    try:
-        return tuple(int(t) for t in comma_list(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma list of integer seeds, e.g. 0,1,2") from None
-
-
-def duration(text: str) -> float:
-    try:
-        return parse_duration(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
+    """Every ``StudySpec`` field's flag from its table (``spec/fields.py``), then the flags of the command itself."""
     parser = argparse.ArgumentParser(
         prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SWEEP_EPILOG,
         description="Hyperparameter study: Ray Tune + Optuna TPE over beta, eta and negatives for each "
                     "(backbone, loss), every trial recorded in MLflow. The Python API is apao_ray.run_study("
-                    "apao_ray.StudySpec(...)).")
-    add_common_arguments(parser)
-    parser.set_defaults(epochs=DEFAULTS["epochs"], patience=DEFAULTS["patience"])  # %(default)s shows these
-    parser.add_argument("--backbones", type=comma_list, default=DEFAULTS["backbones"],
-                        help=f"comma list of {list(BACKBONE_NAMES)} (default tiger)")
-    parser.add_argument("--losses", type=comma_list, default=DEFAULTS["losses"],
-                        help="comma list from apao_ray.losses.LOSSES (default ce,apao_pointwise,apao_pairwise); "
-                             "losses with nothing to tune are baselines and run once per backbone")
-    parser.add_argument("--num-samples", type=positive_int, default=DEFAULTS["num_samples"],
-                        help="Optuna trials per tuned (backbone, loss) (default %(default)s)")
-    parser.add_argument("--beta", type=parse_range, default=DEFAULTS["beta"], help="LOW:HIGH (default 0.05:0.4, paper grid)")
-    parser.add_argument("--eta", type=parse_range, default=DEFAULTS["eta"], help="LOW:HIGH, log scale (default 5e-6:5e-4)")
-    parser.add_argument("--negatives", type=lambda t: parse_range(t, int), default=None,
-                        help="LOW:HIGH negatives for pairwise losses, log scale (default 10:200; 10:20 with --quick)")
-    parser.add_argument("--knob", dest="knob_ranges", type=parse_knob_range, action="append", default=[],
-                        metavar="NAME=LOW:HIGH", help="search range of another knob a loss declares (Loss.knobs; "
-                        "repeatable; default: the knob's own range; docs/own-loss.md)")
-    parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=None,
-                        help="CE epochs before a preference loss (dpo/dmpo/sdpo; default half the epochs)")
-    parser.add_argument("--max-concurrent", type=positive_int, default=None, help="trials at once (default: the cluster's CPUs // cpus-per-trial)")
-    parser.add_argument("--workers-per-trial", type=positive_int, default=DEFAULTS["workers_per_trial"],
-                        help="data-parallel Ray Train workers per trial (DDP; each with --cpus-per-trial CPUs and "
-                             "--gpus-per-trial GPUs); refused when the cluster cannot place them all "
-                             "(default %(default)s: the trial trains in its Tune actor; docs/parallelism.md)")
-    parser.add_argument("--cpus-per-trial", type=positive_float, default=DEFAULTS["cpus_per_trial"],
-                        help="CPUs (and torch threads) per trial, per worker with --workers-per-trial; 0.5 packs two "
-                             "trials per CPU, each on 1 thread "
-                             "(default: this machine's CPUs shared by the trials that run at once, at least 1 each and "
-                             "no more than the CPUs not busy at the start: a lone trial on an idle 2-CPU machine "
-                             "gets 2; 1 on a cluster)")
-    parser.add_argument("--gpus-per-trial", type=non_negative_float, default=DEFAULTS["gpus_per_trial"],
-                        help="GPUs per trial; fractions share a GPU (0.25) (default %(default)s)")
-    parser.add_argument("--budget", type=duration, default=None, metavar="DURATION",
-                        help="wall-clock budget, e.g. 3h, 90m, 1h30m or seconds: the study is fitted to it (fewer "
-                             "epochs, then fewer trials; methods whose trial of --min-epochs does not fit are deferred; ASHA "
-                             "rungs from the epochs) and stopped at it (default: none)")
-    parser.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
-                        help="deprecated: --budget SECONDS")
-    parser.add_argument("--dry-run", action="store_true", help="print the plan (trials, epochs, estimated time and "
-                        "memory from a short probe on this machine) and exit without training")
-    parser.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object on "
-                        "stdout (the plan's text goes to stderr)")
-    parser.add_argument("--min-epochs", type=positive_int, default=DEFAULTS["min_epochs"],
-                        help="the fewest epochs --budget may cut a trial to; a method whose one trial of them does not "
-                             "fit is deferred: a table row without trials, saying what it needs (default %(default)s)")
-    parser.add_argument("--reprobe", action="store_true", help="measure the plan's timing probe again instead of "
-                        "reading ~/.cache/apao_ray/probes.json (after a change of hardware load or code)")
-    parser.add_argument("--ray-dashboard", action="store_true",
-                        help="start the dashboard of the local Ray this study starts (off by default: it holds ~1.1 GiB "
-                             "of memory in 12 processes; the progress lines, MLflow and optuna-dashboard show the "
-                             "study); a cluster given by --address keeps its own")
-    parser.add_argument("--max-failures", type=non_negative_int, default=DEFAULTS["max_failures"],
-                        help="restarts of a failed trial from its checkpoint (default %(default)s)")
-    parser.add_argument("--memory-per-trial", type=positive_float, metavar="GIB",
-                        help="memory cap per trial in GiB, counting what the trial itself allocates: the memory its "
-                             "worker maps past what it mapped when the trial started, torch and Ray loaded (0.5-2.5 GiB, "
-                             "by allocator; not counted), whether touched yet or not; the same under every allocator "
-                             "(APAO_RAY_ALLOCATOR). A trial that needs more fails as 'out of memory', naming the cap "
-                             "and what it held, instead of the node's OOM killer taking processes; Ray reserves the "
-                             "cap for the trial's scheduling (default: no cap)")
-    parser.add_argument("--asha-grace-period", type=positive_int, default=DEFAULTS["asha_grace_period"],
-                        help="epochs before ASHA may stop a trial (default %(default)s; a quarter of the epochs "
-                             "when --budget shortens them); a trial is only compared with trials "
-                             "of its own (backbone, loss), baselines are never stopped, and a pruned trial is tested "
-                             "on its best checkpoint")
-    parser.add_argument("--seeds", type=seed_list, default=DEFAULTS["seeds"], metavar="S,S,...",
-                        help="seeds as a study dimension, e.g. 0,1,2: the search runs on the first; then the best "
-                             "configuration of every (backbone, loss) trains again on each other seed (trials of the "
-                             "same study, resumable) and the table shows mean, std and significance over the seeds; "
-                             "not with --seed (default: --seed alone)")
-    parser.add_argument("--study-name", help="default <dataset>-study; re-running the same name resumes it")
-    parser.add_argument("--resume", action="store_true", help="continue an interrupted study (refused when there is "
-                        "none); re-running the same command does the same")
-    parser.add_argument("--retry-failed", action="store_true", help="on a resume, also run again the trials that "
-                        "failed (e.g. killed for memory), each from its last epoch checkpoint; without it they stay "
-                        "failed")
-    parser.add_argument("--overwrite", action="store_true", help="start the study again from scratch")
+                    "apao_ray.StudySpec(...)), whose fields are these flags.")
+    add_field_arguments(parser, StudySpec)
     add_tracking_uri_argument(parser, "MLflow store the study records to")
-    parser.add_argument("--optuna-storage", metavar="URL",
-                        help="SQLAlchemy URL (or SQLite file path) of the searcher's Optuna study (default: optuna.db "
-                             "beside a SQLite MLflow database, else in --output-dir); open it with optuna-dashboard URL")
-    parser.add_argument("--enqueue-paper-setting", action=argparse.BooleanOptionalAction, default=True,
-                        help="each tuned (backbone, loss) starts with the paper's setting (Table 5), clipped to the "
-                             "ranges (default: %(default)s)")
-    parser.add_argument("--quick", action="store_true", help="a few minutes on 2 CPUs: tiny model, data subset, 2 epochs, "
-                        "4 trials, no ASHA stopping")
+    command = parser.add_argument_group("this command")
+    command.add_argument("--smoke", action="store_true", help="tiny synthetic study on CPU (what the tests run)")
+    command.add_argument("--quick", action="store_true", help="a few minutes on 2 CPUs: tiny model, data subset, 2 "
+                         "epochs, 4 trials, no ASHA stopping")
+    command.add_argument("--dry-run", action="store_true", help="print the plan (trials, epochs, estimated time and "
+                         "memory from a short probe on this machine) and exit without training")
+    command.add_argument("--json", action="store_true", help="with --dry-run: print the plan as one JSON object on "
+                         "stdout (the plan's text goes to stderr)")
+    command.add_argument("--reprobe", action="store_true", help="measure the plan's timing probe again instead of "
+                         "reading ~/.cache/apao_ray/probes.json (after a change of hardware load or code)")
+    command.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+                         help="deprecated: --budget SECONDS")
     add_protocol_arguments(parser, with_eta=False)
     return parser
 
@@ -226,21 +115,10 @@ def spec_from_args(args: argparse.Namespace) -> StudySpec:
         print("warning: --time-budget is deprecated; use --budget (it also fits the study to the budget)",
               file=sys.stderr)
     knobs = {knob: getattr(args, knob, None) for knob in KNOBS if knob != "eta"}
-    values = {name: getattr(args, name) for name in DEFAULTS if hasattr(args, name) and name != "budget"}
+    values = field_values(args, StudySpec)
     values.update(budget=args.budget if args.budget is not None else args.time_budget,
-                  memory_per_trial_gib=args.memory_per_trial,
-                  protocol_knobs={k: v for k, v in knobs.items() if v is not None},
-                  knob_ranges=dict(args.knob_ranges),
-                  retention_users=32 if args.quick or args.smoke else DEFAULTS["retention_users"])
+                  tracking_uri=args.tracking_uri, protocol_knobs={k: v for k, v in knobs.items() if v is not None})
     return StudySpec(**values)
-
-
-def parse_knob_range(text: str) -> tuple[str, tuple[float, float]]:
-    """'NAME=LOW:HIGH' (or NAME=VALUE) -> (name, (low, high)); the knob and its scale are checked by the spec."""
-    name, equals, bounds = text.partition("=")
-    if not equals or not name.strip():
-        raise argparse.ArgumentTypeError(f"{text!r} must be NAME=LOW:HIGH, e.g. gamma=0.01:0.3")
-    return name.strip(), parse_range(bounds)
 
 
 def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
@@ -296,11 +174,14 @@ def print_failures(trials: Any) -> None:
     """Each failed trial and why, one line each (the table keeps one reason per method)."""
     from ..record.outcomes import describe
 
+    from ..spec.space import knob_names
+
     failed = [row for row in table_records(trials) if str(row.get("status")).startswith("failed")]
     if failed:
         print(f"failed trials ({len(failed)}):", file=sys.stderr)
+    choices = {"backbone", "loss", *knob_names()}  # the row's other columns are results, not the trial's name
     for row in failed:
-        name = describe({key: value for key, value in row.items() if value is not None})
+        name = describe({key: value for key, value in row.items() if key in choices and value is not None})
         print(f"  {name}: {row['status']}", file=sys.stderr)
 
 

@@ -3,56 +3,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
 from ...cli_types import non_negative_float, non_negative_int, positive_int
-from ...config import (BACKBONE_NAMES, PRECISIONS, TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig,
+from ...config import (BACKBONE_NAMES, TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig,
                       TrialConfig)
-from ...data import canonical_dataset, dataset_label, known_dataset_names
+from ...data import canonical_dataset, dataset_label
 from ...hardware import available_cpus
 from ...paths import absolute_data_dir_env
 from ...protocol import check_select_by, protocol_tag, resolved_knobs
+from ..spec.study import StudySpec
+from .fields import add_field_arguments
 from .protocol import add_protocol_arguments, apply_protocol_arguments
 
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by train.py and sweep.py: data, compute, Ray."""
-    parser.add_argument("--dataset", default="synthetic", help=f"one of {known_dataset_names()} (any case), or a "
-                        "dataset directory path such as ./mydata (docs/own-data.md); default synthetic (no files needed)")
-    parser.add_argument("--data-dir", help="directory with <Name>/<Name>.inter.json (default: $APAO_DATA_DIR, "
-                        "./data, then the user cache; downloaded when absent)")
-    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS"),
-                        help="Ray cluster to join, e.g. 'auto' or ray://host:10001 (default: $RAY_ADDRESS, "
-                             "else a local Ray on this machine)")
-    parser.add_argument("--output-dir", default="apao_runs", help="where runs and checkpoints are stored "
-                        "(default ./%(default)s; must be shared storage on a multi-node cluster)")
-    parser.add_argument("--max-train-samples", type=positive_int, help="train on a fixed random subset (quick runs)")
-    parser.add_argument("--eval-max-users", type=positive_int, help="validate on a fixed random subset of users")
-    parser.add_argument("--epochs", type=positive_int, default=200, help="maximum epochs (default %(default)s; the paper: 200, SPEC §5)")
-    parser.add_argument("--patience", type=positive_int, default=20, help="early-stopping patience (default %(default)s; the paper: 20)")
-    parser.add_argument("--batch-size", type=positive_int, default=None,
-                        help="micro-batch size, of each worker when data parallel (default: 128 on CPU, 1024 with a "
-                             "GPU, the fastest measured on each at "
-                             "effective batch 1024: benchmarks/RESULTS.md); the optimizer step stays --effective-batch-size")
-    parser.add_argument("--effective-batch-size", type=positive_int, default=1024,
-                        help="samples per optimizer step via gradient accumulation (default %(default)s)")
-    parser.add_argument("--lr", type=non_negative_float, default=5e-4, help="AdamW learning rate (default %(default)s)")
-    parser.add_argument("--beam-size", type=positive_int, default=20, help="beam size for evaluation (default %(default)s)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed for init, data order and negatives (default %(default)s)")
-    parser.add_argument("--model-size", choices=("paper", "tiny"), default="paper",
-                        help="paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs (default %(default)s)")
-    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
-                        help="auto (default): bf16 autocast on GPUs and on CPUs with native bf16 (AVX512-BF16 or "
-                             "AMX), fp32 elsewhere; weights, optimizer and log-softmax normalisers stay float32. "
-                             "The resolved precision is recorded in the checkpoint and MLflow (apao.precision)")
-    parser.add_argument("--group-by-length", action="store_true",
-                        help="batch histories of similar length: less padding, faster epochs (Office: see "
-                             "benchmarks/RESULTS.md); the paper's runs used random batches")
+    """The flags train.py shares with sweep.py (data, schedule, model, compute, Ray): StudySpec's ``trial`` group,
+    each declared once there, at the paper's schedule (200 epochs, patience 20) for one trial."""
+    add_field_arguments(parser, StudySpec, group="trial", defaults={"epochs": 200, "patience": 20})
     parser.add_argument("--smoke", action="store_true", help="tiny synthetic run on CPU (what the tests run)")
 
 

@@ -257,7 +257,7 @@ def _run_tuner(study: Study, tracker: Any, parent_id: str, example_history: list
     from ray import tune
 
     from ...tracking import experiment_name
-    from . import live_callbacks, optuna_storage
+    from . import live_callbacks, optuna_storage, optuna_summary
     from .mlflow_callback import MlflowStudyCallback, log_study_summary
     from ..record.outcomes import OUTCOME_TAG
     from .progress import ProgressCallback
@@ -346,9 +346,9 @@ def _run_tuner(study: Study, tracker: Any, parent_id: str, example_history: list
 
     log_study_figures(tracker, parent_id, rows, plan.base.train.beam_size)
     log_study_summary(tracker, parent_id, setup.study_name, metric)
-    optuna_summary = optuna_storage.log_study_artifacts(tracker, parent_id, storage_url, optuna_name) \
+    summary = optuna_summary.log_study_artifacts(tracker, parent_id, storage_url, optuna_name) \
         if storage_url else "this study was started without an Optuna storage: no importances or Optuna plots"
     tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})
     tracker.end_run(parent_id, "FINISHED")
-    return StudyOutcome(rows, optuna_summary=optuna_summary)
+    return StudyOutcome(rows, optuna_summary=summary)
 

@@ -9,14 +9,14 @@ The sweep CLI only turns flags into a StudySpec; a notebook builds one directly:
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ...config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES
-from ...data.files import canonical_dataset, dataset_label, is_dataset_path
+from ...data.files import canonical_dataset, dataset_label, is_dataset_path, known_dataset_names
 from ...paths import check_plain_name
 from .duration import parse_duration
+from .fields import check_bounds, document, option
 from .space import SearchSpec, tunes
 
 DEFAULT_LOSSES = ("ce", "apao_pointwise", "apao_pairwise")
@@ -34,97 +34,129 @@ def quick_negatives(losses: tuple[str, ...]) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class StudySpec:
-    """A hyperparameter study: which methods, how searched, how long, on what, recorded where.
+    """A hyperparameter study: which methods, how searched, how long, on what, recorded where. One field per input,
+    each declared once with its help and bounds (``spec/fields.py``): the ``sweep`` flags are built from them.
 
-    Args:
-        dataset: a known dataset name (any case) or "synthetic".
-        data_dir: directory holding the dataset; given, it must hold it (no download, no fall-back). Relative
-            paths here and below are the caller's: resolved once, where the study starts; the trials get the
-            absolute directory the dataset was found in.
-        backbones, losses: the methods: every (backbone, loss) pair is studied.
-        num_samples: Optuna trials per tuned (backbone, loss); baselines run once.
-        beta, eta, negatives: search ranges (low, high); negatives only for losses that tune them
-            (None: the loss's ``Knob`` range, 10..200).
-        knob_ranges: search ranges of the losses' other knobs by name (``--knob NAME=LOW:HIGH``); a knob not
-            named is searched over its ``Knob`` range (apao_ray/losses/knobs.py).
-        epochs, patience: per-trial schedule (the sweep's 20 / 5, not the paper's 200 / 20).
-        budget: wall-clock budget ("3h", "90m", "1h30m" or seconds): the study is fitted to it and
-            stopped at it. None: no budget.
-        min_epochs: the fewest epochs a budget may cut a trial to; a method whose one trial of them does
-            not fit is deferred (a table row without trials).
-        protocol, protocol_knobs: the training protocol preset and knob overrides (docs/PROTOCOLS.md).
-        max_concurrent: trials at once (None: the cluster's CPUs // (cpus_per_trial x workers_per_trial)).
-        workers_per_trial: data-parallel Ray Train workers per trial (DDP, docs/parallelism.md); each has
-            ``cpus_per_trial`` CPUs, ``gpus_per_trial`` GPUs and ``memory_per_trial_gib``. 1: the trial trains
-            in its Tune actor, without Ray Train.
-        cpus_per_trial: CPUs (and torch threads) per trial, per worker when ``workers_per_trial`` > 1. None: on
-            this machine, its CPUs shared by the workers of the trials that can run at once (min of the trials,
-            max_concurrent and the CPUs), at least 1 each, and no more than the CPUs not busy now (load
-            average), so a lone trial on an idle 2-CPU machine trains on both; 1 on a cluster.
-        memory_per_trial_gib: a cap on what each trial allocates past its worker's start (torch and Ray loaded),
-            the same under every allocator (training/memory.py MemoryCap); reserved in Ray's scheduling too.
-        tracking_uri: MLflow tracking URI (None: $MLFLOW_TRACKING_URI, else sqlite:///$PWD/mlflow.db).
-        output_dir: Ray Tune state and checkpoints.
-        address: a Ray cluster to join (None: a local Ray on this machine).
-        ray_dashboard: start the local Ray's dashboard (off: it holds ~1.1 GiB of memory in 12 processes,
-            and the study's progress lines, MLflow and optuna-dashboard show the study); a cluster keeps its own.
-            Always on with ``workers_per_trial`` > 1 (``starts_ray_dashboard``).
-        resume, overwrite: continue the study of this name (refused if none) / start it again.
-        retry_failed: on a resume, run the trials that failed (e.g. killed for memory) again, each
-            from its last epoch checkpoint.
-        enqueue_paper_setting: each tuned method's first trial is the paper's setting.
-        optuna_storage: the searcher's Optuna storage (SQLAlchemy URL; None: optuna.db beside a
-            SQLite MLflow database, else under output_dir).
-        seeds: seeds as a study dimension (None: ``seed`` alone). The search runs on the first; then the
-            best configuration of every (backbone, loss) is trained again on each other seed, as trials of
-            the same study, and the table shows mean and spread over the seeds. Not together with ``seed``.
+    Relative paths are the caller's: resolved once, where the study starts (``prepare``); the trials get absolute
+    ones.
     """
 
-    dataset: str = "synthetic"
-    data_dir: str | None = None
-    backbones: tuple[str, ...] = ("tiger",)
-    losses: tuple[str, ...] = DEFAULT_LOSSES
-    num_samples: int = 3
-    beta: tuple[float, float] = (0.05, 0.4)
-    eta: tuple[float, float] = (5e-6, 5e-4)
-    negatives: tuple[int, int] | None = None
-    pretrain_ce_epochs: int | None = None
-    epochs: int = 20
-    patience: int = 5
-    batch_size: int | None = None  # None: 128 on CPU, 1024 with a GPU (config.default_micro_batch)
-    effective_batch_size: int = 1024
-    lr: float = 5e-4
-    beam_size: int = 20
-    seed: int = 0
-    model_size: str = "paper"
-    precision: str = "auto"
-    group_by_length: bool = False
-    max_train_samples: int | None = None
-    eval_max_users: int | None = None
-    retention_users: int = 128
-    protocol: str = "paper"
-    protocol_knobs: dict[str, Any] = field(default_factory=dict)
-    budget: str | float | None = None
-    min_epochs: int = 3
-    max_concurrent: int | None = None
-    workers_per_trial: int = 1
-    cpus_per_trial: float | None = None
-    gpus_per_trial: float = 0.0
-    memory_per_trial_gib: float | None = None
-    max_failures: int = 1
-    asha_grace_period: int = 5
-    study_name: str | None = None
-    output_dir: str = "apao_runs"
-    tracking_uri: str | None = None
-    address: str | None = None
-    ray_dashboard: bool = False
-    resume: bool = False
-    overwrite: bool = False
-    retry_failed: bool = False
-    enqueue_paper_setting: bool = True
-    optuna_storage: str | None = None
-    seeds: tuple[int, ...] | None = None
-    knob_ranges: dict[str, tuple[float, float]] = field(default_factory=dict)  # the losses' other knobs
+    # what is trained and on what (the flags `train` shares)
+    dataset: str = option("synthetic", f"one of {known_dataset_names()} (any case), or a dataset directory path "
+                          "such as ./mydata (docs/own-data.md); default synthetic (no files needed)", group="trial")
+    data_dir: str | None = option(None, "directory with <Name>/<Name>.inter.json (default: $APAO_DATA_DIR, ./data, "
+                                  "then the user cache; downloaded when absent); given, it must hold the dataset "
+                                  "(no download, no fall-back)", group="trial")
+    address: str | None = option(None, "Ray cluster to join, e.g. 'auto' or ray://host:10001 (default: $RAY_ADDRESS, "
+                                 "else a local Ray on this machine)", env="RAY_ADDRESS", group="trial")
+    output_dir: str = option("apao_runs", "where runs and checkpoints are stored (default ./%(default)s; must be "
+                             "shared storage on a multi-node cluster)", group="trial")
+    max_train_samples: int | None = option(None, "train on a fixed random subset (quick runs)", low=1, integer=True,
+                                           group="trial")
+    eval_max_users: int | None = option(None, "validate on a fixed random subset of users", low=1, integer=True,
+                                        group="trial")
+    epochs: int = option(20, "maximum epochs per trial (default %(default)s; the paper: 200, SPEC §5)", low=1,
+                         integer=True, group="trial")
+    patience: int = option(5, "early-stopping patience (default %(default)s; the paper: 20)", low=1, integer=True,
+                           group="trial")
+    batch_size: int | None = option(None, "micro-batch size, of each worker when data parallel (default: 128 on CPU, "
+                                    "1024 with a GPU, the fastest measured on each at effective batch 1024: "
+                                    "benchmarks/RESULTS.md); the optimizer step stays --effective-batch-size", low=1,
+                                    integer=True, group="trial")
+    effective_batch_size: int = option(1024, "samples per optimizer step via gradient accumulation (default "
+                                       "%(default)s)", low=1, integer=True, group="trial")
+    lr: float = option(5e-4, "AdamW learning rate (default %(default)s)", low=0, group="trial")
+    beam_size: int = option(20, "beam size for evaluation (default %(default)s)", low=1, integer=True, group="trial")
+    seed: int = option(0, "seed for init, data order and negatives (default %(default)s)", low=0, integer=True,
+                       group="trial")
+    model_size: str = option("paper", "paper: SPEC §2 sizes (~0.005B); tiny: a small model for smoke runs (default "
+                             "%(default)s)", choices=("paper", "tiny"), group="trial")
+    precision: str = option("auto", "auto (default): bf16 autocast on GPUs and on CPUs with native bf16 (AVX512-BF16 "
+                            "or AMX), fp32 elsewhere; weights, optimizer and log-softmax normalisers stay float32. The "
+                            "resolved precision is recorded in the checkpoint and MLflow (apao.precision)",
+                            choices=PRECISIONS, group="trial")
+    group_by_length: bool = option(False, "batch histories of similar length: less padding, faster epochs (Office: "
+                                   "see benchmarks/RESULTS.md); the paper's runs used random batches", kind="switch",
+                                   group="trial")
+    # the methods and their search
+    backbones: tuple[str, ...] = option(("tiger",), f"comma list of {list(BACKBONE_NAMES)} (default tiger)",
+                                        kind="names")
+    losses: tuple[str, ...] = option(DEFAULT_LOSSES, "comma list from apao_ray.losses.LOSSES (default "
+                                     "ce,apao_pointwise,apao_pairwise); losses with nothing to tune are baselines and "
+                                     "run once per backbone", kind="names")
+    num_samples: int = option(3, "Optuna trials per tuned (backbone, loss) (default %(default)s)", low=1, integer=True)
+    beta: tuple[float, float] = option((0.05, 0.4), "LOW:HIGH (default 0.05:0.4, paper grid)", kind="range")
+    eta: tuple[float, float] = option((5e-6, 5e-4), "LOW:HIGH, log scale (default 5e-6:5e-4)", kind="range")
+    negatives: tuple[int, int] | None = option(None, "LOW:HIGH negatives for the losses that tune them, log scale "
+                                               "(default: the loss's Knob range, 10:200; 10:20 with --quick)",
+                                               kind="int_range")
+    knob_ranges: dict[str, tuple[float, float]] = option(
+        factory=dict, kind="knobs", flag="--knob", metavar="NAME=LOW:HIGH",
+        help="search range of another knob a loss declares (Loss.knobs; repeatable; default: the knob's own range; "
+             "docs/own-loss.md)")
+    pretrain_ce_epochs: int | None = option(None, "CE epochs before a loss that needs a CE stage (dpo/dmpo/sdpo; "
+                                            "default half the epochs)", low=0, integer=True)
+    enqueue_paper_setting: bool = option(True, "each tuned (backbone, loss) starts with the paper's setting (Table 5) "
+                                         "for the dataset, clipped to the ranges (default: %(default)s)", kind="toggle")
+    seeds: tuple[int, ...] | None = option(None, "seeds as a study dimension, e.g. 0,1,2: the search runs on the "
+                                           "first; then the best configuration of every (backbone, loss) trains again "
+                                           "on each other seed (trials of the same study, resumable) and the table "
+                                           "shows mean, std and significance over the seeds; not with --seed "
+                                           "(default: --seed alone)", kind="seeds", metavar="S,S,...")
+    retention_users: int = option(128, "test users whose beam retention is measured (paper Fig. 1c; 32 with "
+                                  "--quick) (default %(default)s)", low=0, integer=True)
+    protocol: str = option("paper", "the training protocol preset (docs/PROTOCOLS.md)", choices=PROTOCOL_NAMES,
+                           cli=False)
+    protocol_knobs: dict[str, Any] = option(factory=dict, help="protocol knob overrides (--select-by, --weighting, "
+                                            "...; docs/PROTOCOLS.md)", cli=False)
+    # how long, and on what
+    budget: str | float | None = option(None, "wall-clock budget, e.g. 3h, 90m, 1h30m or seconds: the study is fitted "
+                                        "to it (fewer epochs, then fewer trials; methods whose trial of --min-epochs "
+                                        "does not fit are deferred; ASHA rungs from the epochs) and stopped at it "
+                                        "(default: none)", kind="duration", metavar="DURATION")
+    min_epochs: int = option(3, "the fewest epochs --budget may cut a trial to; a method whose one trial of them does "
+                             "not fit is deferred: a table row without trials, saying what it needs (default "
+                             "%(default)s)", low=1, integer=True)
+    max_concurrent: int | None = option(None, "trials at once (default: the cluster's CPUs // (cpus-per-trial x "
+                                        "workers-per-trial))", low=1, integer=True)
+    workers_per_trial: int = option(1, "data-parallel Ray Train workers per trial (DDP; each with --cpus-per-trial "
+                                    "CPUs, --gpus-per-trial GPUs and --memory-per-trial); refused when the cluster "
+                                    "cannot place them all (default %(default)s: the trial trains in its Tune actor; "
+                                    "docs/parallelism.md)", low=1, integer=True)
+    cpus_per_trial: float | None = option(None, "CPUs (and torch threads) per trial, per worker with "
+                                          "--workers-per-trial; 0.5 packs two trials per CPU, each on 1 thread "
+                                          "(default: this machine's CPUs shared by the trials that run at once, at "
+                                          "least 1 each and no more than the CPUs not busy at the start: a lone trial "
+                                          "on an idle 2-CPU machine gets 2; 1 on a cluster)", low=0, above=True)
+    gpus_per_trial: float = option(0.0, "GPUs per trial; fractions share a GPU (0.25) (default %(default)s)", low=0)
+    memory_per_trial_gib: float | None = option(
+        None, flag="--memory-per-trial", metavar="GIB", low=0, above=True,
+        help="memory cap per trial in GiB, counting what the trial itself allocates: the memory its worker maps past "
+             "what it mapped when the trial started, torch and Ray loaded (0.5-2.5 GiB, by allocator; not counted), "
+             "whether touched yet or not; the same under every allocator (APAO_RAY_ALLOCATOR). A trial that needs "
+             "more fails as 'out of memory', naming the cap and what it held, instead of the node's OOM killer taking "
+             "processes; Ray reserves the cap for the trial's scheduling (default: no cap)")
+    max_failures: int = option(1, "restarts of a failed trial from its checkpoint (default %(default)s)", low=0,
+                               integer=True)
+    asha_grace_period: int = option(5, "epochs before ASHA may stop a trial (default %(default)s; a quarter of the "
+                                    "epochs when --budget shortens them); a trial is only compared with trials of its "
+                                    "own (backbone, loss), baselines are never stopped, and a pruned trial is tested "
+                                    "on its best checkpoint", low=1, integer=True)
+    ray_dashboard: bool = option(False, "start the dashboard of the local Ray this study starts (off by default: it "
+                                 "holds ~1.1 GiB of memory in 12 processes; the progress lines, MLflow and "
+                                 "optuna-dashboard show the study); a cluster given by --address keeps its own; "
+                                 "always on with --workers-per-trial > 1", kind="switch")
+    # where it is recorded, and what happens to an earlier study of the same name
+    study_name: str | None = option(None, "default <dataset>-study; re-running the same name resumes it")
+    tracking_uri: str | None = option(None, "MLflow store the study records to (--tracking-uri)", cli=False)
+    optuna_storage: str | None = option(None, "SQLAlchemy URL (or SQLite file path) of the searcher's Optuna study "
+                                        "(default: optuna.db beside a SQLite MLflow database, else in --output-dir); "
+                                        "open it with optuna-dashboard URL", metavar="URL")
+    resume: bool = option(False, "continue an interrupted study (refused when there is none); re-running the same "
+                          "command does the same", kind="switch")
+    retry_failed: bool = option(False, "on a resume, also run again the trials that failed (e.g. killed for memory), "
+                                "each from its last epoch checkpoint; without it they stay failed", kind="switch")
+    overwrite: bool = option(False, "start the study again from scratch", kind="switch")
 
     @classmethod
     def quick(cls, **changes: Any) -> "StudySpec":
@@ -154,36 +186,10 @@ class StudySpec:
             knob_ranges=dict(self.knob_ranges), dataset=canonical_dataset(self.dataset), **negatives))
 
     def _check_numbers(self) -> None:
-        def check(name: str, low: float, *, integer: bool = False, optional: bool = False, above: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and optional:
-                return
-            kind = "an integer" if integer else "a number"
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            ok = ok and (value > low if above else value >= low) and (not integer or float(value).is_integer())
-            if not ok:
-                raise ValueError(f"{name}={value!r} must be {kind} {'>' if above else '>='} {low:g}")
-
-        for name in ("num_samples", "epochs", "patience", "effective_batch_size", "beam_size", "asha_grace_period",
-                     "min_epochs", "workers_per_trial"):
-            check(name, 1, integer=True)
-        check("batch_size", 1, integer=True, optional=True)
-        for name in ("seed", "max_failures", "retention_users"):
-            check(name, 0, integer=True)
-        for name in ("max_train_samples", "eval_max_users", "max_concurrent"):
-            check(name, 1, integer=True, optional=True)
-        check("pretrain_ce_epochs", 0, integer=True, optional=True)
-        check("lr", 0)
-        check("gpus_per_trial", 0)
-        check("memory_per_trial_gib", 0, optional=True, above=True)
-        check("cpus_per_trial", 0, above=True, optional=True)
+        check_bounds(self)  # the table's bounds and choices (spec/fields.py)
         if self.cpus_per_trial is not None and self.cpus_per_trial <= 0.05:
             raise ValueError(f"--cpus-per-trial {self.cpus_per_trial} leaves the trial's worker nothing; give more "
                              "than 0.05")
-        for name, allowed in (("model_size", ("paper", "tiny")), ("precision", PRECISIONS),
-                              ("protocol", PROTOCOL_NAMES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}; choose from {list(allowed)}")
 
     def _check_names(self) -> None:
         """Backbones, losses, names that become paths, and flags that contradict each other."""
@@ -239,6 +245,9 @@ class StudySpec:
         Train placement groups are freed by a cleaner that reads the dashboard's State API (without it the
         first trial's CPUs stayed reserved and the next trial's workers never started)."""
         return self.ray_dashboard or self.workers_per_trial > 1
+
+
+StudySpec.__doc__ += document(StudySpec)
 
 
 def check_seeds(seeds: Any, seed: int) -> tuple[int, ...]:
