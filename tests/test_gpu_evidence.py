@@ -116,3 +116,29 @@ def test_diagnosis_re_evaluates_each_trials_selected_weights_as_its_test_metrics
             c = differences[(weights, "test", metric)]
             expected = rows[("apao_pointwise", weights, "test")][metric] - rows[("ce", weights, "test")][metric]
             assert c["difference"] == pytest.approx(expected, abs=1e-9) and c["ci_low"] <= c["difference"] <= c["ci_high"]
+
+
+def test_the_gpu_queue_names_studies_as_office_full_sh_and_skips_the_finished_ones():
+    """benchmarks/gpu/next_call.py: a study run on a GPU must be the same study (name, flags) as office_full.sh's on
+    a CPU, and the committed exports decide what is done: Office TIGER seeds 0-2 are, the reference CE is not."""
+    import os
+    import re
+    import subprocess
+
+    spec = importlib.util.spec_from_file_location("next_call", ROOT / "benchmarks" / "gpu" / "next_call.py")
+    next_call = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(next_call)
+    script = (ROOT / "benchmarks" / "evidence" / "office_full.sh").read_text()
+    for dataset, backbone, losses, protocol in (("office", "tiger", "ce,apao_pointwise", "paper"),
+                                                ("office", "tiger", "ce", "reference"),
+                                                ("grocery", "llama", "ce,apao_pointwise,apao_pairwise", "paper")):
+        env = {**os.environ, "DATASET": dataset, "BACKBONE": backbone, "LOSSES": losses, "PROTOCOL": protocol,
+               "SEED": "3"}
+        prelude = script[:script.index("export APAO_DATA_DIR")]  # the name's lines, before anything runs
+        printed = subprocess.run(["bash", "-c", re.sub(r"^cd .*$", "", prelude, flags=re.M) + 'echo "$study"'],
+                                 env=env, capture_output=True, text=True, check=True).stdout.strip()
+        assert next_call.study_name(dataset, backbone, tuple(losses.split(",")), protocol, 3) == printed
+    assert all(next_call.is_done(f"office-full-tiger-seed{seed}", ("ce", "apao_pointwise")) for seed in (0, 1, 2))
+    studies = [row["study"] for row in next_call.pending()]
+    assert "office-full-tiger-seed1" not in studies and studies[0] == "office-full-tiger-reference-ce-seed0"
+    assert not next_call.is_done("office-full-tiger-seed0", ("ce", "apao_pairwise"))
