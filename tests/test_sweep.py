@@ -448,10 +448,12 @@ def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
         assert child.info.run_name == expected_name
         if child.info.status != "FINISHED":
             continue
-        # the run's page lists its model (a model the SIGKILL left half-logged may be listed too): the one the
-        # run's tag names, the one `best` registers, is complete
+        # the run's page lists its model: the one the run's tag names, the one `best` registers, is complete; a
+        # model the SIGKILL left half-logged is marked FAILED on the resume, wherever MLflow lists it
         model_id = child.data.tags["apao.model_uri"].removeprefix("models:/")
-        assert model_id in {o.model_id for o in child.outputs.model_outputs}
+        others = {o.model_id for o in child.outputs.model_outputs} - {model_id}
+        assert len(others) + 1 == len(child.outputs.model_outputs)
+        assert all(tracker.client.get_logged_model(other).status == "FAILED" for other in others)
         model = tracker.client.get_logged_model(model_id)
         assert model.status == "READY" and model.params == params
         assert {m.key: m.value for m in model.metrics} == {k: v for k, v in child.data.metrics.items()

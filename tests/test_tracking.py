@@ -90,3 +90,23 @@ def test_a_model_left_half_logged_by_a_killed_driver_is_marked_failed_and_logged
     assert tracker.logged_model_uri(run_id) == model_uri != f"models:/{half.model_id}"
     with tracking_at(tracker.tracking_uri):
         assert mlflow.models.get_model_info(model_uri).run_id == run_id  # its MLmodel is there
+
+    # a half-logged model AFTER a complete one (a driver killed while logging again): marked FAILED too, and
+    # the complete one is the run's model whatever order MLflow lists the outputs in
+    with monkeypatch.context() as patch:
+        patch.setattr(MlflowClient, "log_model_artifacts", killed)
+        with pytest.raises(KeyboardInterrupt):
+            tracker.log_recommender(run_id, checkpoint, ["i1"])
+    with monkeypatch.context() as patch:  # MLflow listing the newest output first (its order follows the random ids)
+        real_get_run = MlflowClient.get_run
+
+        def get_run(client, run):
+            found = real_get_run(client, run)
+            found.outputs.model_outputs.sort(key=lambda o: -client.get_logged_model(o.model_id).creation_timestamp)
+            return found
+
+        patch.setattr(MlflowClient, "get_run", get_run)
+        assert tracker.logged_model_uri(run_id) == model_uri
+    statuses = [tracker.client.get_logged_model(o.model_id).status
+                for o in tracker.client.get_run(run_id).outputs.model_outputs]
+    assert sorted(map(str, statuses)) == ["FAILED", "FAILED", "READY"], statuses

@@ -129,15 +129,17 @@ class ModelLogging:
         ``log_model`` names the model as the run's output before it uploads the files: a driver killed in
         between leaves a PENDING model with no ``MLmodel``. Such a model is marked FAILED here (nothing is
         logging it any more: a run's models are logged by the one driver that owns it) and not returned, so
-        the caller logs the model again instead of registering one that cannot load."""
+        the caller logs the model again instead of registering one that cannot load. Every PENDING output is
+        marked so, wherever it stands among the run's outputs (their order is MLflow's, not promised to be the
+        logging order), and the newest READY one is returned."""
         outputs = self.client.get_run(run_id).outputs
-        for output in reversed(outputs.model_outputs if outputs else []):
-            model = self.client.get_logged_model(output.model_id)
-            if model.status == LoggedModelStatus.READY:
-                return f"models:/{model.model_id}"
+        models = [self.client.get_logged_model(output.model_id) for output in (outputs.model_outputs if outputs else [])]
+        for model in models:
             if model.status == LoggedModelStatus.PENDING:
                 self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
-        return None
+        ready = [model for model in models if model.status == LoggedModelStatus.READY]
+        newest = max(ready, key=lambda model: model.creation_timestamp, default=None)
+        return None if newest is None else f"models:/{newest.model_id}"
 
     def register_best(self, model_uri: str, name: str, alias: str = "best") -> tuple[int, bool]:
         """Points ``name@alias`` at ``model_uri``, registering it as a new version unless the alias already
