@@ -154,3 +154,21 @@ def test_trials_without_test_metrics_are_listed_with_their_validation_curves(tmp
     (directory / "study.json").write_text(json.dumps(record))
     with pytest.raises(ValueError, match=r"studies \['office-s0'\] have no trial that trained an epoch"):
         build_report([load_export(directory)], tmp_path / "out2")
+
+
+def test_seeds_from_a_cpu_and_a_gpu_show_their_epoch_times_and_epochs_per_seed(tmp_path):
+    """A mean of a CPU seed's 40-s epochs and a GPU seed's 0.4-s ones describes neither: the report lists them per
+    seed; and each seed's trained epochs come from its own record (a GPU file's epochs_trained, else its history)."""
+    directories = [_fabricate(tmp_path / "exports", seed, effect=0.0) for seed in (0, 1)]
+    epochs_file = directories[1] / "epochs.csv.gz"
+    rows = pd.read_csv(epochs_file)
+    rows.loc[rows.key == "perf/epoch_seconds", "value"] /= 100
+    with gzip.open(epochs_file, "wt") as handle:
+        rows.to_csv(handle, index=False)
+    study = json.loads((directories[1] / "study.json").read_text())
+    for trial in study["trials"]:
+        trial["metrics"]["epochs_trained"] = 5.0
+    (directories[1] / "study.json").write_text(json.dumps(study))
+    report = build_report([load_export(d) for d in directories], tmp_path / "out", num_resamples=200).read_text()
+    ce = next(line for line in _section(report, "Test metrics") if "| ce |" in line)
+    assert ce.endswith("| 3,5 | 40.0 / 0.4 | converged |"), ce

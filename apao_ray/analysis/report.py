@@ -21,7 +21,7 @@ from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export
 from .grid import build_grid, load_queue, queue_path_default
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
-                      compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials)
+                      Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials)
 
 REPORT_FILE = "report.md"
 
@@ -50,18 +50,34 @@ def _metrics_table(methods: list[Method]) -> list[str]:
               "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)", "converged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
-        epoch_seconds = [float(t.history("perf/epoch_seconds").median()) for t in method.trials
-                         if not t.history("perf/epoch_seconds").empty]
         cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
                  *(_mean_std(method, key) for key in TEST_METRICS), _paper_cell(method),
                  method.tag_values("apao.protocol", "paper"), method.tag_values("apao.schedule"),
                  method.tag_values("apao.precision"), _mean_std(method, "best/epoch", 1),
-                 _mean_std(method, "epochs_trained", 1) if method.values("epochs_trained") else
-                 ",".join(str(int(t.history("perf/epoch_seconds").index.max())) for t in method.trials
-                          if not t.history("perf/epoch_seconds").empty) or "-",
-                 _number(sum(epoch_seconds) / len(epoch_seconds), 1) if epoch_seconds else "-", method.convergence]
+                 ",".join(str(n) for n in map(_epochs_trained, method.trials) if n is not None) or "-",
+                 _epoch_seconds(method), method.convergence]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def _epochs_trained(trial: Trial) -> int | None:
+    """The epochs a trial trained: its ``epochs_trained`` metric, else its last logged epoch."""
+    if "epochs_trained" in trial.metrics:
+        return int(trial.metrics["epochs_trained"])
+    history = trial.history("perf/epoch_seconds")
+    return None if history.empty else int(history.index.max())
+
+
+def _epoch_seconds(method: Method) -> str:
+    """The trials' median epoch, averaged over seeds; per seed (``a / b / c``) where they differ by more than 2x,
+    as between a CPU seed and a GPU seed, whose mean would describe neither."""
+    medians = [float(t.history("perf/epoch_seconds").median()) for t in method.trials
+               if not t.history("perf/epoch_seconds").empty]
+    if not medians:
+        return "-"
+    if max(medians) > 2 * min(medians):
+        return " / ".join(_number(m, 1) for m in medians)
+    return _number(sum(medians) / len(medians), 1)
 
 
 def _cost_table(methods: list[Method]) -> list[str]:
@@ -158,7 +174,8 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
              "parentheses with `n/c` (not comparable) otherwise. `s/epoch (median)`: each trial's median epoch "
-             "(MLflow `perf/epoch_seconds`), averaged over seeds; a median, as epochs that ran beside other work on a "
+             "(MLflow `perf/epoch_seconds`), averaged over seeds (listed per seed where they differ by more than 2x, e.g. a "
+             "CPU seed beside GPU seeds); a median, as epochs that ran beside other work on a "
              "shared machine would pull a mean up (the cost table has the totals). `converged`: `not converged` where a "
              f"seed's validation NDCG@10 was still rising by more than {STEEP_LAST_GAIN:.0%} at its last epoch (or it "
              f"trained one epoch); a paired difference involving such a method is labelled `{EARLY_LEARNING}`: a "
