@@ -142,3 +142,29 @@ def test_the_gpu_queue_names_studies_as_office_full_sh_and_skips_the_finished_on
     studies = [row["study"] for row in next_call.pending()]
     assert "office-full-tiger-seed1" not in studies and studies[0] == "office-full-tiger-reference-ce-seed0"
     assert not next_call.is_done("office-full-tiger-seed0", ("ce", "apao_pairwise"))
+
+
+def test_a_gpu_calls_export_lands_as_a_study_the_grid_reads(tmp_path):
+    """next_call.py --land: the files a call brings back (export.tar.gz, gpu.csv, ...) become <results>/<study>,
+    the grid counts it, and a study already there is never overwritten."""
+    import shutil
+    import tarfile
+
+    spec = importlib.util.spec_from_file_location("next_call", ROOT / "benchmarks" / "gpu" / "next_call.py")
+    next_call = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(next_call)
+    files_at, results = tmp_path / "device", tmp_path / "results"
+    files_at.mkdir()
+    with tarfile.open(files_at / "export.tar.gz", "w:gz") as archive:  # as study.sh packs it
+        archive.add(ROOT / "benchmarks" / "results" / "office-full-tiger-seed1", arcname="export")
+    (files_at / "gpu.csv").write_text("timestamp, name, utilization.gpu [%], memory.used [MiB]\n")
+    results.mkdir()
+    shutil.copytree(ROOT / "benchmarks" / "results" / "office-full-tiger-seed0", results / "office-full-tiger-seed0")
+    target = next_call.land(files_at, "office-full-tiger-seed1", results, tmp_path / "grid")
+    assert json.loads((target / "study.json").read_text())["study"] == "office-full-tiger-seed1"
+    assert (target / "gpu_h200.csv").exists() and sorted(p.name for p in (target / "per_user").iterdir())
+    grid = (tmp_path / "grid" / "grid.md").read_text()
+    ce = next(line for line in grid.splitlines() if line.startswith("| office | tiger | ce |"))
+    assert "(n=2)" in ce and ce.endswith("| done (seeds 0,1) |"), ce
+    with pytest.raises(SystemExit, match="exists"):
+        next_call.land(files_at, "office-full-tiger-seed1", results, tmp_path / "grid")

@@ -85,10 +85,11 @@ def call_for(row: dict) -> str:
             f"timeout_s=600)\n# then: python benchmarks/gpu/next_call.py --land <files_at> --study {row['study']}")
 
 
-def land(files_at: Path, study: str) -> Path:
-    """The call's export unpacked as benchmarks/results/<study> (with the GPU's log and nvidia-smi samples), then
-    the grid rebuilt; returns the export's folder."""
-    target = RESULTS / study
+def land(files_at: Path, study: str, results: Path = RESULTS,
+         grid_out: Path = ROOT / "benchmarks" / "evidence" / "grid") -> Path:
+    """The call's export unpacked as <results>/<study> (with the GPU's log and nvidia-smi samples), then the grid
+    rebuilt from every export in ``results``; returns the export's folder."""
+    target = results / study
     if target.exists():
         raise SystemExit(f"{target} exists: move it away first (a finished study is not overwritten)")
     with tarfile.open(files_at / "export.tar.gz") as archive:
@@ -97,8 +98,8 @@ def land(files_at: Path, study: str) -> Path:
     for name, as_name in (("gpu.csv", "gpu_h200.csv"), ("runner.log", "gpu_runner.log"), ("summary.json", "gpu_summary.json")):
         if (files_at / name).exists():
             shutil.copy(files_at / name, target / as_name)
-    subprocess.run([sys.executable, "-m", "apao_ray", "report", "--grid", "--exports", str(RESULTS), "--out",
-                    str(ROOT / "benchmarks" / "evidence" / "grid")], check=True)
+    subprocess.run([sys.executable, "-m", "apao_ray", "report", "--grid", "--exports", str(results), "--out",
+                    str(grid_out), "--queue", str(QUEUE)], check=True)
     return target
 
 
