@@ -68,29 +68,49 @@ def _epochs_trained(trial: Trial) -> int | None:
     return None if history.empty else int(history.index.max())
 
 
+def _epoch_medians(method: Method) -> list[float]:
+    return [float(t.history("perf/epoch_seconds").median()) for t in method.trials
+            if not t.history("perf/epoch_seconds").empty]
+
+
+def _mixed_devices(method: Method) -> bool:
+    """Whether the seeds' median epochs differ by more than 2x, as between a CPU seed and a GPU seed: their mean
+    or sum would describe neither, so the report lists them per seed."""
+    medians = _epoch_medians(method)
+    return bool(medians) and max(medians) > 2 * min(medians)
+
+
 def _epoch_seconds(method: Method) -> str:
-    """The trials' median epoch, averaged over seeds; per seed (``a / b / c``) where they differ by more than 2x,
-    as between a CPU seed and a GPU seed, whose mean would describe neither."""
-    medians = [float(t.history("perf/epoch_seconds").median()) for t in method.trials
-               if not t.history("perf/epoch_seconds").empty]
+    """The trials' median epoch, averaged over seeds (per seed, ``a / b / c``, on mixed devices)."""
+    medians = _epoch_medians(method)
     if not medians:
         return "-"
-    if max(medians) > 2 * min(medians):
+    if _mixed_devices(method):
         return " / ".join(_number(m, 1) for m in medians)
     return _number(sum(medians) / len(medians), 1)
 
 
+def _minutes(method: Method, *keys: str) -> str:
+    """The trials' first recorded ``keys`` in minutes: summed over seeds, or per seed on mixed devices."""
+    per_trial = [next((t.metrics[k] for k in keys if k in t.metrics), None) for t in method.trials]
+    if _mixed_devices(method):
+        return " / ".join("-" if v is None else _number(v / 60, 1) for v in per_trial)
+    known = [v for v in per_trial if v is not None]
+    return _number(sum(known) / 60, 1) if known else "-"
+
+
 def _cost_table(methods: list[Method]) -> list[str]:
-    """Per method, summed over its seeds: wall and CPU time, energy; the largest peak memory."""
+    """Per method, summed over its seeds (listed per seed on mixed devices): wall and CPU time; energy; the largest
+    peak memory."""
     header = ["dataset", "backbone", "method", "seeds", "wall min", "CPU min", "peak RSS MB", "peak GPU MB", "energy kWh",
               "energy method"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
-        wall = method.values("cost/wall_seconds") or method.values("perf/total_seconds")  # runs before cost/ existed
-        cpu, energy = method.values("cost/cpu_seconds"), method.values("cost/energy_kwh")
+        energy = method.values("cost/energy_kwh")
         rss, gpu = method.values("cost/peak_rss_mb"), method.values("cost/peak_gpu_memory_mb")
         cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
-                 _number(sum(wall) / 60, 1) if wall else "-", _number(sum(cpu) / 60, 1) if cpu else "-",
+                 _minutes(method, "cost/wall_seconds", "perf/total_seconds"),  # perf/: runs before cost/ existed
+                 _minutes(method, "cost/cpu_seconds"),
                  _number(max(rss), 0) if rss else "-", _number(max(gpu), 0) if gpu else "-",
                  f"{sum(energy):.3g}" if energy else "-", method.tag_values("apao.energy_method", "not recorded")]
         lines.append("| " + " | ".join(cells) + " |")
@@ -180,7 +200,8 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              f"seed's validation NDCG@10 was still rising by more than {STEEP_LAST_GAIN:.0%} at its last epoch (or it "
              f"trained one epoch); a paired difference involving such a method is labelled `{EARLY_LEARNING}`: a "
              "comparison of early learning, not of trained models.", "",
-             "## Cost per method (summed over seeds; peak memory: the largest)", "", *_cost_table(methods), ""]
+             "## Cost per method (summed over seeds, or per seed where their epochs differ by more than 2x, as between a "
+             "CPU and a GPU; peak memory: the largest)", "", *_cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
     if compared:
         lines += ["Mean per-user difference, 95% percentile bootstrap CI over users, two-sided Wilcoxon signed-rank "
