@@ -73,6 +73,8 @@ def number(low: float, integer: bool, above: bool) -> Callable[[str], Any]:
     return parse
 
 
+GROUP_TITLES = {"trial": "what each trial trains on, and how (the flags `train` shares)",
+                "study": "the study: methods, search, budget, resources, records"}
 KIND_TYPES: dict[str, Callable[[str], Any]] = {
     "names": comma_list, "range": parse_range, "int_range": lambda text: parse_range(text, int), "seeds": seed_list,
     "duration": duration, "knobs": knob_range}
@@ -108,9 +110,11 @@ def add_field_arguments(parser: Any, cls: type, group: str | None = None, defaul
     """The flags of ``cls``'s table (only ``group``'s when given), except those a command writes itself
     (``cli=False``); ``defaults`` replace the fields' own (``train``: the paper's 200 epochs, patience 20)."""
     defaults = defaults or {}
+    sections = {name: parser.add_argument_group(title) for name, title in GROUP_TITLES.items()} if group is None \
+        else {group: parser}  # every group: under its title in --help; one group: among the command's own flags
     for entry in table(cls):
-        if entry.metadata["cli"] and (group is None or entry.metadata["group"] == group):
-            add_field_argument(parser, entry, defaults.get(entry.name, MISSING))
+        if entry.metadata["cli"] and entry.metadata["group"] in sections:
+            add_field_argument(sections[entry.metadata["group"]], entry, defaults.get(entry.name, MISSING))
 
 
 def field_values(args: argparse.Namespace, cls: type) -> dict[str, Any]:
