@@ -11,7 +11,7 @@ from typing import Any
 from ...paths import absolute_data_dir_env, add_tracking_uri_argument
 from ...protocol import KNOBS
 from ..spec.study import QUICK_SETTINGS, StudySpec, quick_negatives
-from .fields import add_field_arguments, field_values
+from .fields import add_field_arguments, field_values, number
 from .protocol import add_protocol_arguments
 
 SWEEP_EPILOG = """\
@@ -66,20 +66,10 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
                          "stdout (the plan's text goes to stderr)")
     command.add_argument("--reprobe", action="store_true", help="measure the plan's timing probe again instead of "
                          "reading ~/.cache/apao_ray/probes.json (after a change of hardware load or code)")
-    command.add_argument("--time-budget", type=positive_float, default=None, metavar="SECONDS",
+    command.add_argument("--time-budget", type=number(0, integer=False, above=True), default=None, metavar="SECONDS",
                          help="deprecated: --budget SECONDS")
     add_protocol_arguments(parser, with_eta=False)
     return parser
-
-
-def positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a number > 0")
-    return value
 
 
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
