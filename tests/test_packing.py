@@ -126,3 +126,43 @@ def test_tiger_shared_start_equals_one_candidate_at_a_time_in_float64():
     (shared, shared_grads), (alone, alone_grads) = results
     assert (shared - alone).abs().max() <= 1e-9
     assert max(float((a - b).abs().max()) for a, b in zip(shared_grads, alone_grads)) <= 1e-9
+
+
+@pytest.mark.parametrize("num_candidates", [1, 3])
+def test_absorbed_cross_attention_equals_projected_keys_and_values_in_float64(num_candidates):
+    """Reading the encoder output through the attention weights (no keys or values projected) is the
+    same function: logits and every parameter's gradient agree to 1e-9, for the plain decoder (C = 1)
+    and the shared-start one (C > 1)."""
+    model = paper_like("tiger")
+    ids, mask, candidates = mixed_length_batch()
+    candidates = candidates[:, :num_candidates]
+    results = {}
+    for form in ("projected", "absorbed"):
+        model.cross_attention = form
+        model.zero_grad()
+        context = model.encode(ids, mask, queries_per_row=candidates.shape[1] * candidates.shape[2])
+        assert bool(context.cross_keys) == (form == "projected")
+        logits = model.decode(context, candidates[..., :-1])
+        (logits.sin() * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
+        results[form] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
+    (projected, projected_grads), (absorbed, absorbed_grads) = results["projected"], results["absorbed"]
+    assert (projected - absorbed).abs().max() <= 1e-9
+    assert all(g.abs().max() > 0 for g in absorbed_grads)
+    assert max(float((a - b).abs().max()) for a, b in zip(projected_grads, absorbed_grads)) <= 1e-9
+
+
+def test_cross_attention_absorbs_only_where_it_costs_fewer_multiply_adds():
+    """Paper-size TIGER on an Office-like batch: CE's 4 queries per row absorb, the pairwise loss's
+    101 candidates x 4 codes project keys and values, and decoding (queries unknown) always projects."""
+    from apao_ray.models.t5_layers import absorbed_cost
+
+    model = TigerBackbone(vocab_size=1027, num_levels=4)
+    rows, length, tokens = 128, 81, 4480
+    assert model.absorbs(rows, 4, tokens, length) and not model.absorbs(rows, 101 * 4, tokens, length)
+    projected, absorbed = absorbed_cost(rows, 4, tokens, length, 128, 6, 64)
+    assert 2 < projected / absorbed < 3
+    ids, mask, _ = mixed_length_batch(num_rows=64, length=40, vocab_size=1027)
+    assert model.encode(ids, mask).cross_keys                                   # decoding's context
+    assert not model.encode(ids, mask, queries_per_row=4).cross_keys
+    # the weight products are paid once per batch: a batch of a few short rows still projects
+    assert model.encode(ids[:4, -9:], mask[:4, -9:], queries_per_row=4).cross_keys

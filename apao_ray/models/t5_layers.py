@@ -7,6 +7,7 @@ stack. :mod:`.tiger` wires them into the encoder-decoder and its shared-encoder 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,42 @@ def padding_bias(mask: torch.Tensor) -> torch.Tensor:
     """(B, L) bool mask -> (B, 1, 1, L) additive float bias: 0 on real tokens, float32 min on PAD."""
     bias = torch.zeros(mask.shape[0], 1, 1, mask.shape[1], device=mask.device)
     return bias.masked_fill(~mask[:, None, None, :], torch.finfo(bias.dtype).min)
+
+
+@dataclass
+class CrossSource:
+    """What one decoder layer's cross-attention reads of a batch's encoder output.
+
+    Either that layer's projected keys and values (``keys``/``values``), or the encoder output itself
+    (``memory``), which the attention then reads through its weights (:meth:`Attention.cross`).
+
+    Attributes:
+        key_bias: (B, 1, 1, L) padding bias.
+        keys, values: (B, H, L, dh), or None.
+        memory: (B, L, d_model) encoder output, zeros on PAD; read when ``keys`` is None.
+    """
+
+    key_bias: torch.Tensor
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    memory: torch.Tensor | None = None
+
+
+def absorbed_cost(num_rows: int, queries_per_row: int, num_tokens: int, key_len: int, d_model: int,
+                  num_heads: int, head_dim: int) -> tuple[int, int]:
+    """Multiply-adds of one layer's cross-attention forward: (projected keys/values, absorbed).
+
+    Projected: keys and values of the ``num_tokens`` real history tokens (2 N d I), then per query
+    its projection, scores, weighted values and output (2 I (L + d)); I = heads * head_dim. Absorbed:
+    the per-head weight products once per batch (2 I d^2), then per query scores and weighted sums
+    over the d-wide encoder output for every head (2 H d (L + d)). Few decoder queries per history
+    (teacher-forced CE and APAO-pointwise: 4-5) favour absorbing; the pairwise loss's 1 + N
+    candidates do not.
+    """
+    inner = num_heads * head_dim
+    projected = 2 * num_tokens * d_model * inner + 2 * num_rows * queries_per_row * inner * (key_len + d_model)
+    absorbed = 2 * inner * d_model ** 2 + 2 * num_rows * queries_per_row * num_heads * d_model * (key_len + d_model)
+    return projected, absorbed
 
 
 class RelativePositionBias(nn.Module):
@@ -118,19 +155,43 @@ class Attention(nn.Module):
                                 lambda index, q, k, v: self.attend(q, k, v, biases[index]))
         return self.o(out)                                                      # (N, d)
 
-    def cross(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
-        """Cross-attention of the B*C candidates against their row's cached keys/values.
+    def cross(self, x: torch.Tensor, source: CrossSource) -> torch.Tensor:
+        """Cross-attention of the B*C candidates against their row's encoder output.
 
         Args:
             x: (B*C, S, d_model) decoder states, candidates of a row contiguous.
-            keys, values: (B, H, L, dh) from :meth:`TigerBackbone.encode`.
-            key_bias: (B, 1, 1, L) padding bias.
+            source: the row's projected keys/values (B, H, L, dh), or its encoder output (absorbed).
         """
-        num_rows = keys.shape[0]
+        if source.keys is None:
+            return self.cross_absorbed(x, source.memory, source.key_bias)
+        num_rows = source.keys.shape[0]
         num_seqs, seq_len, _ = x.shape
         q = self.q(x).view(num_rows, -1, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, C*S, dh)
-        out = self.attend(q, keys, values, key_bias)                            # (B, H, C*S, dh)
+        out = self.attend(q, source.keys, source.values, source.key_bias)       # (B, H, C*S, dh)
         return self.o(out.transpose(1, 2).reshape(num_seqs, seq_len, -1))       # (B*C, S, d)
+
+    def cross_absorbed(self, x: torch.Tensor, memory: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+        """:meth:`cross` reading the (B, L, d) encoder output itself: no keys or values are projected.
+
+        Head h's scores are (x Wq_h^T)(m Wk_h^T)^T = (x Wq_h^T Wk_h) m^T and its contribution to the
+        output (p m Wv_h^T) Wo_h^T = (p m)(Wo_h Wv_h)^T, so the two per-head weight products (d x d
+        each) stand in for the keys and values: every head's queries attend over the encoder output
+        as one d-wide head. The same function as the projected form (tests/test_packing.py); cheaper
+        when a row has few queries (:func:`absorbed_cost`).
+        """
+        num_rows, key_len, d_model = memory.shape
+        num_seqs, seq_len, _ = x.shape
+        heads, head_dim = self.num_heads, self.head_dim
+        with torch.autocast(x.device.type, enabled=False):  # the weight products in the weights' precision
+            query_key = torch.einsum("hef,hei->hfi", self.k.weight.view(heads, head_dim, d_model),
+                                     self.q.weight.view(heads, head_dim, d_model))  # (H, d, d): Wk_h^T Wq_h
+            value_out = torch.einsum("ohe,hef->ohf", self.o.weight.view(d_model, heads, head_dim),
+                                     self.v.weight.view(heads, head_dim, d_model))  # (d, H, d): Wo_h Wv_h
+        # (B*C, S, H*d) -> (B, 1, C*S*H, d): a row's queries of every head as one head over the memory
+        q = F.linear(x, query_key.reshape(heads * d_model, d_model)).view(num_rows, 1, -1, d_model)
+        memory = memory.unsqueeze(1)                                            # (B, 1, L, d)
+        out = self.attend(q, memory, memory, key_bias)                          # (B, 1, C*S*H, d)
+        return F.linear(out.view(num_seqs, seq_len, heads * d_model), value_out.reshape(d_model, heads * d_model))
 
 
 class FeedForward(nn.Module):
@@ -171,20 +232,17 @@ class DecoderLayer(nn.Module):
         self.ff = FeedForward(d_model, d_ff, dropout)
         self.dropout = Dropout(dropout)
 
-    def forward(self, x: torch.Tensor, self_bias: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, self_bias: torch.Tensor, source: CrossSource) -> torch.Tensor:
         x = x + self.dropout(self.self_attn(self.self_norm(x), self_bias))
-        return self.cross_and_feed_forward(x, keys, values, key_bias)
+        return self.cross_and_feed_forward(x, source)
 
     def step(self, x: torch.Tensor, self_bias: torch.Tensor, past_keys: torch.Tensor | None,
-             past_values: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
-             key_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             past_values: torch.Tensor | None, source: CrossSource) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The layer on new positions only (N, S, d), reading the earlier ones' key/value cache."""
         out, self_keys, self_values = self.self_attn.forward_cached(self.self_norm(x), self_bias,
                                                                     past_keys, past_values)
-        return self.cross_and_feed_forward(x + self.dropout(out), keys, values, key_bias), self_keys, self_values
+        return self.cross_and_feed_forward(x + self.dropout(out), source), self_keys, self_values
 
-    def cross_and_feed_forward(self, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                               key_bias: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.cross_attn.cross(self.cross_norm(x), keys, values, key_bias))
+    def cross_and_feed_forward(self, x: torch.Tensor, source: CrossSource) -> torch.Tensor:
+        x = x + self.dropout(self.cross_attn.cross(self.cross_norm(x), source))
         return x + self.dropout(self.ff(self.ff_norm(x)))

@@ -3,7 +3,9 @@
 Written by hand rather than taken from ``transformers`` because the C candidates of a row
 (1 + N negatives, K beams, every catalog item) share one encoder pass: each decoder layer's
 cross-attention keys/values are computed once in ``encode`` and read by the row's C*(t+1)
-stacked queries, so the encoder output is never copied per candidate. The math is T5's:
+stacked queries, so the encoder output is never copied per candidate; with few queries per row
+(teacher-forced CE) the cross-attention reads the encoder output through its weights instead and
+no keys or values are projected at all (:meth:`t5_layers.Attention.cross_absorbed`). The math is T5's:
 RMS layer norm without bias, pre-norm residual blocks, unscaled dot-product attention (T5
 folds 1/sqrt(d) into the initialisation), relative position buckets shared by every layer of
 a stack, and a tied LM head on the decoder output scaled by d_model**-0.5.
@@ -20,7 +22,8 @@ from ..data.catalog import BOS_TOKEN
 from .base import Backbone, DecodeCache
 from .dropout import Dropout
 from .packing import PackedHistory
-from .t5_layers import Attention, DecoderLayer, EncoderLayer, FeedForward, RelativePositionBias, padding_bias
+from .t5_layers import (Attention, CrossSource, DecoderLayer, EncoderLayer, FeedForward, RelativePositionBias,
+                        absorbed_cost, padding_bias)
 
 
 @dataclass
@@ -29,21 +32,30 @@ class TigerContext:
 
     Attributes:
         key_bias: (B, 1, 1, L) float, 0 on real history tokens, -inf-like on PAD.
-        cross_keys: per decoder layer, (B, heads, L, head_dim) cross-attention keys.
-        cross_values: per decoder layer, (B, heads, L, head_dim) cross-attention values.
+        memory: (B, L, d_model) the encoder output, zeros on PAD.
+        cross_keys: per decoder layer, (B, heads, L, head_dim) cross-attention keys; empty when the
+            cross-attention reads ``memory`` through its weights instead (absorbed, see ``encode``).
+        cross_values: per decoder layer, (B, heads, L, head_dim) cross-attention values, or empty.
     """
 
     key_bias: torch.Tensor
-    cross_keys: tuple[torch.Tensor, ...]
-    cross_values: tuple[torch.Tensor, ...]
+    memory: torch.Tensor
+    cross_keys: tuple[torch.Tensor, ...] = ()
+    cross_values: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_rows(self) -> int:
         return self.key_bias.shape[0]
 
+    def source(self, layer: int) -> CrossSource:
+        """What decoder layer ``layer``'s cross-attention reads."""
+        if not self.cross_keys:
+            return CrossSource(self.key_bias, memory=self.memory)
+        return CrossSource(self.key_bias, self.cross_keys[layer], self.cross_values[layer])
+
     def select_rows(self, rows: torch.Tensor) -> "TigerContext":
         """The context of a subset (or reordering) of the B rows; ``rows`` is (B',) int64."""
-        return TigerContext(self.key_bias[rows], tuple(k[rows] for k in self.cross_keys),
+        return TigerContext(self.key_bias[rows], self.memory[rows], tuple(k[rows] for k in self.cross_keys),
                             tuple(v[rows] for v in self.cross_values))
 
 
@@ -55,6 +67,7 @@ class TigerBackbone(Backbone):
     """
 
     pack_histories: bool = True
+    cross_attention: str = "auto"  # "auto" (by cost, see encode), "projected" or "absorbed"
 
     def __init__(self, vocab_size: int, num_levels: int, d_model: int = 128, num_layers: int = 4,
                  num_heads: int = 6, head_dim: int = 64, d_ff: int = 1024, dropout: float = 0.1,
@@ -93,12 +106,26 @@ class TigerBackbone(Backbone):
         """``candidate_logits`` as ``forward``, so DDP's gradient hooks see the call."""
         return self.candidate_logits(history_ids, history_mask, candidates)
 
-    def encode(self, history_ids: torch.Tensor, history_mask: torch.Tensor) -> TigerContext:
-        """Runs the encoder once and every decoder layer's cross-attention K/V projection.
+    def candidate_logits(self, history_ids: torch.Tensor, history_mask: torch.Tensor,
+                         candidates: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits of full candidates: (B, C, T) tokens -> (B, C, T, V); the encoder knows
+        the decoder's C * T queries per row, so it can choose how the cross-attention reads it."""
+        context = self.encode(history_ids, history_mask, queries_per_row=candidates.shape[1] * candidates.shape[2])
+        return self.decode(context, candidates[..., :-1])
+
+    def encode(self, history_ids: torch.Tensor, history_mask: torch.Tensor,
+               queries_per_row: int | None = None) -> TigerContext:
+        """Runs the encoder once and, unless the cross-attention absorbs them, every decoder layer's
+        cross-attention K/V projection.
 
         Args:
             history_ids: (B, L) tokens, left-padded with PAD, ending with EOS.
             history_mask: (B, L) bool, True on real tokens.
+            queries_per_row: the decoder positions per row this context will serve, when known (teacher
+                forcing); where reading the encoder output through the attention weights costs fewer
+                multiply-adds than projecting keys and values (:func:`absorbed_cost`: CE's and
+                APAO-pointwise's 4-5 queries per row, not the pairwise loss's 1 + N candidates), no
+                keys or values are projected. None (decoding: beams and full sorting reuse them) projects.
         """
         key_bias = padding_bias(history_mask)                                  # (B, 1, 1, L)
         if self.pack_histories:
@@ -107,24 +134,41 @@ class TigerBackbone(Backbone):
             x = self.dropout(self.embedding(packing.pack(history_ids)))          # (N, d)
             for layer in self.encoder_layers:
                 x = layer.forward_packed(x, packing, biases)
-            x = self.dropout(self.encoder_norm(x))
-            # every decoder layer's cross K and V in one matmul, unpacked once: (B, L, layers*2*inner)
-            weight = torch.cat([w for layer in self.decoder_layers
-                                for w in (layer.cross_attn.k.weight, layer.cross_attn.v.weight)])
-            projected = packing.unpack(F.linear(x, weight)).chunk(2 * len(self.decoder_layers), dim=-1)
-            split = self.decoder_layers[0].cross_attn.split_heads
-            return self._evaluated(TigerContext(key_bias, tuple(split(p) for p in projected[0::2]),
-                                                tuple(split(p) for p in projected[1::2])))  # K/V: (B, H, L, dh)
-        length = history_ids.shape[1]
-        # relative offsets are unchanged by left padding, so column indices serve as positions
-        bias = self.encoder_bias(length, length) + key_bias                     # (B, H, L, L)
-        x = self.dropout(self.embedding(history_ids))                           # (B, L, d)
-        for layer in self.encoder_layers:
-            x = layer(x, bias)
-        x = self.dropout(self.encoder_norm(x))
-        keys = tuple(layer.cross_attn.split_heads(layer.cross_attn.k(x)) for layer in self.decoder_layers)
-        values = tuple(layer.cross_attn.split_heads(layer.cross_attn.v(x)) for layer in self.decoder_layers)
-        return self._evaluated(TigerContext(key_bias, keys, values))            # K/V: (B, H, L, dh)
+            x = self.dropout(self.encoder_norm(x))                              # (N, d)
+            memory, num_tokens = packing.unpack(x), packing.num_tokens
+        else:
+            length = history_ids.shape[1]
+            # relative offsets are unchanged by left padding, so column indices serve as positions
+            bias = self.encoder_bias(length, length) + key_bias                 # (B, H, L, L)
+            x = self.dropout(self.embedding(history_ids))                       # (B, L, d)
+            for layer in self.encoder_layers:
+                x = layer(x, bias)
+            x = memory = self.dropout(self.encoder_norm(x))                     # (B, L, d)
+            num_tokens = x.shape[0] * x.shape[1]
+        context = TigerContext(key_bias, memory)
+        if queries_per_row is not None and self.absorbs(history_ids.shape[0], queries_per_row, num_tokens,
+                                                        history_ids.shape[1]):
+            return context
+        # every decoder layer's cross K and V in one matmul (on the packed tokens): (B, L, layers*2*inner)
+        weight = torch.cat([w for layer in self.decoder_layers
+                            for w in (layer.cross_attn.k.weight, layer.cross_attn.v.weight)])
+        projected = F.linear(x, weight)
+        if self.pack_histories:
+            projected = packing.unpack(projected)
+        projected = projected.chunk(2 * len(self.decoder_layers), dim=-1)
+        split = self.decoder_layers[0].cross_attn.split_heads
+        return self._evaluated(TigerContext(key_bias, memory, tuple(split(p) for p in projected[0::2]),
+                                            tuple(split(p) for p in projected[1::2])))  # K/V: (B, H, L, dh)
+
+    def absorbs(self, num_rows: int, queries_per_row: int, num_tokens: int, key_len: int) -> bool:
+        """Whether the cross-attention should read the encoder output directly (:func:`absorbed_cost`);
+        ``cross_attention`` = "projected" or "absorbed" forces a form (tests, benchmarks)."""
+        if self.cross_attention != "auto":
+            return self.cross_attention == "absorbed"
+        attention = self.decoder_layers[0].cross_attn
+        projected, absorbed = absorbed_cost(num_rows, queries_per_row, num_tokens, key_len, self.d_model,
+                                            attention.num_heads, attention.head_dim)
+        return absorbed < projected
 
     def _evaluated(self, context: TigerContext) -> TigerContext:
         """In bf16 evaluation on a CPU, the cross-attention keys in float32, once per batch: the attention
@@ -132,7 +176,7 @@ class TigerBackbone(Backbone):
         keys = context.cross_keys
         if self.training or keys[0].device.type != "cpu" or keys[0].dtype != torch.bfloat16:
             return context
-        return TigerContext(context.key_bias, tuple(k.float() for k in keys), context.cross_values)
+        return TigerContext(context.key_bias, context.memory, tuple(k.float() for k in keys), context.cross_values)
 
     def decode(self, context: TigerContext, prefix: torch.Tensor) -> torch.Tensor:
         """Logits of [BOS] + prefix for C candidates per row sharing the row's context.
@@ -153,8 +197,8 @@ class TigerBackbone(Backbone):
         bos = prefix.new_full((num_rows, num_candidates, 1), BOS_TOKEN)
         tokens = torch.cat([bos, prefix], dim=-1).view(num_rows * num_candidates, seq_len)  # (B*C, t+1)
         x = self.dropout(self.embedding(tokens))                                # (B*C, t+1, d)
-        for layer, keys, values in zip(self.decoder_layers, context.cross_keys, context.cross_values):
-            x = layer(x, self_bias, keys, values, context.key_bias)
+        for index, layer in enumerate(self.decoder_layers):
+            x = layer(x, self_bias, context.source(index))
         logits = self.lm_head(x)                                                # (B*C, t+1, V)
         return logits.view(num_rows, num_candidates, seq_len, self.vocab_size)
 
@@ -173,8 +217,7 @@ class TigerBackbone(Backbone):
         for index, layer in enumerate(self.decoder_layers):
             shared = [cached.expand(-1, num_candidates, -1, -1, -1).flatten(0, 1)  # (B*C, H, 1, dh)
                       for cached in (start.keys[index], start.values[index])]
-            x, _, _ = layer.step(x, bias, *shared, context.cross_keys[index], context.cross_values[index],
-                                 context.key_bias)
+            x, _, _ = layer.step(x, bias, *shared, context.source(index))
         rest = self.lm_head(x).view(num_rows, num_candidates, prefix_len, self.vocab_size)
         first = first.unsqueeze(2).expand(-1, num_candidates, -1, -1)          # (B, C, 1, V) view
         return torch.cat([first.to(rest.dtype), rest], dim=2)                   # (B, C, t+1, V)
@@ -205,8 +248,7 @@ class TigerBackbone(Backbone):
         for index, layer in enumerate(self.decoder_layers):
             past_keys = cache.keys[index].flatten(0, 1) if cache.keys else None  # (B*C, H, t, dh)
             past_values = cache.values[index].flatten(0, 1) if cache.values else None
-            x, keys, values = layer.step(x, self_bias, past_keys, past_values, context.cross_keys[index],
-                                         context.cross_values[index], context.key_bias)
+            x, keys, values = layer.step(x, self_bias, past_keys, past_values, context.source(index))
             new_keys.append(keys.unflatten(0, (num_rows, num_candidates)))     # (B, C, H, t+1, dh)
             new_values.append(values.unflatten(0, (num_rows, num_candidates)))
         logits = self.lm_head(x).view(num_rows, num_candidates, self.vocab_size)  # (B, C, V)
