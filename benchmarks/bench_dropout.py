@@ -1,5 +1,6 @@
-"""TIGER's dropout (``apao_ray.models.dropout.Dropout``) against ``torch.nn.functional.dropout`` on
-bf16 activations, forward and forward + backward (RESULTS.md, session 10). Rounds alternate the two;
+"""TIGER's dropout (``apao_ray.models.dropout.Dropout``) against ``torch.nn.functional.dropout`` and
+against session 10's form of it (the same draws kept as a bool mask, applied by ``torch.where``) on bf16
+activations, forward and forward + backward (RESULTS.md, sessions 10 and 26). Rounds alternate the order;
 medians are printed and written as JSON:
 
     .venv/bin/python benchmarks/bench_dropout.py --rounds 5
@@ -15,8 +16,24 @@ import time
 import torch
 import torch.nn.functional as F
 
-from apao_ray.models.dropout import Dropout
+from apao_ray.models.dropout import Dropout, drop_mask
 from apao_ray.hardware import cpu_model
+
+
+class _BoolMaskDropout(torch.autograd.Function):
+    """Session 10's dropout: a bool mask of the same draws, ``where`` forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
+        dropped = drop_mask(x.shape, p)
+        ctx.save_for_backward(dropped)
+        ctx.scale = 65536 / (65536 - round(p * 65536))
+        return torch.where(dropped, 0.0, x).mul_(ctx.scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (dropped,) = ctx.saved_tensors
+        return torch.where(dropped, 0.0, grad).mul_(ctx.scale), None
 
 
 def timed(fn, x: torch.Tensor) -> tuple[float, float]:
@@ -41,7 +58,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     fast = Dropout(args.p)
-    variants = [("F.dropout", lambda t: F.dropout(t, args.p, True)), ("Dropout", fast)]
+    variants = [("F.dropout", lambda t: F.dropout(t, args.p, True)),
+                ("bool mask", lambda t: _BoolMaskDropout.apply(t, args.p)), ("Dropout", fast)]
     times: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for round_index in range(args.rounds):
         for width in (128, 1024):

@@ -237,6 +237,29 @@ def test_fast_dropout_is_inverted_dropout_with_independent_elements(p, dtype):
     assert layer(x) is x
 
 
+@pytest.mark.parametrize("p", [1e-6, 0.1, 0.5, 1 - 1e-6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_keep_mask_is_the_complement_of_drop_mask_and_dropout_applies_it_exactly(p, dtype):
+    """The float keep mask comes from the same draws as the bool drop mask (also where p rounds to 0 or 1
+    of 2^16 lanes), and the layer's output and gradient are where(dropped, 0, x) * scale to the bit."""
+    from apao_ray.models.dropout import _Dropout, drop_mask, keep_mask
+
+    shape = torch.Size((37, 129))                                             # not a multiple of 4 lanes
+    torch.manual_seed(5)
+    dropped = drop_mask(shape, p)
+    torch.manual_seed(5)
+    kept = keep_mask(shape, p, dtype)
+    assert kept.dtype == dtype and torch.equal(kept, (~dropped).to(dtype))
+    x = torch.randn(shape, dtype=torch.float64).to(dtype).requires_grad_()
+    torch.manual_seed(5)
+    out = _Dropout.apply(x, p)
+    scale = 65536 / (65536 - round(p * 65536)) if round(p * 65536) < 65536 else 0.0
+    assert torch.equal(out, torch.where(dropped, 0.0, x.detach()).mul_(scale))
+    grad = torch.randn(shape, dtype=torch.float64).to(dtype)
+    out.backward(grad)
+    assert torch.equal(x.grad, torch.where(dropped, 0.0, grad).mul_(scale))
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_attention_dropout_on_cpu_is_sdpa_with_dropout_on_the_probabilities(p):
     """The unfused CPU attention used in training with dropout computes SDPA's function (scale 1, additive

@@ -6,7 +6,10 @@ session 10). :class:`Dropout` draws one 64-bit random word per four elements ins
 16-bit quarter of it with a threshold: the same inverted dropout (each element kept with probability
 ``1 - p``, independently, kept ones scaled by ``1 / (1 - p)``), with ``p`` rounded to a multiple of
 2^-16 (0.1 -> 0.100006), from the same seeded torch generator, 2-3x faster forward
-(``benchmarks/bench_dropout.py``). On other devices (CUDA's dropout is a fused kernel already) and
+(``benchmarks/bench_dropout.py``). The mask is kept as 1.0 / 0.0 in the input's dtype, made by int16
+arithmetic (:func:`keep_mask`), so forward and backward are plain multiplies: a bool mask's
+``torch.where`` is not vectorised on a CPU and took 15% of a bf16 TIGER CE step (RESULTS.md, session 26).
+On other devices (CUDA's dropout is a fused kernel already) and
 outside training it is ``F.dropout``.
 """
 from __future__ import annotations
@@ -22,36 +25,60 @@ _LEVELS = 1 << 16
 _scratch: list[torch.Tensor] = []
 
 
-def drop_mask(shape: torch.Size, p: float) -> torch.Tensor:
-    """A bool tensor of ``shape``, True (dropped) with probability ``round(p * 2^16) / 2^16`` each,
-    independently: four 16-bit uniforms per 64-bit draw of the CPU generator."""
+def _lanes(shape: torch.Size) -> torch.Tensor:
+    """Uniform int16 in [-2^15, 2^15) of ``shape``: four 16-bit lanes per 64-bit draw of the CPU generator,
+    in a scratch buffer that the next call overwrites."""
     count = shape.numel()
     size = (count + _LANES - 1) // _LANES
     if not _scratch or _scratch[0].numel() < size:
         _scratch[:] = [torch.empty(size, dtype=torch.int64)]
     words = _scratch[0][:size]
     words.random_(-(1 << 63), None)  # all 64 bits uniform (the default range leaves the top one 0)
-    lanes = words.view(torch.int16)[:count].view(shape)    # uniform over [-2^15, 2^15)
-    return lanes < int(round(p * _LEVELS)) - (_LEVELS >> 1)
+    return words.view(torch.int16)[:count].view(shape)
+
+
+def drop_mask(shape: torch.Size, p: float) -> torch.Tensor:
+    """A bool tensor of ``shape``, True (dropped) with probability ``round(p * 2^16) / 2^16`` each,
+    independently: four 16-bit uniforms per 64-bit draw of the CPU generator."""
+    dropped = int(round(p * _LEVELS))
+    if dropped == _LEVELS:  # the threshold would leave int16 (and wrap to -2^15: nothing dropped)
+        return torch.ones(shape, dtype=torch.bool)
+    return _lanes(shape) < dropped - (_LEVELS >> 1)
+
+
+def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``~drop_mask(shape, p)`` from the same draws, as 1.0 / 0.0 in ``dtype``.
+
+    Made by int16 arithmetic (a lane is kept iff it is >= the threshold: clamped to {threshold - 1,
+    threshold} and shifted to {0, 1}) and one int16 -> float conversion, which are vectorised; the bool
+    comparison, ``torch.where`` on it and its conversion to a float are not (5-8x slower per element).
+    """
+    dropped = int(round(p * _LEVELS))
+    if dropped in (0, _LEVELS):  # the clamp's bounds would leave int16
+        return torch.full(shape, float(dropped == 0), dtype=dtype)
+    threshold = dropped - (_LEVELS >> 1)
+    return torch.clamp(_lanes(shape), threshold - 1, threshold).sub_(threshold - 1).to(dtype)
 
 
 class _Dropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        dropped = drop_mask(x.shape, p)
-        scale = _LEVELS / (_LEVELS - round(p * _LEVELS))  # 1 / (1 - p) for the rounded p actually used
-        ctx.save_for_backward(dropped)
+        kept = keep_mask(x.shape, p, x.dtype)
+        dropped = round(p * _LEVELS)  # 1 / (1 - p) for the rounded p actually used; all dropped: zeros, as F.dropout
+        scale = _LEVELS / (_LEVELS - dropped) if dropped < _LEVELS else 0.0
+        ctx.save_for_backward(kept)
         ctx.scale = scale
-        return torch.where(dropped, 0.0, x).mul_(scale)  # 1.3x faster than x.mul(scale).masked_fill_(dropped, 0)
+        # x * 1.0 or 0.0, then the scale in x's arithmetic: the same values as where(dropped, 0, x) * scale
+        return torch.mul(x, kept).mul_(scale)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (dropped,) = ctx.saved_tensors
-        return torch.where(dropped, 0.0, grad).mul_(ctx.scale), None
+        (kept,) = ctx.saved_tensors
+        return torch.mul(grad, kept).mul_(ctx.scale), None
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
-    """``F.dropout`` by :func:`drop_mask` on CPU tensors in training (``F.dropout`` elsewhere)."""
+    """``F.dropout`` by :func:`keep_mask` on CPU tensors in training (``F.dropout`` elsewhere)."""
     if not training or p == 0.0:
         return x
     if x.device.type != "cpu" or p >= 1.0:
@@ -88,7 +115,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
 
 
 class Dropout(nn.Module):
-    """``nn.Dropout`` by :func:`drop_mask` on CPU tensors (no parameters, the same state dict)."""
+    """``nn.Dropout`` by :func:`keep_mask` on CPU tensors (no parameters, the same state dict)."""
 
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
