@@ -260,11 +260,12 @@ def test_keep_mask_is_the_complement_of_drop_mask_and_dropout_applies_it_exactly
     assert torch.equal(x.grad, torch.where(dropped, 0.0, grad).mul_(scale))
 
 
+@pytest.mark.parametrize("scale", [1.0, 0.25])  # T5's unscaled scores; Llama's 1/sqrt(head_dim)
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_attention_dropout_on_cpu_is_sdpa_with_dropout_on_the_probabilities(p):
-    """The unfused CPU attention used in training with dropout computes SDPA's function (scale 1, additive
-    bias) with inverted dropout on the attention probabilities, drawn like every other dropout (drop_mask),
-    forward and backward in float64; without training it is SDPA itself."""
+def test_attention_dropout_on_cpu_is_sdpa_with_dropout_on_the_probabilities(p, scale):
+    """The unfused CPU attention used in training with dropout computes SDPA's function (additive bias, the
+    given scale) with inverted dropout on the attention probabilities, drawn like every other dropout
+    (drop_mask), forward and backward in float64; without training it is SDPA itself."""
     import torch.nn.functional as F
 
     from apao_ray.models.dropout import attention, drop_mask
@@ -275,19 +276,19 @@ def test_attention_dropout_on_cpu_is_sdpa_with_dropout_on_the_probabilities(p):
     padding = torch.arange(7) < torch.tensor([0, 2, 6])[:, None, None, None]   # rows left-padded by 0, 2, 6 keys
     bias = torch.zeros(3, 1, 1, 7, dtype=torch.float64).masked_fill(padding, float("-inf"))
     torch.manual_seed(0)
-    out = attention(q, k, v, bias, p, training=True)
+    out = attention(q, k, v, bias, p, training=True, scale=scale)
     grads = torch.autograd.grad(out.square().sum(), (q, k, v))
-    probs = torch.softmax(q @ k.transpose(-2, -1) + bias, dim=-1)
+    probs = torch.softmax(q @ k.transpose(-2, -1) * scale + bias, dim=-1)
     torch.manual_seed(0)
     dropped = drop_mask(probs.shape, p) if p else torch.zeros_like(probs, dtype=torch.bool)
-    scale = 65536 / (65536 - round(p * 65536))
-    expected = (probs * scale).masked_fill(dropped, 0) @ v
+    kept_scale = 65536 / (65536 - round(p * 65536))
+    expected = (probs * kept_scale).masked_fill(dropped, 0) @ v
     expected_grads = torch.autograd.grad(expected.square().sum(), (q, k, v))
     assert 0 < dropped.double().mean() < 0.6 if p else not dropped.any()
     assert torch.allclose(out, expected, atol=1e-12, rtol=0)
     assert all(torch.allclose(a, b, atol=1e-12, rtol=0) for a, b in zip(grads, expected_grads))
-    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
-    assert torch.allclose(attention(q, k, v, bias, p, training=False), sdpa, atol=1e-12, rtol=0)
+    sdpa = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    assert torch.allclose(attention(q, k, v, bias, p, training=False, scale=scale), sdpa, atol=1e-12, rtol=0)
     if not p:
         assert torch.allclose(out, sdpa, atol=1e-12, rtol=0)
 

@@ -87,20 +87,21 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, p: float,
-              training: bool) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, dropout_p=p if training else 0)``.
+              training: bool, scale: float = 1.0) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=p if training else 0)``.
 
     With dropout on a CPU, SDPA falls back to its unfused path and draws the attention dropout with
     ``bernoulli_`` (10% of a TIGER pairwise decoder step): there the same unfused attention is computed
-    here with :func:`dropout` on the probabilities. In evaluation on a CPU in bf16, the unfused products
-    too (faster than SDPA's kernel for these small problems); elsewhere SDPA itself.
+    here with :func:`dropout` on the probabilities. In bf16 on a CPU, the unfused products too: in
+    evaluation faster than SDPA's kernel for these small problems, in training its flash kernel's bf16
+    backward took 4x its float32 one (Llama's history pass: 47% of a CE step; session 26); elsewhere SDPA.
     Every query row must see at least one key (SDPA would give a fully masked row zeros, this NaN).
     """
     if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0, dropout_p=p if training else 0.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=p if training else 0.0)
     dropping = training and p > 0.0
     if not dropping and q.dtype != torch.bfloat16:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=1.0)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     # Unfused. In bf16 evaluation too: SDPA's fused CPU kernel pays a fixed cost per (row, head), on a
     # beam's decoder steps (one query per beam over <= 5 cached keys, 20 over the history) 2-4x the work
     # itself (RESULTS.md, session 14). The scores, softmax and dropout in at least float32 (T5 does not scale
@@ -110,6 +111,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     with torch.autocast("cpu", enabled=False):
         wide = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1))                 # (..., S, L)
+        if scale != 1.0:
+            scores = scores * scale
         probs = torch.softmax(scores + bias.to(wide), dim=-1)
         return torch.matmul((dropout(probs, p) if dropping else probs).to(v.dtype), v)
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .base import Backbone, DecodeCache, drop_history_eos
-from .llama_layers import Block, Rotary
+from .llama_layers import Block, Rotary, allowed_bias
 from .packing import PackedHistory
 
 
@@ -87,12 +87,12 @@ class LlamaBackbone(Backbone):
         cos, sin = (t.unsqueeze(1) for t in self.rotary(positions))             # (B, 1, S, dh)
         causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=input_ids.device).tril()
         # a PAD query also sees itself, so its softmax row is never empty (no NaN to leak)
-        allowed = causal & (attention_mask[:, None, None, :] | torch.eye(seq_len, dtype=torch.bool,
-                                                                         device=input_ids.device))
+        bias = allowed_bias(causal & (attention_mask[:, None, None, :] | torch.eye(seq_len, dtype=torch.bool,
+                                                                                   device=input_ids.device)))
         x = self.embedding(input_ids)                                           # (B, S, d)
         keys, values = [], []
         for block in self.blocks:
-            out, k, v = block.attn(block.attn_norm(x), cos, sin, allowed)
+            out, k, v = block.attn(block.attn_norm(x), cos, sin, bias)
             x = x + out
             x = x + block.mlp(block.mlp_norm(x))
             keys.append(k)
@@ -123,16 +123,16 @@ class LlamaBackbone(Backbone):
         """:meth:`encode` on the real tokens only; the K/V cache is unpacked to (B, H, L, dh)."""
         packing = PackedHistory.from_mask(history_mask)
         cos, sin = (t.unsqueeze(1) for t in self.rotary(packing.positions))    # (N, 1, dh)
-        allowed = []
+        biases = []
         for bucket in packing.buckets:
             eye = torch.eye(bucket.length, dtype=torch.bool, device=history_mask.device)
             causal = torch.ones_like(eye).tril()
             # a PAD query also sees itself, so its softmax row is never empty (no NaN to leak)
-            allowed.append(causal & (bucket.key_mask[:, None, None, :] | eye))  # (b, 1, l, l)
+            biases.append(allowed_bias(causal & (bucket.key_mask[:, None, None, :] | eye)))  # (b, 1, l, l)
         x = self.embedding(packing.pack(history_ids))                           # (N, d)
         keys, values = [], []
         for block in self.blocks:
-            out, k, v = block.attn.forward_packed(block.attn_norm(x), cos, sin, packing, allowed)
+            out, k, v = block.attn.forward_packed(block.attn_norm(x), cos, sin, packing, biases)
             x = x + out
             x = x + block.mlp(block.mlp_norm(x))
             keys.append(packing.unpack(k).transpose(1, 2))                       # (B, H, L, dh)

@@ -10,12 +10,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dropout import attention
 from .packing import PackedHistory, attend_in_buckets
 
 
 def softmax_dtype(x: torch.Tensor) -> torch.dtype:
     """float32 for half-precision scores (they must normalise exactly), else x's own dtype."""
     return torch.promote_types(x.dtype, torch.float32)
+
+
+def allowed_bias(allowed: torch.Tensor) -> torch.Tensor:
+    """A bool mask (True where a query may attend to a key) -> the additive float32 bias
+    :func:`.dropout.attention` takes: 0 where allowed, float32's minimum elsewhere."""
+    return torch.zeros(allowed.shape, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -52,29 +59,32 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(inner, d_model, bias=False)
         self.num_heads, self.head_dim, self.dropout = num_heads, head_dim, dropout
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        # the additive bias must share q's dtype under autocast (SDPA on a GPU)
+        return attention(q, k, v, bias.to(q.dtype), self.dropout, self.training, scale=self.head_dim ** -0.5)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Full-sequence attention of (B, S, d); returns output and the (B, H, S, dh) K, V.
 
         Args:
             cos, sin: (B, 1, S, dh) rotary tables.
-            allowed: (B, 1, S, S) bool, True where a query may attend to a key.
+            bias: (B, 1, S, S) :func:`allowed_bias` of where a query may attend to a key.
         """
         batch, seq_len, _ = x.shape
         q, k, v = (p(x).view(batch, seq_len, self.num_heads, self.head_dim).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))            # (B, H, S, dh)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed,
-                                             dropout_p=self.dropout if self.training else 0.0)
+        out = self.attend(q, k, v, bias)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1)), k, v
 
     def forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, packing: PackedHistory,
-                       allowed: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       biases: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`forward` on packed (N, d) tokens, attending within each bucket of rows.
 
         Args:
             cos, sin: (N, 1, dh) rotary tables of the tokens' positions.
-            allowed: per bucket, (b, 1, l, l) bool, True where a query may attend to a key.
+            biases: per bucket, (b, 1, l, l) :func:`allowed_bias` of where a query may attend to a key.
 
         Returns:
             (N, d) output and the packed (N, H, dh) keys (after RoPE) and values.
@@ -82,10 +92,8 @@ class Attention(nn.Module):
         weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])  # (3*inner, d)
         q, k, v = F.linear(x, weight).view(-1, 3, self.num_heads, self.head_dim).unbind(1)  # (N, H, dh)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        dropout = self.dropout if self.training else 0.0
         out = attend_in_buckets(packing, torch.stack([q, k, v], dim=1).flatten(1), self.num_heads, self.head_dim,
-                                lambda index, qb, kb, vb: F.scaled_dot_product_attention(
-                                    qb, kb, vb, attn_mask=allowed[index], dropout_p=dropout))
+                                lambda index, qb, kb, vb: self.attend(qb, kb, vb, biases[index]))
         return self.o_proj(out), k, v
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
