@@ -11,8 +11,10 @@ from conftest import mlflow_sqlite
 
 
 def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
+    """Burns ``seconds`` of this thread's CPU time (not wall time: on a loaded machine a wall-time loop
+    may get almost no CPU)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
         sum(i * i for i in range(1000))
 
 
@@ -21,7 +23,7 @@ def test_cpu_and_wall_time_are_this_segment_plus_the_earlier_ones():
     _busy(0.3)
     time.sleep(0.3)  # wall time, no CPU
     first = meter.stop()
-    assert 0.55 <= first[WALL] < 5 and 0.05 < first[CPU] < first[WALL]
+    assert 0.55 <= first[WALL] < 60 and 0.25 < first[CPU] < first[WALL]
     assert first[RSS] > 50  # MB: a Python process with torch loaded
     assert first[ENERGY_METHOD_KEY].startswith("not measured") and ENERGY not in first
     resumed = CostMeter(torch.device("cpu"), previous={**first, RSS: 1e9}, measure_energy=False)
