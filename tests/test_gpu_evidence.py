@@ -139,8 +139,12 @@ def test_the_gpu_queue_names_studies_as_office_full_sh_and_skips_the_finished_on
                                  env=env, capture_output=True, text=True, check=True).stdout.strip()
         assert next_call.study_name(dataset, backbone, tuple(losses.split(",")), protocol, 3) == printed
     assert all(next_call.is_done(f"office-full-tiger-seed{seed}", ("ce", "apao_pointwise")) for seed in (0, 1, 2))
+    assert next_call.is_done("office-full-tiger-reference-ce-seed0", ("ce",))
     studies = [row["study"] for row in next_call.pending()]
-    assert "office-full-tiger-seed1" not in studies and studies[0] == "office-full-tiger-reference-ce-seed0"
+    assert not {"office-full-tiger-seed1", "office-full-tiger-reference-ce-seed0"} & set(studies)
+    first = json.loads((ROOT / "benchmarks" / "evidence" / "queue.json").read_text())["items"][0]
+    assert studies[0] == next_call.study_name(first["dataset"], first["backbone"], tuple(first["losses"]),
+                                              first["protocol"], first["seeds"][0])
     assert not next_call.is_done("office-full-tiger-seed0", ("ce", "apao_pairwise"))
 
 
