@@ -81,7 +81,8 @@ def measure(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                      record_shapes=args.profile_shapes) if args.profile else None
     start = time.perf_counter()
     with profiler or contextlib.nullcontext():
         metrics = runner.train_epoch(2, model, loss, optimizer, scheduler, None)
@@ -95,10 +96,13 @@ def measure(args: argparse.Namespace) -> dict:
     if device.type == "cuda":
         result["peak_gpu_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     if profiler:
-        events = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+        averages = profiler.key_averages(group_by_input_shape=args.profile_shapes)
+        events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
         total = sum(e.self_cpu_time_total for e in events) or 1
         result["top_ops"] = [{"op": e.key, "self_cpu_share": e.self_cpu_time_total / total, "calls": e.count,
-                              "self_cpu_seconds": e.self_cpu_time_total / 1e6} for e in events[:args.profile_rows]]
+                              "self_cpu_seconds": e.self_cpu_time_total / 1e6,
+                              "input_shapes": str(e.input_shapes) if args.profile_shapes else ""}
+                             for e in events[:args.profile_rows]]
     return result
 
 
@@ -185,6 +189,8 @@ def main() -> int:
                         help="profile one configuration in this process (micro-batch --batch-size, --steps optimizer "
                              "steps) and print its top ops by self CPU time instead of the table")
     parser.add_argument("--profile-rows", type=int, default=25, help="ops listed by --profile (default 25)")
+    parser.add_argument("--profile-shapes", action="store_true",
+                        help="with --profile: one row per (op, input shapes), the shapes printed after the row")
     parser.add_argument("--one", nargs=3, metavar=("BACKBONE", "LOSS", "VARIANT"), help=argparse.SUPPRESS)
     parser.add_argument("--batch-size", type=int, default=256,
                         help="micro-batch of --profile (default 256; the table uses --batch-sizes)")
@@ -197,7 +203,8 @@ def main() -> int:
               f"peak RSS {result['peak_rss_gib']:.2f} GiB")
         print(f"{'op':<44}{'self CPU %':>11}{'seconds':>9}{'calls':>8}")
         for op in result["top_ops"]:
-            print(f"{op['op'][:43]:<44}{100 * op['self_cpu_share']:>10.1f}%{op['self_cpu_seconds']:>9.2f}{op['calls']:>8}")
+            print(f"{op['op'][:43]:<44}{100 * op['self_cpu_share']:>10.1f}%{op['self_cpu_seconds']:>9.2f}{op['calls']:>8}"
+                  + (f"  {op['input_shapes'][:150]}" if op["input_shapes"] else ""))
         return 0
     if args.one:
         args.backbone, args.loss, args.variant = args.one

@@ -178,6 +178,37 @@ def test_the_ranks_shards_are_disjoint_and_interleave_into_one_workers_epoch(syn
         np.arange(len(one)), targets))  # resampled every epoch
 
 
+def test_each_micro_batch_is_in_order_of_history_length_and_each_sample_keeps_its_places_negatives(synthetic):
+    """The rows of every micro-batch the model sees are in order of history length (TIGER's cross-attention
+    then skips each row group's padding), and the rows are the epoch's samples with the negatives drawn for
+    their places: the same candidates as the unsorted order, only their row order changes."""
+    import numpy as np
+
+    from apao_ray.data.batches import collate
+    from apao_ray.losses import build_loss
+    from apao_ray.models import build_model
+    from apao_ray.training.steps import EpochRunner, PositionNegatives
+
+    config = trial_config(LOSSES["apao_pairwise"], 1)
+    config = config.replace(train=config.train.replace(max_train_samples=96, batch_size=16, effective_batch_size=32))
+    runner = EpochRunner(config, synthetic, synthetic.catalog.tensors(), torch.device("cpu"))
+    model = build_model(config.model, synthetic.catalog.vocab_size, synthetic.catalog.num_levels)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args: seen.append((args[1].sum(dim=1), args[2])))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    runner.train_epoch(2, model, build_loss(config.loss, synthetic.catalog.tensors()), optimizer, scheduler, None)
+    assert len(seen) == 96 // 16
+    assert all(bool((lengths[1:] >= lengths[:-1]).all()) for lengths, _ in seen)
+    assert any(bool((lengths[1:] > lengths[:-1]).any()) for lengths, _ in seen)  # lengths vary: order is tested
+    local = runner.epoch_order(2)
+    batch = collate(synthetic.catalog, synthetic.splits["train"], local)
+    negatives = PositionNegatives(config.train.seed, 2, len(runner.sem_tokens), config.loss.num_negatives)
+    expected, _ = runner._candidates_with(batch, negatives(np.arange(len(local)), batch.target_sem))
+    got = torch.cat([candidates for _, candidates in seen])
+    assert sorted(map(tuple, got.flatten(1).tolist())) == sorted(map(tuple, expected.flatten(1).tolist()))
+
+
 # --- a study's data-parallel trials (sweep --workers-per-trial) -------------------------------------------------
 
 def test_workers_are_placed_only_where_the_nodes_hold_them_all():

@@ -260,6 +260,32 @@ def test_keep_mask_is_the_complement_of_drop_mask_and_dropout_applies_it_exactly
     assert torch.equal(x.grad, torch.where(dropped, 0.0, grad).mul_(scale))
 
 
+@pytest.mark.parametrize("p", [1e-6, 0.1, 0.5, 1 - 1e-6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_relu_dropout_and_dropout_to_are_the_unfused_ops_to_the_bit(p, dtype):
+    """relu_dropout (T5's feed-forward) is dropout(relu(x)) and dropout_to (the attention probabilities) is
+    dropout(x).to(bf16), outputs and gradients bit for bit, from the same draws."""
+    from apao_ray.models.dropout import _Dropout, dropout_to, relu_dropout
+
+    shape = torch.Size((37, 3, 129))                                          # not a multiple of 4 lanes
+    x = torch.randn(shape, dtype=torch.float64).to(dtype).requires_grad_()
+    x.data[0, 0, :8] = 0.0                                                    # relu's kink
+    cases = [(lambda t: relu_dropout(t, p), lambda t: _Dropout.apply(torch.relu(t), p))]
+    if dtype != torch.bfloat16:
+        cases.append((lambda t: dropout_to(t, p, torch.bfloat16), lambda t: _Dropout.apply(t, p).to(torch.bfloat16)))
+    for fused, unfused in cases:
+        torch.manual_seed(7)
+        out = fused(x)
+        grad = torch.randn(shape, dtype=torch.float64).to(out.dtype)
+        (fused_grad,) = torch.autograd.grad(out, x, grad)
+        torch.manual_seed(7)
+        expected = unfused(x)
+        (expected_grad,) = torch.autograd.grad(expected, x, grad)
+        assert out.dtype == expected.dtype and torch.equal(out, expected)
+        assert torch.equal(fused_grad, expected_grad)
+        assert (out == 0).any() and (out != 0).any() if 0.01 < p < 0.99 else True
+
+
 @pytest.mark.parametrize("scale", [1.0, 0.25])  # T5's unscaled scores; Llama's 1/sqrt(head_dim)
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_attention_dropout_on_cpu_is_sdpa_with_dropout_on_the_probabilities(p, scale):

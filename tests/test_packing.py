@@ -151,6 +151,40 @@ def test_absorbed_cross_attention_equals_projected_keys_and_values_in_float64(nu
     assert max(float((a - b).abs().max()) for a, b in zip(projected_grads, absorbed_grads)) <= 1e-9
 
 
+@pytest.mark.parametrize("form", ["projected", "absorbed"])
+def test_cross_attention_by_row_groups_skips_their_padding_and_is_the_same_function(form):
+    """Rows in order of history length (as training orders every micro-batch): each group of rows attends only
+    over the columns where one of its rows has a real token, and logits and gradients agree to 1e-9 with
+    attending over every column, shared-start decoder (the pairwise loss's candidates) included."""
+    import dataclasses
+
+    from apao_ray.models.t5_layers import row_groups
+
+    model = paper_like("tiger")
+    model.cross_attention = form
+    ids, mask, candidates = mixed_length_batch()
+    order = mask.sum(dim=1).argsort(stable=True)
+    ids, mask, candidates = ids[order], mask[order], candidates[order]
+    groups = row_groups(mask, rows=5)
+    assert [(start, end) for start, end, _ in groups] == [(i, min(i + 5, 37)) for i in range(0, 37, 5)]
+    for start, end, first in groups:  # exactly the columns all of the group's rows pad
+        assert not mask[start:end, :first].any() and mask[start:end, first].any()
+    assert groups[0][2] > 20 and groups[-1][2] == 0
+    assert row_groups(mask[torch.randperm(37)][:, :5].fill_(True)) is None       # nothing to skip
+    assert model.encode(ids, mask).row_groups == row_groups(mask)               # the default groups
+    results = []
+    for chosen in (None, groups):
+        model.zero_grad()
+        context = model.encode(ids, mask, queries_per_row=candidates.shape[1] * candidates.shape[2])
+        assert bool(context.cross_keys) == (form == "projected")
+        logits = model.decode(dataclasses.replace(context, row_groups=chosen), candidates[..., :-1])
+        (logits.sin() * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
+        results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    (whole, whole_grads), (grouped, grouped_grads) = results
+    assert (whole - grouped).abs().max() <= 1e-9
+    assert max(float((a - b).abs().max()) for a, b in zip(whole_grads, grouped_grads)) <= 1e-9
+
+
 def test_cross_attention_absorbs_only_where_it_costs_fewer_multiply_adds():
     """Paper-size TIGER on an Office-like batch: CE's 4 queries per row absorb, the pairwise loss's
     101 candidates x 4 codes project keys and values, and decoding (queries unknown) always projects."""

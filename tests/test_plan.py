@@ -280,8 +280,10 @@ def test_the_probe_times_a_sustained_rate_not_the_first_steps(one_torch_thread):
     # a floor of ~4x the burst's 3 steps (~10 ms a step when idle, a few times that on a loaded machine) ends it
     floor = 4 * burst["train_s_per_sample"] * burst["timed_samples"]
     sustained = run_probe(config, 1, steps=3, min_seconds=floor)
-    assert 3 * 16 < sustained["timed_samples"] < PROBE_MAX_STEPS * 16
-    assert sustained["train_s_per_sample"] * sustained["timed_samples"] >= floor
+    assert 3 * 16 < sustained["timed_samples"] <= PROBE_MAX_STEPS * 16
+    # the floor reached, or the step cap first (when the burst's steps ran slower than the later ones, under load)
+    assert (sustained["train_s_per_sample"] * sustained["timed_samples"] >= floor
+            or sustained["timed_samples"] == PROBE_MAX_STEPS * 16)
     capped = run_probe(config, 1, steps=3, min_seconds=1e6)  # 4,262 training samples: the step cap ends it
     assert capped["timed_samples"] == PROBE_MAX_STEPS * 16
 

@@ -20,6 +20,9 @@ from torch import nn
 
 _LANES = 4  # 16-bit lanes per 64-bit random word
 _LEVELS = 1 << 16
+# the 16 bits of 1.0 in the 16-bit float types: an int16 0 / 1 mask times these, viewed as the type, is 0.0 / 1.0
+# in place (the int16 -> bf16 conversion took as long as drawing and thresholding the lanes)
+_ONE_BITS = {torch.bfloat16: 0x3F80, torch.float16: 0x3C00}
 # the random words are scratch: one buffer, grown to the largest mask drawn, is reused, because a fresh
 # allocation of this size is a fresh mmap whose page faults cost more than drawing the numbers
 _scratch: list[torch.Tensor] = []
@@ -57,7 +60,10 @@ def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> torch.Tensor:
     if dropped in (0, _LEVELS):  # the clamp's bounds would leave int16
         return torch.full(shape, float(dropped == 0), dtype=dtype)
     threshold = dropped - (_LEVELS >> 1)
-    return torch.clamp(_lanes(shape), threshold - 1, threshold).sub_(threshold - 1).to(dtype)
+    kept = torch.clamp(_lanes(shape), threshold - 1, threshold).sub_(threshold - 1)  # int16 0 / 1
+    if dtype in _ONE_BITS:  # 0 / 1 times the bit pattern of 1.0 is 0.0 / 1.0: no conversion pass
+        return kept.mul_(_ONE_BITS[dtype]).view(dtype)
+    return kept.to(dtype)
 
 
 class _Dropout(torch.autograd.Function):
@@ -75,6 +81,63 @@ class _Dropout(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (kept,) = ctx.saved_tensors
         return torch.mul(grad, kept).mul_(ctx.scale), None
+
+
+class _ReluDropout(torch.autograd.Function):
+    """``dropout(relu(x))`` saving only its output: where the output is non-zero, the input was positive and
+    kept, so the gradient is the incoming one there times the scale (and zero elsewhere), the same values as
+    relu's and dropout's backward in turn, with neither the relu output nor the mask kept for backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
+        dropped = round(p * _LEVELS)
+        scale = _LEVELS / (_LEVELS - dropped) if dropped < _LEVELS else 0.0
+        out = torch.relu(x).mul_(keep_mask(x.shape, p, x.dtype)).mul_(scale)
+        ctx.save_for_backward(out)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (out,) = ctx.saved_tensors
+        return torch.ops.aten.threshold_backward(grad, out, 0).mul_(ctx.scale), None
+
+
+def relu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
+    """``dropout(relu(x), p, training)`` (T5's feed-forward), fused on CPU tensors in training: one fewer
+    pass each way and half the saved activations of the widest tensor of a TIGER layer."""
+    if not training or p == 0.0 or x.device.type != "cpu" or p >= 1.0:
+        return dropout(F.relu(x), p, training)
+    return _ReluDropout.apply(x, p)
+
+
+class _DropoutTo(torch.autograd.Function):
+    """``_Dropout`` then a cast to ``dtype``, in one pass each way: the mask holds 0 or the scale in x's dtype,
+    and the product is written in ``dtype`` (backward: the incoming gradient times the mask, in x's dtype).
+    The same values as dropout and the cast in turn: x * 1.0 * scale = x * scale."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+        dropped = round(p * _LEVELS)
+        scale = _LEVELS / (_LEVELS - dropped) if dropped < _LEVELS else 0.0
+        kept = keep_mask(x.shape, p, torch.int16)
+        # int16 times a Python float is float32 in one pass: 0 or float32(scale), as float32's x * scale uses
+        scaled = torch.mul(kept, scale) if x.dtype == torch.float32 else kept.to(x.dtype).mul_(scale)
+        ctx.save_for_backward(scaled)
+        return torch.mul(x, scaled, out=torch.empty(x.shape, dtype=dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (scaled,) = ctx.saved_tensors
+        return torch.mul(grad, scaled), None, None
+
+
+def dropout_to(x: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """``dropout(x, p).to(dtype)`` in training, fused on CPU tensors (the attention probabilities: dropout in
+    float32 and the product with the values in bf16)."""
+    if x.device.type != "cpu" or p >= 1.0 or p == 0.0 or x.dtype == dtype:
+        return dropout(x, p).to(dtype)
+    return _DropoutTo.apply(x, p, dtype)
 
 
 def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
@@ -105,16 +168,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     # Unfused. In bf16 evaluation too: SDPA's fused CPU kernel pays a fixed cost per (row, head), on a
     # beam's decoder steps (one query per beam over <= 5 cached keys, 20 over the history) 2-4x the work
     # itself (RESULTS.md, session 14). The scores, softmax and dropout in at least float32 (T5 does not scale
-    # its scores: rounded to bf16 they were 6-15x SDPA's error at spreads 4-16, session 15), the product with
-    # v in v's dtype: in bf16 no float32 copy of the padded cross-attention values (or, in training, of
-    # their gradients). tests/test_models.py bounds the error against float64.
+    # its scores: rounded to bf16 they were 6-15x SDPA's error at spreads 4-16, session 15; dropout in bf16
+    # rounds the probabilities twice, 2.7x the error), the product with v in v's dtype: in bf16 no float32
+    # copy of the padded cross-attention values (or, in training, of their gradients).
+    # tests/test_models.py bounds the error against float64.
     with torch.autocast("cpu", enabled=False):
         wide = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1))                 # (..., S, L)
         if scale != 1.0:
-            scores = scores * scale
-        probs = torch.softmax(scores + bias.to(wide), dim=-1)
-        return torch.matmul((dropout(probs, p) if dropping else probs).to(v.dtype), v)
+            scores.mul_(scale)
+        probs = torch.softmax(scores.add_(bias.to(wide)), dim=-1)
+        return torch.matmul(dropout_to(probs, p, v.dtype) if dropping else probs.to(v.dtype), v)
 
 
 class Dropout(nn.Module):

@@ -23,7 +23,7 @@ from .base import Backbone, DecodeCache
 from .dropout import Dropout
 from .packing import PackedHistory
 from .t5_layers import (Attention, CrossSource, DecoderLayer, EncoderLayer, FeedForward, RelativePositionBias,
-                        absorbed_cost, padding_bias)
+                        absorbed_cost, padding_bias, row_groups)
 
 
 @dataclass
@@ -36,12 +36,14 @@ class TigerContext:
         cross_keys: per decoder layer, (B, heads, L, head_dim) cross-attention keys; empty when the
             cross-attention reads ``memory`` through its weights instead (absorbed, see ``encode``).
         cross_values: per decoder layer, (B, heads, L, head_dim) cross-attention values, or empty.
+        row_groups: :func:`t5_layers.row_groups` of the rows, for the cross-attention; None: all columns.
     """
 
     key_bias: torch.Tensor
     memory: torch.Tensor
     cross_keys: tuple[torch.Tensor, ...] = ()
     cross_values: tuple[torch.Tensor, ...] = ()
+    row_groups: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -50,11 +52,12 @@ class TigerContext:
     def source(self, layer: int) -> CrossSource:
         """What decoder layer ``layer``'s cross-attention reads."""
         if not self.cross_keys:
-            return CrossSource(self.key_bias, memory=self.memory)
-        return CrossSource(self.key_bias, self.cross_keys[layer], self.cross_values[layer])
+            return CrossSource(self.key_bias, memory=self.memory, row_groups=self.row_groups)
+        return CrossSource(self.key_bias, self.cross_keys[layer], self.cross_values[layer], row_groups=self.row_groups)
 
     def select_rows(self, rows: torch.Tensor) -> "TigerContext":
-        """The context of a subset (or reordering) of the B rows; ``rows`` is (B',) int64."""
+        """The context of a subset (or reordering) of the B rows; ``rows`` is (B',) int64 (no row groups:
+        the rows' lengths are no longer in order)."""
         return TigerContext(self.key_bias[rows], self.memory[rows], tuple(k[rows] for k in self.cross_keys),
                             tuple(v[rows] for v in self.cross_values))
 
@@ -145,7 +148,7 @@ class TigerBackbone(Backbone):
                 x = layer(x, bias)
             x = memory = self.dropout(self.encoder_norm(x))                     # (B, L, d)
             num_tokens = x.shape[0] * x.shape[1]
-        context = TigerContext(key_bias, memory)
+        context = TigerContext(key_bias, memory, row_groups=row_groups(history_mask))
         if queries_per_row is not None and self.absorbs(history_ids.shape[0], queries_per_row, num_tokens,
                                                         history_ids.shape[1]):
             return context
@@ -158,7 +161,8 @@ class TigerBackbone(Backbone):
         projected = projected.chunk(2 * len(self.decoder_layers), dim=-1)
         split = self.decoder_layers[0].cross_attn.split_heads
         return self._evaluated(TigerContext(key_bias, memory, tuple(split(p) for p in projected[0::2]),
-                                            tuple(split(p) for p in projected[1::2])))  # K/V: (B, H, L, dh)
+                                            tuple(split(p) for p in projected[1::2]),  # K/V: (B, H, L, dh)
+                                            context.row_groups))
 
     def absorbs(self, num_rows: int, queries_per_row: int, num_tokens: int, key_len: int) -> bool:
         """Whether the cross-attention should read the encoder output directly (:func:`absorbed_cost`);
@@ -176,7 +180,8 @@ class TigerBackbone(Backbone):
         keys = context.cross_keys
         if self.training or keys[0].device.type != "cpu" or keys[0].dtype != torch.bfloat16:
             return context
-        return TigerContext(context.key_bias, context.memory, tuple(k.float() for k in keys), context.cross_values)
+        return TigerContext(context.key_bias, context.memory, tuple(k.float() for k in keys), context.cross_values,
+                            context.row_groups)
 
     def decode(self, context: TigerContext, prefix: torch.Tensor) -> torch.Tensor:
         """Logits of [BOS] + prefix for C candidates per row sharing the row's context.
