@@ -131,7 +131,9 @@ def test_two_ranks_train_the_weights_one_worker_trains(tmp_path, loss):
             key = f"train/apao_weight_m{m}"
             if loss != "ce":  # the adaptive weights are state: equal on every rank, and the one worker's
                 assert ranks[0][key] == ranks[1][key], f"{key} diverged between ranks in epoch {epoch + 1}"
-                assert ranks[0][key] == pytest.approx(one[key], abs=1e-5)
+                # the same samples, summed in another order (each micro-batch's rows are in order of history
+                # length): float32 rounding, amplified by eta 0.5, moves the weights by ~1e-5
+                assert ranks[0][key] == pytest.approx(one[key], abs=5e-5)
                 assert one[key] != pytest.approx(0.25, abs=1e-3), "the adaptive weights did not move: a weak test"
 
 

@@ -151,17 +151,19 @@ def test_absorbed_cross_attention_equals_projected_keys_and_values_in_float64(nu
     assert max(float((a - b).abs().max()) for a, b in zip(projected_grads, absorbed_grads)) <= 1e-9
 
 
-@pytest.mark.parametrize("form", ["projected", "absorbed"])
-def test_cross_attention_by_row_groups_skips_their_padding_and_is_the_same_function(form):
+@pytest.mark.parametrize("backbone, form", [("tiger", "projected"), ("tiger", "absorbed"), ("llama", None)])
+def test_decoding_by_row_groups_skips_their_padding_and_is_the_same_function(backbone, form):
     """Rows in order of history length (as training orders every micro-batch): each group of rows attends only
-    over the columns where one of its rows has a real token, and logits and gradients agree to 1e-9 with
-    attending over every column, shared-start decoder (the pairwise loss's candidates) included."""
+    over the history columns where one of its rows has a real token (TIGER's cross-attention, Llama's prefix
+    attention), and logits and gradients agree to 1e-9 with attending over every column, TIGER's shared-start
+    decoder (the pairwise loss's candidates) included."""
     import dataclasses
 
-    from apao_ray.models.t5_layers import row_groups
+    from apao_ray.models.packing import row_groups
 
-    model = paper_like("tiger")
-    model.cross_attention = form
+    model = paper_like(backbone)
+    if form:
+        model.cross_attention = form
     ids, mask, candidates = mixed_length_batch()
     order = mask.sum(dim=1).argsort(stable=True)
     ids, mask, candidates = ids[order], mask[order], candidates[order]
@@ -175,8 +177,11 @@ def test_cross_attention_by_row_groups_skips_their_padding_and_is_the_same_funct
     results = []
     for chosen in (None, groups):
         model.zero_grad()
-        context = model.encode(ids, mask, queries_per_row=candidates.shape[1] * candidates.shape[2])
-        assert bool(context.cross_keys) == (form == "projected")
+        if form:
+            context = model.encode(ids, mask, queries_per_row=candidates.shape[1] * candidates.shape[2])
+            assert bool(context.cross_keys) == (form == "projected")
+        else:
+            context = model.encode(ids, mask)
         logits = model.decode(dataclasses.replace(context, row_groups=chosen), candidates[..., :-1])
         (logits.sin() * torch.linspace(-1, 1, logits.shape[-1], dtype=logits.dtype)).sum().backward()
         results.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))

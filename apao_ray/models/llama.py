@@ -20,7 +20,7 @@ from torch import nn
 
 from .base import Backbone, DecodeCache, drop_history_eos
 from .llama_layers import Block, Rotary, allowed_bias
-from .packing import PackedHistory
+from .packing import PackedHistory, row_groups
 
 
 @dataclass
@@ -33,6 +33,7 @@ class LlamaContext:
         key_mask: (B, L) bool, True on real history tokens.
         next_position: (B,) int64 RoPE position of the first prefix token (= real tokens).
         last_hidden: (B, d_model) final-normed hidden state of the last history token (EOS).
+        row_groups: :func:`.packing.row_groups` of the rows, for the prefix attention; None: all columns.
     """
 
     keys: tuple[torch.Tensor, ...]
@@ -40,13 +41,15 @@ class LlamaContext:
     key_mask: torch.Tensor
     next_position: torch.Tensor
     last_hidden: torch.Tensor
+    row_groups: tuple[tuple[int, int, int], ...] | None = None
 
     @property
     def num_rows(self) -> int:
         return self.key_mask.shape[0]
 
     def select_rows(self, rows: torch.Tensor) -> "LlamaContext":
-        """The context of a subset (or reordering) of the B rows; ``rows`` is (B',) int64."""
+        """The context of a subset (or reordering) of the B rows; ``rows`` is (B',) int64 (no row groups:
+        the rows' lengths are no longer in order)."""
         return LlamaContext(tuple(k[rows] for k in self.keys), tuple(v[rows] for v in self.values),
                             self.key_mask[rows], self.next_position[rows], self.last_hidden[rows])
 
@@ -117,7 +120,7 @@ class LlamaBackbone(Backbone):
             return self._encode_packed(history_ids, history_mask)
         hidden, keys, values = self._run(history_ids, history_mask)
         return LlamaContext(keys, values, history_mask, history_mask.long().sum(dim=1),
-                            hidden[:, -1])                                       # EOS is column L-1
+                            hidden[:, -1], row_groups(history_mask))             # EOS is column L-1
 
     def _encode_packed(self, history_ids: torch.Tensor, history_mask: torch.Tensor) -> LlamaContext:
         """:meth:`encode` on the real tokens only; the K/V cache is unpacked to (B, H, L, dh)."""
@@ -138,7 +141,8 @@ class LlamaBackbone(Backbone):
             keys.append(packing.unpack(k).transpose(1, 2))                       # (B, H, L, dh)
             values.append(packing.unpack(v).transpose(1, 2))
         last_hidden = self.norm(x[packing.last_token])                          # (B, d) each row's EOS
-        return LlamaContext(tuple(keys), tuple(values), history_mask, history_mask.long().sum(dim=1), last_hidden)
+        return LlamaContext(tuple(keys), tuple(values), history_mask, history_mask.long().sum(dim=1), last_hidden,
+                            row_groups(history_mask))
 
     def decode(self, context: LlamaContext, prefix: torch.Tensor) -> torch.Tensor:
         """Logits for C candidate prefixes per row sharing the row's history cache.
@@ -159,8 +163,11 @@ class LlamaBackbone(Backbone):
         positions = context.next_position[:, None] + torch.arange(prefix_len, device=prefix.device)
         cos, sin = (t[:, None, None] for t in self.rotary(positions))           # (B, 1, 1, t, dh)
         x = self.embedding(prefix)                                              # (B, C, t, d)
+        # row groups where a row has many candidates (the pairwise loss: 1.11x a step); CE's 4 queries per row
+        # make scores too small for the groups' extra ops to pay (0.97x, RESULTS.md session 27)
+        groups = context.row_groups if num_candidates > 1 else None
         for block, keys, values in zip(self.blocks, context.keys, context.values):
-            x = x + block.attn.decode(block.attn_norm(x), cos, sin, keys, values, context.key_mask)
+            x = x + block.attn.decode(block.attn_norm(x), cos, sin, keys, values, context.key_mask, groups)
             x = x + block.mlp(block.mlp_norm(x))
         rest = F.linear(self.norm(x), self.embedding.weight)                    # (B, C, t, V)
         return torch.cat([first.to(rest.dtype), rest], dim=2)                   # (B, C, t+1, V)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dropout import attention
-from .packing import PackedHistory, attend_in_buckets
+from .packing import PackedHistory, attend_in_buckets, in_row_groups
 
 
 def softmax_dtype(x: torch.Tensor) -> torch.dtype:
@@ -97,13 +97,15 @@ class Attention(nn.Module):
         return self.o_proj(out), k, v
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-               values: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+               values: torch.Tensor, key_mask: torch.Tensor,
+               groups: tuple[tuple[int, int, int], ...] | None = None) -> torch.Tensor:
         """Prefix attention: C candidates per row against the row's history cache and themselves.
 
         Args:
             x: (B, C, t, d) prefix states.
             cos, sin: (B, 1, 1, t, dh) rotary tables of the prefix positions.
             keys, values: (B, H, L, dh) history cache; key_mask: (B, L) bool.
+            groups: :func:`.packing.row_groups` of the rows (each group reads only its history columns), or None.
 
         Returns:
             (B, C, t, d) attention output.
@@ -113,23 +115,32 @@ class Attention(nn.Module):
         q, k, v = (p(x).view(batch, num_candidates, prefix_len, heads, head_dim).permute(0, 3, 1, 2, 4)
                    for p in (self.q_proj, self.k_proj, self.v_proj))            # (B, H, C, t, dh)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        scale = head_dim ** -0.5
-        q_rows = q.reshape(batch, heads, num_candidates * prefix_len, head_dim)  # (B, H, C*t, dh)
-        history_scores = (q_rows @ keys.transpose(-1, -2)) * scale              # (B, H, C*t, L)
-        history_scores = history_scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-        own_scores = (q @ k.transpose(-1, -2)) * scale                          # (B, H, C, t, t)
         causal = torch.ones(prefix_len, prefix_len, dtype=torch.bool, device=x.device).tril()
+        out = in_row_groups(groups, batch, lambda start, end, first: self._prefix_attention(
+            q[start:end], k[start:end], v[start:end], keys[start:end, :, first:], values[start:end, :, first:],
+            key_mask[start:end, first:], causal))                               # (B, H, C, t, dh)
+        out = out.permute(0, 2, 3, 1, 4).reshape(batch, num_candidates, prefix_len, heads * head_dim)
+        return self.o_proj(out)
+
+    def _prefix_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor,
+                          values: torch.Tensor, key_mask: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        """:meth:`decode`'s attention of (b, H, C, t, dh) prefix queries over (b, H, l, dh) history keys and their
+        own (causal) keys in one softmax: (b, H, C, t, dh)."""
+        rows, heads, num_candidates, prefix_len, head_dim = q.shape
+        scale = head_dim ** -0.5
+        q_rows = q.reshape(rows, heads, num_candidates * prefix_len, head_dim)   # (b, H, C*t, dh)
+        history_scores = (q_rows @ keys.transpose(-1, -2)) * scale              # (b, H, C*t, l)
+        history_scores = history_scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
+        own_scores = (q @ k.transpose(-1, -2)) * scale                          # (b, H, C, t, t)
         own_scores = own_scores.masked_fill(~causal, float("-inf"))
-        own_scores = own_scores.reshape(batch, heads, num_candidates * prefix_len, prefix_len)
+        own_scores = own_scores.reshape(rows, heads, num_candidates * prefix_len, prefix_len)
         # one softmax over history and own keys; at least float32 so bf16 scores normalise exactly
         probs = torch.cat([history_scores, own_scores], dim=-1).to(softmax_dtype(v)).softmax(dim=-1).to(v.dtype)
         probs = F.dropout(probs, self.dropout, self.training)
         history_probs, own_probs = probs.split([keys.shape[2], prefix_len], dim=-1)
-        out = history_probs @ values                                             # (B, H, C*t, dh)
-        own_probs = own_probs.view(batch, heads, num_candidates, prefix_len, prefix_len)
-        out = out.view_as(q) + own_probs @ v                                     # (B, H, C, t, dh)
-        out = out.permute(0, 2, 3, 1, 4).reshape(batch, num_candidates, prefix_len, heads * head_dim)
-        return self.o_proj(out)
+        out = history_probs @ values                                             # (b, H, C*t, dh)
+        own_probs = own_probs.view(rows, heads, num_candidates, prefix_len, prefix_len)
+        return out.view_as(q) + own_probs @ v                                    # (b, H, C, t, dh)
 
     def decode_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, key_mask: torch.Tensor, past_keys: torch.Tensor | None,

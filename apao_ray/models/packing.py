@@ -17,6 +17,7 @@ compares both in float64).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -189,3 +190,34 @@ def attend_in_buckets(packing: PackedHistory, qkv: torch.Tensor, num_heads: int,
     if packing.spare:
         outputs.append(outputs[-1].new_zeros((packing.spare, num_heads * head_dim)))
     return torch.cat(outputs)                                                         # (N + spare, H*dh)
+
+
+def row_groups(mask: torch.Tensor, rows: int = CPU_BUCKET_ROWS) -> tuple[tuple[int, int, int], ...] | None:
+    """Consecutive groups of ``rows`` rows of a left-padded (B, L) mask and the first column any row of the
+    group has a real token in: ``(first_row, end_row, first_column)`` each, or None where no group can skip
+    a column, or off a CPU (an accelerator takes the batch in one kernel).
+
+    The decoder's attention over a group's history needs only columns ``first_column:`` (the rest are
+    padding for all of its rows): with the rows of a batch in order of history length (``training/steps.py``
+    orders every micro-batch so), the groups skip most of the padding. A random Office batch of 128 pads to
+    ~81 tokens while the mean is ~33 (groups of 32 compute 51% of the columns), and a pairwise decoder step's
+    (B, H, (1 + N) t, L) scores are its largest tensor.
+    """
+    if mask.device.type != "cpu":
+        return None
+    num_rows, width = mask.shape
+    lengths = mask.sum(dim=1).tolist()
+    groups = tuple((start, min(start + rows, num_rows), width - max(lengths[start:start + rows]))
+                   for start in range(0, num_rows, rows))
+    return groups if any(first > 0 for _, _, first in groups) else None
+
+
+def in_row_groups(groups: tuple[tuple[int, int, int], ...] | None, num_rows: int,
+                  function: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
+    """``function(first_row, end_row, first_column)`` for each of :func:`row_groups`' groups, its row-first
+    outputs concatenated; for all rows and columns at once (``0, num_rows, 0``) when ``groups`` is None.
+    ``function`` slices its row-first tensors to the rows and the history ones to the columns: the same
+    values, without the columns every row of a group masks."""
+    if groups is None:
+        return function(0, num_rows, 0)
+    return torch.cat([function(*group) for group in groups])

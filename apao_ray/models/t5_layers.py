@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dropout import Dropout, attention, relu_dropout
-from .packing import CPU_BUCKET_ROWS, PackedHistory, attend_in_buckets
+from .packing import PackedHistory, attend_in_buckets, in_row_groups
 
 
 def relative_position_bucket(relative_position: torch.Tensor, *, is_bidirectional: bool,
@@ -59,7 +59,7 @@ class CrossSource:
         key_bias: (B, 1, 1, L) padding bias.
         keys, values: (B, H, L, dh), or None.
         memory: (B, L, d_model) encoder output, zeros on PAD; read when ``keys`` is None.
-        row_groups: from :func:`row_groups`, or None: attend over all L columns in one product.
+        row_groups: from :func:`.packing.row_groups`, or None: attend over all L columns in one product.
     """
 
     key_bias: torch.Tensor
@@ -67,39 +67,6 @@ class CrossSource:
     values: torch.Tensor | None = None
     memory: torch.Tensor | None = None
     row_groups: tuple[tuple[int, int, int], ...] | None = None
-
-
-# Rows per group of the cross-attention on a CPU (:func:`row_groups`), as the encoder's attention buckets
-CPU_GROUP_ROWS = CPU_BUCKET_ROWS
-
-
-def row_groups(mask: torch.Tensor, rows: int = CPU_GROUP_ROWS) -> tuple[tuple[int, int, int], ...] | None:
-    """Consecutive groups of ``rows`` rows of a left-padded (B, L) mask and the first column any row of the
-    group has a real token in: ``(first_row, end_row, first_column)`` each, or None where no group can skip
-    a column, or off a CPU (an accelerator takes the batch in one kernel).
-
-    The cross-attention of a group needs only columns ``first_column:`` (the rest are padding for all of
-    its rows): with the rows of a batch in order of history length (``training/steps.py`` orders every
-    micro-batch so), the groups skip most of the padding. A random Office batch of 128 pads to ~81 tokens
-    while the mean is ~33, and a pairwise decoder step's (B, H, (1 + N) t, L) scores are its largest tensor.
-    """
-    if mask.device.type != "cpu":
-        return None
-    num_rows, width = mask.shape
-    lengths = mask.sum(dim=1).tolist()
-    groups = tuple((start, min(start + rows, num_rows), width - max(lengths[start:start + rows]))
-                   for start in range(0, num_rows, rows))
-    return groups if any(first > 0 for _, _, first in groups) else None
-
-
-def attend_row_groups(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-                      groups: tuple[tuple[int, int, int], ...] | None) -> torch.Tensor:
-    """``attend(q, k, v, bias)`` on row-first tensors, group by group over each group's columns
-    (:func:`row_groups`): the same values, the padding columns every row of a group masks left out."""
-    if groups is None:
-        return attend(q, k, v, bias)
-    return torch.cat([attend(q[start:end], k[start:end, :, first:], v[start:end, :, first:], bias[start:end, ..., first:])
-                      for start, end, first in groups])
 
 
 def absorbed_cost(num_rows: int, queries_per_row: int, num_tokens: int, key_len: int, d_model: int,
@@ -202,8 +169,9 @@ class Attention(nn.Module):
         num_rows = source.keys.shape[0]
         num_seqs, seq_len, _ = x.shape
         q = self.q(x).view(num_rows, -1, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, C*S, dh)
-        out = attend_row_groups(self.attend, q, source.keys, source.values, source.key_bias,
-                                source.row_groups)                              # (B, H, C*S, dh)
+        keys, values, bias = source.keys, source.values, source.key_bias
+        out = in_row_groups(source.row_groups, num_rows, lambda start, end, first: self.attend(
+            q[start:end], keys[start:end, :, first:], values[start:end, :, first:], bias[start:end, ..., first:]))
         return self.o(out.transpose(1, 2).reshape(num_seqs, seq_len, -1))       # (B*C, S, d)
 
     def cross_absorbed(self, x: torch.Tensor, memory: torch.Tensor, key_bias: torch.Tensor,
@@ -227,7 +195,9 @@ class Attention(nn.Module):
         # (B*C, S, H*d) -> (B, 1, C*S*H, d): a row's queries of every head as one head over the memory
         q = F.linear(x, query_key.reshape(heads * d_model, d_model)).view(num_rows, 1, -1, d_model)
         memory = memory.unsqueeze(1)                                            # (B, 1, L, d)
-        out = attend_row_groups(self.attend, q, memory, memory, key_bias, groups)  # (B, 1, C*S*H, d)
+        out = in_row_groups(groups, num_rows, lambda start, end, first: self.attend(
+            q[start:end], memory[start:end, :, first:], memory[start:end, :, first:],
+            key_bias[start:end, ..., first:]))                                 # (B, 1, C*S*H, d)
         return F.linear(out.view(num_seqs, seq_len, heads * d_model), value_out.reshape(d_model, heads * d_model))
 
 

@@ -21,9 +21,9 @@ from torch import nn
 from ..data.catalog import BOS_TOKEN
 from .base import Backbone, DecodeCache
 from .dropout import Dropout
-from .packing import PackedHistory
+from .packing import PackedHistory, row_groups
 from .t5_layers import (Attention, CrossSource, DecoderLayer, EncoderLayer, FeedForward, RelativePositionBias,
-                        absorbed_cost, padding_bias, row_groups)
+                        absorbed_cost, padding_bias)
 
 
 @dataclass
@@ -36,7 +36,7 @@ class TigerContext:
         cross_keys: per decoder layer, (B, heads, L, head_dim) cross-attention keys; empty when the
             cross-attention reads ``memory`` through its weights instead (absorbed, see ``encode``).
         cross_values: per decoder layer, (B, heads, L, head_dim) cross-attention values, or empty.
-        row_groups: :func:`t5_layers.row_groups` of the rows, for the cross-attention; None: all columns.
+        row_groups: :func:`.packing.row_groups` of the rows, for the cross-attention; None: all columns.
     """
 
     key_bias: torch.Tensor
