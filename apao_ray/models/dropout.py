@@ -66,12 +66,17 @@ def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> torch.Tensor:
     return kept.to(dtype)
 
 
+def _scale(p: float) -> float:
+    """1 / (1 - p) for p rounded to a multiple of 2^-16 (what the masks draw); 0 if all is dropped, as F.dropout."""
+    dropped = round(p * _LEVELS)
+    return _LEVELS / (_LEVELS - dropped) if dropped < _LEVELS else 0.0
+
+
 class _Dropout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
         kept = keep_mask(x.shape, p, x.dtype)
-        dropped = round(p * _LEVELS)  # 1 / (1 - p) for the rounded p actually used; all dropped: zeros, as F.dropout
-        scale = _LEVELS / (_LEVELS - dropped) if dropped < _LEVELS else 0.0
+        scale = _scale(p)
         ctx.save_for_backward(kept)
         ctx.scale = scale
         # x * 1.0 or 0.0, then the scale in x's arithmetic: the same values as where(dropped, 0, x) * scale
@@ -90,8 +95,7 @@ class _ReluDropout(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:
-        dropped = round(p * _LEVELS)
-        scale = _LEVELS / (_LEVELS - dropped) if dropped < _LEVELS else 0.0
+        scale = _scale(p)
         out = torch.relu(x).mul_(keep_mask(x.shape, p, x.dtype)).mul_(scale)
         ctx.save_for_backward(out)
         ctx.scale = scale
@@ -118,8 +122,7 @@ class _DropoutTo(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
-        dropped = round(p * _LEVELS)
-        scale = _LEVELS / (_LEVELS - dropped) if dropped < _LEVELS else 0.0
+        scale = _scale(p)
         kept = keep_mask(x.shape, p, torch.int16)
         # int16 times a Python float is float32 in one pass: 0 or float32(scale), as float32's x * scale uses
         scaled = torch.mul(kept, scale) if x.dtype == torch.float32 else kept.to(x.dtype).mul_(scale)

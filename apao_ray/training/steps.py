@@ -178,8 +178,8 @@ class EpochRunner:
                 first = start + position * size                      # the chunk's first index in ``local``
                 places = np.arange(first, first + len(chunk)) * self.world_size + self.rank
                 # rows in order of history length, each with its own negatives (drawn by place): the loss is a
-                # mean over rows, and TIGER's cross-attention skips each group of rows' common padding
-                # (models/t5_layers.row_groups)
+                # mean over rows, and the decoders' attention over the history skips each group of rows' common
+                # padding (models/packing.row_groups)
                 by_length = np.argsort(split.history_lengths[chunk], kind="stable")
                 chunk, places = chunk[by_length], places[by_length]
                 batch = collate(self.dataset.catalog, split, chunk, self.item_tokens).to(self.device)
