@@ -139,6 +139,21 @@ def test_registered_losses_declare_their_facts():
     assert LOSSES["sdpo"].paper_point("tiger", "office") == {"num_negatives": 100}  # no setting: the knob's default
 
 
+def test_knob_flag_on_the_command_line_reaches_the_study_spec(toy_loss):
+    """``--knob`` is an append option: the command's check of which flags were written must not break it."""
+    from apao_ray.study.cli import sweep as cli_sweep
+
+    parser = cli_sweep.build_parser()
+    argv = ["--smoke", "--losses", f"ce,{NAME}", "--knob", f"{KNOB}=0.05:0.2"]
+    given = cli_sweep.given_flags(parser, argv)
+    assert {"knob_ranges", "losses", "smoke"} <= given and "epochs" not in given
+    args = parser.parse_args(argv)
+    cli_sweep.apply_quick(args, given)
+    spec = cli_sweep.spec_from_args(args)
+    assert spec.knob_ranges == {KNOB: (0.05, 0.2)}
+    assert cli_sweep.given_flags(parser, ["--smoke"]) == {"smoke"}  # not written: no knob range
+
+
 def test_an_unknown_plugin_module_is_named():
     from apao_ray.losses import import_plugins
 
@@ -174,14 +189,16 @@ def test_smoke_study_tunes_and_reports_the_plugin_knob(tmp_path):
 
     uri, env = mlflow_sqlite(tmp_path), _plugin_env(tmp_path)
     result = run_script(["-m", "apao_ray", "sweep", "--smoke", "--losses", f"ce,{NAME}", "--num-samples", "2",
-                         "--epochs", "2", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
+                         "--knob", f"{KNOB}=0.04:0.2", "--epochs", "2", "--output-dir", str(tmp_path / "runs"),
+                         "--tracking-uri", uri],
                         cwd=tmp_path, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
     runs = [r for r in Tracker(uri, "apao-synthetic").child_runs() if r.data.tags.get("loss") == NAME]
     runs.sort(key=lambda r: r.info.start_time)  # trial ids are random hex: the enqueued paper point starts first
     assert [r.info.status for r in runs] == ["FINISHED", "FINISHED"]
     gammas = [float(r.data.params[KNOB]) for r in runs]
-    assert gammas[0] == PAPER_GAMMA and gammas[1] != PAPER_GAMMA and all(0.01 <= g <= 0.3 for g in gammas)
+    # the range written with --knob, not the Knob's own (0.01, 0.3)
+    assert gammas[0] == PAPER_GAMMA and gammas[1] != PAPER_GAMMA and all(0.04 <= g <= 0.2 for g in gammas)
     best = run_script(["-m", "apao_ray", "best", "--dataset", "synthetic", "--tracking-uri", uri, "--format", "json",
                        "--no-register"], cwd=tmp_path, env=env, timeout=300)
     assert best.returncode == 0, best.stderr[-3000:]

@@ -72,12 +72,18 @@ def build_parser(prog: str = "studies/sweep.py") -> argparse.ArgumentParser:
     return parser
 
 
+class _Unwritten(list):
+    """The value of every destination before :func:`given_flags`' second parse: a list, since an ``append``
+    option (``--knob``) copies its destination's value and appends to the copy (a new object, so it counts as
+    written like any other option)."""
+
+
 def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     """Destinations of the options written on the command line, however written (``--x v``, ``--x=v``,
     an abbreviation such as ``--epo 3``): argparse fills in a default only where the namespace it is
     given lacks the attribute, so a second parse into a namespace pre-filled with a marker leaves the
     marker exactly on the options not written."""
-    marker = object()
+    marker = _Unwritten()
     dests = vars(parser.parse_args(argv))
     written = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, marker)))
     return {dest for dest, value in vars(written).items() if value is not marker}
