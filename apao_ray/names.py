@@ -6,6 +6,7 @@ One place for each, imported by both sides. It imports neither torch nor Ray, so
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import tempfile
@@ -36,7 +37,7 @@ REPORTS_FILE = "metrics.jsonl"
 # files of a finished trial's final checkpoint
 PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial
 
-SCRATCH_PREFIX = "apao-worker-"  # + the Train run's name: a worker's scratch directories in the system temp dir
+SCRATCH_PREFIX = "apao-worker-"  # + the run's name and directory (scratch_prefix): a worker's scratch in the system temp dir
 
 
 def train_run_name(trial_id: str) -> str:
@@ -52,12 +53,17 @@ def read_reports(train_root: str | Path, trial_id: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def scratch_prefix(run_name: str) -> str:
-    return SCRATCH_PREFIX + run_name.replace("=", "_") + "-"
+def scratch_prefix(run_dir: str | Path) -> str:
+    """The prefix of a run's scratch directories: its name and a digest of its absolute directory, so that two
+    runs of one name in different output directories (two checkouts trained side by side) never share one."""
+    run_dir = Path(run_dir).resolve()
+    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:10]
+    return f"{SCRATCH_PREFIX}{run_dir.name.replace('=', '_')}-{digest}-"
 
 
-def remove_scratch(run_name: str) -> None:
-    """Removes a Train run's scratch directories on this node, e.g. those of workers that were killed
-    (a trial that the scheduler stopped) before they could remove their own."""
-    for path in Path(tempfile.gettempdir()).glob(scratch_prefix(run_name) + "*"):
+def remove_scratch(run_dir: str | Path) -> None:
+    """Removes the scratch directories of the run in ``run_dir`` on this node, e.g. those of workers that were
+    killed (a trial that the scheduler stopped) before they could remove their own; another run's, of the same
+    name or not, stay."""
+    for path in Path(tempfile.gettempdir()).glob(scratch_prefix(run_dir) + "*"):
         shutil.rmtree(path, ignore_errors=True)

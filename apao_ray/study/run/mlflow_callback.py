@@ -139,7 +139,8 @@ class MlflowStudyCallback(tune.Callback):
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         run_id = self._run_for(trial)
-        remove_scratch(train_run_name(trial.trial_id))  # left by its workers if the scheduler killed them
+        # left by its workers if the scheduler killed them
+        remove_scratch(self.train_root / train_run_name(trial.trial_id))
         checkpoint = final_checkpoint_dir(self.train_root, trial.trial_id)
         if not self._finished(trial):
             epoch = pruned_epoch(trial.trial_id)
@@ -203,7 +204,7 @@ class MlflowStudyCallback(tune.Callback):
             elif trial.status == "ERROR":
                 self.on_trial_error(0, trials, trial)
         for trial in trials:  # workers that Tune's cleanup killed left theirs (this node only)
-            remove_scratch(train_run_name(trial.trial_id))
+            remove_scratch(self.train_root / train_run_name(trial.trial_id))
         log_cost_per_method(self.tracker, self.parent_run_id)
         for run_id in running.values():  # created just before a kill, never saved by Tune
             self.tracker.set_tags(run_id, {OUTCOME_TAG: "lost: the driver was killed before Tune recorded this "

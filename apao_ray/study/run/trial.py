@@ -109,7 +109,7 @@ def make_loop_config(config: TrialConfig, *, name: str, storage_path: str | Path
     return {"trial": config.to_dict(), "verbose": verbose, "progress_label": progress_label,
             "max_memory_bytes": resources.memory_bytes, "output_dir": str(run_dir),
             "failure_file": str(run_dir / FAILURE_FILE),
-            "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(name)}
+            "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(run_dir)}
 
 
 def run_in_tune_actor(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
@@ -127,7 +127,7 @@ def run_in_tune_actor(config: TrialConfig, *, name: str, storage_path: str | Pat
     try:
         return train_in_tune_actor(loop_config)
     finally:  # what an earlier attempt, killed mid-way, left in the system temp directory
-        remove_scratch(name)
+        remove_scratch(loop_config["output_dir"])
 
 
 def run_in_ray_train(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
@@ -203,7 +203,7 @@ def fit(trainer: TorchTrainer) -> ray.train.Result:
     except ray.train.ControllerError as error:  # the worker group could not be (re)started, on every try
         raise TrialStartError(start_failure_message(trainer.run_config.name, error.controller_failure)) from error
     finally:  # what workers on this node left when killed mid-way (a restart, a stop)
-        remove_scratch(trainer.run_config.name)
+        remove_scratch(trainer.train_loop_config["output_dir"])
     if path.exists():
         raise TrialFailedError(path.read_text())
     return result
