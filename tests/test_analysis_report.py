@@ -37,7 +37,8 @@ def _trial(run_id: str, loss: str, seed: int, ranks: np.ndarray, schedule: str, 
     return record, table
 
 
-def _fabricate(root: Path, seed: int, effect: float, schedule: str = "paper", curve: tuple = (0.01, 0.019, 0.02)) -> Path:
+def _fabricate(root: Path, seed: int, effect: float, schedule: str = "paper", curve: tuple = (0.01, 0.019, 0.02),
+               beta: str = "0.3") -> Path:
     """A study export of one seed: CE, and APAO-pointwise whose ranks are CE's with ``effect`` of the
     users moved from a miss to rank 1 (so APAO's Recall@10 is higher by exactly ``effect``); both
     validate ``curve`` over their 3 epochs (levelled off by default)."""
@@ -49,7 +50,7 @@ def _fabricate(root: Path, seed: int, effect: float, schedule: str = "paper", cu
     apao_ranks[rng.choice(np.flatnonzero(ce_ranks == 0), int(effect * NUM_USERS), replace=False)] = 1
     trials, rows = [], []
     for run_id, loss, ranks, extra in ((f"ce{seed}", "ce", ce_ranks, {}),
-                                       (f"ap{seed}", "apao_pointwise", apao_ranks, {"beta": "0.3", "eta": "0.0001"})):
+                                       (f"ap{seed}", "apao_pointwise", apao_ranks, {"beta": beta, "eta": "0.0001"})):
         record, table = _trial(run_id, loss, seed, ranks, schedule, extra)
         write_per_user(directory / record["per_user"], table)
         trials.append(record)
@@ -97,9 +98,10 @@ def test_report_finds_a_known_effect_and_shows_paper_numbers(tmp_path):
     assert pooled.startswith("+0.0200 [") and "p_holm = " in pooled  # +2% of users gained a hit in both seeds
     low = float(pooled.split("[")[1].split(",")[0])
     assert 0 < low < 0.02 and float(pooled.split("p_holm = ")[1].split(" ")[0]) < 0.001
-    # the report corrects over every metric it compares, so it names a larger family than `best` does
-    assert pooled.endswith("(Holm over 4 comparisons: 1 method x 4 metrics (ndcg_at_10, ndcg_at_20, recall_at_10, "
-                           "recall_at_20) vs ce, office, seeds pooled)"), pooled
+    # one Holm family (a metric of a dataset), whatever else the report compares: the same p_holm as `best` prints
+    assert pooled.endswith("over seeds and users (2 seeds), p_holm = " + pooled.split("p_holm = ")[1]), pooled
+    assert pooled.endswith("(Holm over 1 comparison: 1 method x 1 metric (recall_at_10) vs ce, office, >= 2 seeds "
+                           "each)"), pooled
     assert seed0.startswith("+0.0200") and seed1.startswith("+0.0200") and cells[7] == str(NUM_USERS)
     for name in ("prefix_recall.png", "beam_retention.png", "adaptive_weights.png", "val_ndcg_at_10.png"):
         assert (tmp_path / "out" / name).read_bytes()[:4] == b"\x89PNG" and f"]({name})" in report
@@ -115,7 +117,28 @@ def test_no_effect_is_not_significant_and_short_schedules_are_not_compared_with_
                for line in _section(report, "Test metrics")[2:])
     for line in _section(report, "Paired differences"):
         if "apao_pointwise" in line:
-            assert "| early learning (not converged): +0.0000 [0.0000, 0.0000], p_holm = 1.000" in line
+            assert "| early learning (not converged): +0.0000 [0.0000, 0.0000] over seeds and users (2 seeds), " \
+                   "p_holm = 1.000" in line
+
+
+def test_a_one_seed_comparison_has_no_verdict_and_says_the_seeds_its_cell_needs(tmp_path):
+    """Seeds 0 and 1 of one configuration measure the seed spread (+0.02 and +0.01); another configuration of the
+    same cell ran one seed (+0.005): its row keeps the users-only CI, labelled, without a p-value, and says how many
+    seeds a verdict would need at the measured spread; the Holm family holds the seed-level comparison only."""
+    from apao_ray.analysis.stats import ONE_SEED, seeds_for_verdict
+
+    exports = [load_export(_fabricate(tmp_path / "exports", seed, effect)) for seed, effect in ((0, 0.02), (1, 0.01))]
+    exports.append(load_export(_fabricate(tmp_path / "exports", 2, 0.005, beta="0.2")))
+    rows = _section(build_report(exports, tmp_path / "out", num_resamples=500).read_text(), "Paired differences")
+    ndcg = {cells[2]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in rows)
+            if cells[3] == "ndcg_at_10"}
+    measured = ndcg["apao_pointwise b=0.3 eta=0.0001 - ce"][4]
+    assert "over seeds and users (2 seeds), p_holm = " in measured and "Holm over 1 comparison: " in measured
+    single = ndcg["apao_pointwise b=0.2 eta=0.0001 - ce"][4]
+    needed = seeds_for_verdict(0.005, float(np.std([0.02, 0.01], ddof=1)))
+    assert single.startswith("+0.0050 [") and "p_holm" not in single and "p =" not in single
+    assert single.endswith(f"over test users, {ONE_SEED}; a verdict needs ~{needed} seeds at seed sd 0.0071"), single
+    assert 10 < needed < 40
 
 
 def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):

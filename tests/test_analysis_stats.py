@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apao_ray.analysis.stats import (Comparison, bootstrap_ci, holm, paired_comparison, pooled_comparison,
-                                     wilcoxon_p, with_holm)
+from apao_ray.analysis.stats import (MAX_SEEDS_NEEDED, ONE_SEED, Comparison, bootstrap_ci, crossed_t, holm,
+                                     paired_comparison, seeds_comparison, seeds_for_verdict, wilcoxon_p, with_holm)
 
 
 def _hits(rng: np.random.Generator, num_users: int, rate: float) -> np.ndarray:
@@ -67,24 +67,86 @@ def test_holm_matches_hand_computed_values():
         holm([1.5])
 
 
-def test_pooled_over_seeds_averages_each_users_difference():
+def test_seeds_that_disagree_give_an_interval_over_zero_wider_than_the_users_only_one():
+    """The Office/TIGER pattern: each seed 'significant' on its own, in opposite directions."""
     rng = np.random.default_rng(4)
-    baselines = [_hits(rng, 2000, 0.05) for _ in range(3)]
-    methods = [_with_effect(rng, b, gained=0.02, lost=0.0) for b in baselines]
-    pooled = pooled_comparison(methods, baselines, num_resamples=1000)
-    assert pooled.mean_difference == pytest.approx(0.02, abs=1e-9) and pooled.num_users == 2000
-    assert pooled.ci_low > 0 and pooled.p_value < 1e-6
-    single = pooled_comparison(methods[:1], baselines[:1], num_resamples=1000)
-    assert single == paired_comparison(methods[0], baselines[0], num_resamples=1000)
+    baseline = _hits(rng, 4000, 0.06)
+    methods = [_with_effect(rng, baseline, gained=g, lost=l) for g, l in ((0.03, 0.01), (0.01, 0.03), (0.02, 0.02))]
+    per_seed = [paired_comparison(m, baseline, num_resamples=1000) for m in methods]
+    assert per_seed[0].ci_low > 0 and per_seed[1].ci_high < 0  # seeds 0 and 1 each exclude 0, opposite ways
+    users_only = paired_comparison(np.mean(methods, axis=0), baseline, num_resamples=1000)  # the old pooled CI
+    over_seeds = seeds_comparison(methods, [baseline] * 3, num_resamples=1000)
+    assert over_seeds.num_seeds == 3 and over_seeds.has_verdict
+    assert over_seeds.mean_difference == pytest.approx(0.0, abs=1e-9)
+    assert over_seeds.ci_low < 0 < over_seeds.ci_high and over_seeds.p_value > 0.5
+    assert over_seeds.ci_high - over_seeds.ci_low > 3 * (users_only.ci_high - users_only.ci_low)
+    assert over_seeds.seed_sd == pytest.approx(np.std([m.mean() - baseline.mean() for m in methods], ddof=1))
+
+
+def test_identical_seeds_give_the_users_only_interval():
+    rng = np.random.default_rng(5)
+    baseline = _hits(rng, 4000, 0.06)
+    method = _with_effect(rng, baseline, gained=0.03, lost=0.01)
+    users_only = paired_comparison(method, baseline, num_resamples=4000)
+    over_seeds = seeds_comparison([method] * 3, [baseline] * 3)
+    width = users_only.ci_high - users_only.ci_low
+    assert over_seeds.mean_difference == pytest.approx(users_only.mean_difference)
+    # the model's t interval and the percentile bootstrap agree to bootstrap noise at 4000 users
+    assert over_seeds.ci_low == pytest.approx(users_only.ci_low, abs=0.05 * width)
+    assert over_seeds.ci_high == pytest.approx(users_only.ci_high, abs=0.05 * width)
+    assert over_seeds.seed_sd == 0 and over_seeds.p_value < 1e-6
+
+
+def test_one_seed_keeps_the_users_interval_labelled_and_prints_no_verdict():
+    rng = np.random.default_rng(6)
+    baseline = _hits(rng, 2000, 0.05)
+    method = _with_effect(rng, baseline, gained=0.02, lost=0.0)
+    single = seeds_comparison([method], [baseline], num_resamples=1000)
+    assert single == paired_comparison(method, baseline, num_resamples=1000) and not single.has_verdict
+    assert single.p_value < 1e-6  # recorded; still no verdict printed
+    assert single.text() == f"{single.interval()} over test users, {ONE_SEED}" and "p" not in single.text().split(",")[0]
+    assert "p =" not in single.text() and "p_holm" not in single.text()
+    with pytest.raises(ValueError, match="1-seed comparison has no verdict"):
+        with_holm([single])
+
+
+def test_crossed_model_covers_the_true_mean_about_95_percent_of_the_time():
+    """Simulated seeds x users differences with a real seed effect (sd 0.01) and user noise: the interval over
+    3 seeds covers the true mean at about its level, where the users-only interval of the seed-averaged
+    differences falls far short."""
+    rng = np.random.default_rng(7)
+    covered = users_covered = 0
+    runs = 300
+    for _ in range(runs):
+        table = 0.002 + rng.normal(0, 0.01, (3, 1)) + rng.normal(0, 0.05, (1, 500)) + rng.normal(0, 0.05, (3, 500))
+        _, low, high, _ = crossed_t(table)
+        covered += low <= 0.002 <= high
+        mean, error = table.mean(), table.mean(axis=0).std(ddof=1) / np.sqrt(500)
+        users_covered += mean - 1.96 * error <= 0.002 <= mean + 1.96 * error
+    assert 0.90 <= covered / runs <= 0.995
+    assert users_covered / runs < 0.75
+
+
+def test_seeds_for_verdict_follows_the_power_of_a_t_test():
+    # at the Office/TIGER seed sd 0.0049, the paper's gap of ~0.0029 needs more than 20 seeds; a gap of one sd ~10
+    assert 20 < seeds_for_verdict(0.0029, 0.0049) < 30
+    assert 8 <= seeds_for_verdict(0.0049, 0.0049) <= 12
+    assert seeds_for_verdict(0.01, 0.0049) < seeds_for_verdict(0.005, 0.0049)
+    assert seeds_for_verdict(0.0, 0.0049) is None and seeds_for_verdict(0.001, 0.0) is None
+    assert seeds_for_verdict(1e-6, 1.0) == MAX_SEEDS_NEEDED + 1
+    text = Comparison(0.0024, 0.0013, 0.0035, 1e-4, 1000, seed_sd=0.0049, seeds_needed=34).text()
+    assert text.endswith(f"{ONE_SEED}; a verdict needs ~34 seeds at seed sd 0.0049")
 
 
 def test_text_and_holm_family():
-    family = with_holm([Comparison(0.0041, 0.0012, 0.0070, 0.001, 100), Comparison(-0.001, -0.003, 0.001, 0.4, 100)],
-                       "2 methods x 1 metric")
+    family = with_holm([Comparison(0.0041, 0.0012, 0.0070, 0.001, 100, num_seeds=3),
+                        Comparison(-0.001, -0.003, 0.001, 0.4, 100, num_seeds=3)], "2 methods x 1 metric")
     # the family beside the p-value: the same comparison has another p_holm in a larger family
-    assert family[0].text() == "+0.0041 [0.0012, 0.0070], p_holm = 0.002 (Holm over 2 comparisons: 2 methods x 1 metric)"
+    assert family[0].text() == ("+0.0041 [0.0012, 0.0070] over seeds and users (3 seeds), p_holm = 0.002 (Holm over "
+                                "2 comparisons: 2 methods x 1 metric)")
     assert family[1].p_holm == pytest.approx(0.4)
-    assert Comparison(0.0041, 0.0012, 0.0070, 0.0001, 100).text() == "+0.0041 [0.0012, 0.0070], p = 1.0e-04"
+    assert Comparison(0.0041, 0.0012, 0.0070, 0.0001, 100, num_seeds=2).text() == (
+        "+0.0041 [0.0012, 0.0070] over seeds and users (2 seeds), p = 1.0e-04")
 
 
 def test_bad_input_is_named():
@@ -94,3 +156,6 @@ def test_bad_input_is_named():
         paired_comparison(np.zeros(1), np.zeros(1))
     with pytest.raises(ValueError, match="confidence=1.5"):
         bootstrap_ci(np.zeros(10), confidence=1.5)
+    with pytest.raises(ValueError, match=r"seeds >= 2, users >= 2\) table, got shape \(1, 5\)"):
+        crossed_t(np.zeros((1, 5)))
+    assert crossed_t(np.full((3, 5), 0.01)) == (0.01, 0.01, 0.01, 0.0)  # every difference equal: no uncertainty

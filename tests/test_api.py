@@ -419,8 +419,8 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
     assert table.loc["ce", "vs ce test/ndcg_at_10"] == "baseline"
     # one epoch each: no slope to read, so the figure is one of early learning and says so
     assert table.loc["apao_pointwise", "converged"] == "not converged: 1 validation epoch"
-    assert re.fullmatch(r"early learning \(not converged\): [+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\], "
-                        r"p_holm = [\d.e+-]+ \(Holm over \d+ comparisons?: .+\)",
+    assert re.fullmatch(r"early learning \(not converged\): [+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\] over seeds "
+                        r"and users \(2 seeds\), p_holm = [\d.e+-]+ \(Holm over \d+ comparisons?: .+\)",
                         table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]), table.loc["apao_pointwise"]
     assert re.search(r"tiger/apao_pointwise +[\d.]+ / [\d.]+ +[\d.]+ / [\d.]+ +\d+ / \d+", result.cost_summary), \
         result.cost_summary

@@ -14,6 +14,7 @@ from .export import StudyExport
 from .paper import TABLE1
 from .results import (SELECTION_METRIC, Method, Paired, Trial, compare_methods, finished_trials, group_methods,
                       unfinished_trials)
+from .stats import INTERVALS_NOTE
 
 GRID_FILE = "grid.md"
 GRID_METRICS = ("test/recall_at_10", "test/ndcg_at_10")
@@ -113,7 +114,7 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
             running.setdefault(key, []).append(trial)
 
     header = ["dataset", "backbone", "method", "ours R@10 / N@10 (mean ± std, n seeds)",
-              "APAO - CE test N@10 (95% CI, p_holm)", "paper R@10 / N@10", "status"]
+              "APAO - CE test N@10 (95% CI; p_holm with >= 2 seeds)", "paper R@10 / N@10", "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     counts = {"done": 0, "in progress": 0, "queued": 0}
     for (dataset, backbone, loss), (recall, ndcg) in TABLE1.items():
@@ -129,7 +130,7 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
         else:
             kind, status = "queued", _queued(queue, dataset, backbone, loss)
         counts[kind] += 1
-        difference = "-" if paired is None or paired.pooled is None else paired.pooled.text()
+        difference = "-" if paired is None or paired.over_seeds is None else paired.over_seeds.text()
         lines.append("| " + " | ".join([dataset, backbone, loss, _ours(method) if method else "-", difference,
                                         f"{recall:.4f} / {ndcg:.4f}", status]) + " |")
 
@@ -147,9 +148,8 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
         f"{len(exports)} committed study exports. {counts['done']} of {len(TABLE1)} cells done, "
         f"{counts['in progress']} in progress, {counts['queued']} not started.", "",
         "Ours: test Recall@10 / NDCG@10 (beam 20) at the paper's full protocol (preset `paper`, up to 200 epochs, "
-        "patience 20), best trial per study, mean ± sample std over seeds. The difference is APAO minus CE per test "
-        "user, seeds pooled, percentile bootstrap CI, Wilcoxon p Holm-corrected over the dataset's pooled "
-        "comparisons shown here. Paper: Table 1.", "",
+        "patience 20), best trial per study, mean ± sample std over seeds. The difference is APAO minus CE. "
+        f"{INTERVALS_NOTE} Paper: Table 1.", "",
         *lines, "",
         "## Other full-length runs (not paper cells)", "", *(other_lines or ["(none)"]), "",
         "## The queue (benchmarks/evidence/queue.json), in order", "", *(pending or ["(empty)"]), "",

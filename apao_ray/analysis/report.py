@@ -22,6 +22,7 @@ from .export import STUDY_FILE, StudyExport, export_study, load_export
 from .grid import build_grid, load_queue, queue_path_default
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
                       Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials)
+from .stats import INTERVALS_NOTE
 
 REPORT_FILE = "report.md"
 
@@ -135,14 +136,14 @@ def _unfinished_table(methods: list[Method]) -> list[str]:
 
 def _significance_table(results: list[Paired]) -> list[str]:
     seeds = sorted({s for r in results for s in r.per_seed})
-    header = ["dataset", "backbone", "method - baseline", "metric", "seeds pooled", *(f"seed {s}" for s in seeds), "users"]
+    header = ["dataset", "backbone", "method - baseline", "metric", "over seeds", *(f"seed {s}" for s in seeds), "users"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for r in results:
-        users = r.pooled.num_users if r.pooled else max((c.num_users for c in r.per_seed.values()), default=0)
+        users = r.over_seeds.num_users if r.over_seeds else max((c.num_users for c in r.per_seed.values()), default=0)
         early = f"{EARLY_LEARNING}: " if is_early_learning(r.method.convergence, r.baseline.convergence) else ""
         cells = [r.method.dataset, r.method.backbone, f"{r.method.label} - {r.baseline.label}", r.metric,
-                 early + (r.pooled.text() if r.pooled else "-") + (f" ({r.note})" if r.note else ""),
-                 *(r.per_seed[s].text() if s in r.per_seed else "-" for s in seeds), str(users)]
+                 early + (r.over_seeds.text() if r.over_seeds else "-") + (f" ({r.note})" if r.note else ""),
+                 *(r.per_seed[s].interval() if s in r.per_seed else "-" for s in seeds), str(users)]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -204,9 +205,9 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              "CPU and a GPU; peak memory: the largest)", "", *_cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
     if compared:
-        lines += ["Mean per-user difference, 95% percentile bootstrap CI over users, two-sided Wilcoxon signed-rank "
-                  "p-value, Holm-corrected over all pooled comparisons of a dataset (and, per seed, over that "
-                  "seed's comparisons). Pooled: each user's difference averaged over the seeds both methods have.", "",
+        lines += [f"`over seeds`: {INTERVALS_NOTE} `seed N`: that seed alone, 95% bootstrap CI over test users only (no verdict). A one-seed "
+                  "comparison whose cell another study measured with >= 2 seeds says how many seeds a verdict would "
+                  "need at that spread (80% power for the difference seen).", "",
                   *_significance_table(compared), ""]
     else:
         lines += [f"No method to compare: each (dataset, backbone) needs a `{baseline}` trial and another method.", ""]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -19,7 +19,7 @@ from ..names import REPEATS_TAG
 from .export import StudyExport
 from .paper import table1
 from .per_user import PER_USER_METRICS
-from .stats import Comparison, paired_comparison, pooled_comparison, with_holm
+from .stats import Comparison, paired_comparison, seeds_comparison, seeds_for_verdict, with_holm
 
 SELECTION_METRIC = "best/val/ndcg_at_10"
 KNOBS = (("beta", "b"), ("eta", "eta"), ("num_negatives", "N"))
@@ -231,12 +231,13 @@ def prefix_keys(metrics: dict[str, float], split: str = "test") -> list[str]:
 
 @dataclass
 class Paired:
-    """A method against the baseline of its (dataset, backbone) on one metric: pooled and per seed."""
+    """A method against the baseline of its (dataset, backbone) on one metric: over its seeds (``over_seeds``: the
+    seeds x users model with >= 2 seeds, users only with 1) and per seed (users only)."""
 
     method: Method
     baseline: Method
     metric: str
-    pooled: Comparison | None
+    over_seeds: Comparison | None
     per_seed: dict[int, Comparison]
     note: str = ""
 
@@ -255,8 +256,9 @@ def _aligned(trial: Trial, baseline: Trial, metric: str) -> tuple[np.ndarray, np
 def compare_methods(methods: list[Method], baseline_loss: str = "ce", metrics: tuple[str, ...] = PER_USER_METRICS,
                     num_resamples: int = 10_000) -> list[Paired]:
     """Every method against the ``baseline_loss`` method of its (dataset, backbone), per metric, on the
-    seeds both have. Holm's correction runs over all pooled comparisons of a dataset, and over all
-    comparisons of each seed of a dataset."""
+    seeds both have. Holm's correction runs over ``stats.HOLM_FAMILY``; a one-seed comparison gets no verdict,
+    and, where another method of the same (dataset, backbone, loss) measured the seed spread, the seeds a
+    verdict would need."""
     results: list[Paired] = []
     for method in methods:
         baselines = [m for m in methods if (m.dataset, m.backbone, m.loss) == (method.dataset, method.backbone,
@@ -274,32 +276,47 @@ def compare_methods(methods: list[Method], baseline_loss: str = "ce", metrics: t
                     continue
                 per_seed[trial.seed] = paired_comparison(*aligned[:2], num_resamples=num_resamples, seed=trial.seed)
                 pairs.append(aligned)
-            pooled = None
+            over_seeds = None
             if pairs and len({p[2] for p in pairs}) == 1:  # the same users under every seed
-                pooled = pooled_comparison([p[0] for p in pairs], [p[1] for p in pairs], num_resamples=num_resamples)
+                over_seeds = seeds_comparison([p[0] for p in pairs], [p[1] for p in pairs], num_resamples=num_resamples)
             note = f"seeds {missing}: no paired per-user tables" if missing else ""
-            results.append(Paired(method, baseline, metric, pooled, per_seed, note))
+            results.append(Paired(method, baseline, metric, over_seeds, per_seed, note))
     _holm(results)
+    _seeds_needed(results)
     return results
 
 
+def _cell(r: Paired) -> tuple[str, str, str, str, str]:
+    return r.method.dataset, r.method.backbone, r.method.loss, r.baseline.loss, r.metric
+
+
 def _holm(results: list[Paired]) -> None:
-    for dataset in {r.method.dataset for r in results}:
-        mine = [r for r in results if r.method.dataset == dataset]
-        pooled = [r for r in mine if r.pooled is not None]
-        for r, corrected in zip(pooled, with_holm([r.pooled for r in pooled], _family(pooled, f"{dataset}, seeds pooled"))):
-            r.pooled = corrected
-        for seed in {s for r in mine for s in r.per_seed}:
-            family = [r for r in mine if seed in r.per_seed]
-            for r, corrected in zip(family, with_holm([r.per_seed[seed] for r in family],
-                                                      _family(family, f"{dataset}, seed {seed}"))):
-                r.per_seed[seed] = corrected
+    """Holm over ``HOLM_FAMILY``: per (dataset, metric), the comparisons with >= 2 seeds."""
+    for dataset, metric in {(r.method.dataset, r.metric) for r in results}:
+        family = [r for r in results if (r.method.dataset, r.metric) == (dataset, metric)
+                  and r.over_seeds is not None and r.over_seeds.has_verdict]
+        for r, corrected in zip(family, with_holm([r.over_seeds for r in family], _family(family, dataset))):
+            r.over_seeds = corrected
 
 
-def _family(results: list[Paired], scope: str) -> str:
-    """``3 methods x 1 metric (ndcg_at_10) vs ce, office, seeds pooled``: what one Holm family holds."""
+def _seeds_needed(results: list[Paired]) -> None:
+    """A one-seed comparison's seeds for a verdict, at the largest seed sd measured for its cell elsewhere."""
+    spreads: dict[tuple[str, ...], float] = {}
+    for r in results:
+        if r.over_seeds is not None and r.over_seeds.seed_sd is not None:
+            spreads[_cell(r)] = max(spreads.get(_cell(r), 0.0), r.over_seeds.seed_sd)
+    for r in results:
+        if r.over_seeds is not None and not r.over_seeds.has_verdict and _cell(r) in spreads:
+            sd = spreads[_cell(r)]
+            r.over_seeds = replace(r.over_seeds, seed_sd=sd, seeds_needed=seeds_for_verdict(r.over_seeds.mean_difference, sd))
+
+
+def _family(results: list[Paired], dataset: str) -> str:
+    """``3 methods x 1 metric (ndcg_at_10) vs ce, office, >= 2 seeds each``: what one Holm family holds."""
     methods = {(r.method.backbone, r.method.label) for r in results}
     metrics = sorted({r.metric for r in results})
     baselines = sorted({r.baseline.loss for r in results})
     return (f"{len(methods)} method{'s' if len(methods) != 1 else ''} x {len(metrics)} "
-            f"metric{'s' if len(metrics) != 1 else ''} ({', '.join(metrics)}) vs {', '.join(baselines)}, {scope}")
+            f"metric{'s' if len(metrics) != 1 else ''} ({', '.join(metrics)}) vs {', '.join(baselines)}, {dataset}, "
+            ">= 2 seeds each")
+

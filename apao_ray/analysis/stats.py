@@ -1,37 +1,65 @@
-"""Paired significance between two methods on the same test users (issue #18 item 2).
+"""Paired comparisons of two methods on the same test users, and across training seeds.
 
-Each method's finished trial logs one row per test user (``per_user_test.csv.gz``). Two methods
-trained on the same split are compared user by user: the mean of the per-user differences, a
-percentile bootstrap CI of that mean (users resampled with replacement), and a Wilcoxon
-signed-rank p-value (scipy). A study compares every method with one baseline, so the p-values of
-one family are Holm-corrected (step-down, controls the family-wise error rate).
+Each method's finished trial logs one row per test user (``per_user_test.csv.gz``). Within one seed, two
+methods trained on the same split are compared user by user: the mean of the per-user differences and a
+percentile bootstrap CI of that mean (users resampled with replacement). That interval holds the two trained
+models fixed: it says how sure we are about *these* models on other users, not about the methods, since
+another training seed gives other models. So a one-seed comparison is printed with its CI labelled
+``1 seed: training variance not measured`` and no significance verdict.
 
-Over seeds, each seed is one paired comparison on its own, and the seeds are pooled by first
-averaging every user's difference over the seeds (the user stays the independent unit: the same
-users are tested under every seed, so stacking seeds as extra "users" would overstate n).
+With two or more seeds, the differences form a seeds x users table ``D[s, u]`` (every seed tests the same
+users) and are compared under a crossed random-effects model, ``D[s, u] = mu + a_s + b_u + e_su``: the
+seed effect ``a_s`` is training randomness, the user effect ``b_u`` the test users' sampling. The variance of
+the grand mean is ``var(a)/S + var(b)/U + var(e)/(S U)``, estimated from the two-way ANOVA mean squares
+(components truncated at 0); the CI and the p-value of ``mu = 0`` use Student's t with Satterthwaite's
+degrees of freedom. With seeds that disagree the seed term dominates and the interval is about a t interval
+over the seed means (2 degrees of freedom with 3 seeds); with seeds that agree it is the users-only interval.
+Why not a bootstrap over seeds: with the 2-5 seeds a study has, resampling seeds only reshuffles the observed
+ones (3 seeds: 10 distinct resamples), underestimates their variance by (S-1)/S and can never reach past the
+most extreme seed; the t reference widens honestly at small S (docs/results.md).
+
+Holm's correction runs over one family, defined once (:data:`HOLM_FAMILY`): every method compared with the
+baseline on one metric of one dataset, at the seed level (comparisons with at least 2 seeds).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 DEFAULT_RESAMPLES = 10_000
 DEFAULT_CONFIDENCE = 0.95
+# the power a "seeds needed for a verdict" figure is computed for (two-sided test at 1 - DEFAULT_CONFIDENCE)
+VERDICT_POWER = 0.8
+MAX_SEEDS_NEEDED = 1000
+HOLM_FAMILY = "every method vs the baseline on one metric of one dataset, comparisons over >= 2 seeds"
+ONE_SEED = "1 seed: training variance not measured"
+# what every printed difference is, for the surfaces that print one (report, grid, the study's table)
+INTERVALS_NOTE = ("With >= 2 seeds: mean difference per test user, 95% CI and p-value of a crossed seeds x users "
+                  "random-effects model (Student's t, Satterthwaite df), so the interval counts training randomness; "
+                  f"Holm-corrected over {HOLM_FAMILY}. With 1 seed: the 95% percentile bootstrap CI over test users "
+                  "only, which describes the two trained models and not the methods: no p-value, no verdict.")
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """One paired comparison ``method - baseline`` on ``num_users`` users.
+    """One paired comparison ``method - baseline`` on ``num_users`` users and ``num_seeds`` seeds.
 
     Attributes:
-        mean_difference: mean over users of (method - baseline).
-        ci_low, ci_high: percentile bootstrap CI of that mean.
-        p_value: two-sided Wilcoxon signed-rank p (1.0 when every difference is 0).
-        p_holm: ``p_value`` after Holm's correction in its family (= p_value until corrected).
+        mean_difference: mean over seeds and users of (method - baseline).
+        ci_low, ci_high: with 1 seed, the percentile bootstrap CI over users; with more, the CI of the
+            crossed seeds x users model (module docstring).
+        p_value: 1 seed: two-sided Wilcoxon signed-rank p over users (recorded, not printed: no verdict
+            from one seed); more: the model's two-sided t p-value. 1.0 when every difference is 0.
         num_users: paired users.
-        holm_family: the family ``p_holm`` corrects over, e.g. ``3 comparisons: 3 methods x 1 metric``:
-            printed beside it, as one comparison gets different p_holm in families of different sizes.
+        num_seeds: seeds both methods have.
+        p_holm: ``p_value`` after Holm's correction in its family (None until corrected; never for 1 seed).
+        holm_family: what ``p_holm`` corrects over, e.g. ``3 comparisons: ...``: printed beside it.
+        seed_sd: with >= 2 seeds, the sample sd of the per-seed mean differences (the spread a seed adds).
+        seeds_needed: with 1 seed, how many seeds a verdict needs at ``seed_sd`` measured by another study of
+            the same cell (``VERDICT_POWER`` to detect this difference), when one did; ``MAX_SEEDS_NEEDED + 1``
+            means more than that.
     """
 
     mean_difference: float
@@ -39,13 +67,33 @@ class Comparison:
     ci_high: float
     p_value: float
     num_users: int
+    num_seeds: int = 1
     p_holm: float | None = None
     holm_family: str = ""
+    seed_sd: float | None = None
+    seeds_needed: int | None = None
+
+    def interval(self) -> str:
+        """``+0.0041 [0.0012, 0.0070]``: the difference and its CI alone, where the heading says what they cover."""
+        return f"{self.mean_difference:+.4f} [{self.ci_low:.4f}, {self.ci_high:.4f}]"
+
+    @property
+    def has_verdict(self) -> bool:
+        """Whether a significance verdict may be printed: only where training variance was measured."""
+        return self.num_seeds >= 2
 
     def text(self) -> str:
-        """``+0.0041 [0.0012, 0.0070], p_holm = 0.003 (Holm over 3 comparisons: ...)`` (``p = ...`` before the
-        correction)."""
-        head = f"{self.mean_difference:+.4f} [{self.ci_low:.4f}, {self.ci_high:.4f}]"
+        """``+0.0041 [0.0012, 0.0070] over seeds and users (3 seeds), p_holm = 0.003 (Holm over ...)`` with
+        >= 2 seeds; ``+0.0041 [0.0012, 0.0070] over test users, 1 seed: training variance not measured`` with one
+        (and ``; a verdict needs ~N seeds at seed sd X`` where another study measured the spread)."""
+        head = self.interval()
+        if not self.has_verdict:
+            text = f"{head} over test users, {ONE_SEED}"
+            if self.seeds_needed is not None and self.seed_sd is not None:
+                count = f"> {MAX_SEEDS_NEEDED}" if self.seeds_needed > MAX_SEEDS_NEEDED else f"~{self.seeds_needed}"
+                text += f"; a verdict needs {count} seeds at seed sd {self.seed_sd:.4f}"
+            return text
+        head = f"{head} over seeds and users ({self.num_seeds} seeds)"
         if self.p_holm is None:
             return f"{head}, p = {_p_text(self.p_value)}"
         return f"{head}, p_holm = {_p_text(self.p_holm)} (Holm over {self.holm_family or 'its family'})"
@@ -115,16 +163,75 @@ def paired_comparison(method: np.ndarray, baseline: np.ndarray, num_resamples: i
     return Comparison(float(differences.mean()), low, high, wilcoxon_p(differences), int(differences.size))
 
 
-def pooled_comparison(methods: list[np.ndarray], baselines: list[np.ndarray],
-                      num_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
-                      seed: int = 0) -> Comparison:
-    """Seeds pooled: each user's difference averaged over the seeds (every array aligned on the same
-    users), then compared like one seed. With one seed it equals :func:`paired_comparison`."""
+def seeds_comparison(methods: list[np.ndarray], baselines: list[np.ndarray],
+                     num_resamples: int = DEFAULT_RESAMPLES, confidence: float = DEFAULT_CONFIDENCE,
+                     seed: int = 0) -> Comparison:
+    """``method - baseline`` over seeds: one (method, baseline) pair of per-user arrays per seed, every array
+    aligned on the same users. One seed: :func:`paired_comparison` (users only, no verdict). Two or more: the
+    crossed seeds x users model (module docstring), its t CI and p-value."""
     if not methods or len(methods) != len(baselines):
-        raise ValueError(f"pooling needs one baseline per method seed, got {len(methods)} and {len(baselines)}")
-    differences = np.mean([_paired(m, b) for m, b in zip(methods, baselines)], axis=0)
-    low, high = bootstrap_ci(differences, num_resamples, confidence, seed)
-    return Comparison(float(differences.mean()), low, high, wilcoxon_p(differences), int(differences.size))
+        raise ValueError(f"a comparison over seeds needs one baseline per method seed, got {len(methods)} and "
+                         f"{len(baselines)}")
+    if len(methods) == 1:
+        return paired_comparison(methods[0], baselines[0], num_resamples, confidence, seed)
+    differences = np.stack([_paired(m, b) for m, b in zip(methods, baselines)])  # (S, U)
+    mean, low, high, p_value = crossed_t(differences, confidence)
+    return Comparison(mean, low, high, p_value, int(differences.shape[1]), num_seeds=int(differences.shape[0]),
+                      seed_sd=float(differences.mean(axis=1).std(ddof=1)))
+
+
+def crossed_t(differences: np.ndarray, confidence: float = DEFAULT_CONFIDENCE) -> tuple[float, float, float, float]:
+    """(mean, CI low, CI high, two-sided p of mean = 0) of a seeds x users table of differences under the crossed
+    random-effects model: the variance of the grand mean from the two-way ANOVA mean squares, each variance
+    component truncated at 0, and Student's t with Satterthwaite's degrees of freedom."""
+    from scipy.stats import t as student_t  # lazy: scipy.stats, only when a comparison is computed
+
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence={confidence} must be in (0, 1)")
+    d = np.asarray(differences, dtype=float)
+    if d.ndim != 2 or d.shape[0] < 2 or d.shape[1] < 2:
+        raise ValueError(f"the crossed model needs a (seeds >= 2, users >= 2) table, got shape {d.shape}")
+    seeds, users = d.shape
+    mean = float(d.mean())
+    seed_means, user_means = d.mean(axis=1), d.mean(axis=0)
+    squares = {  # mean square, its degrees of freedom
+        "seed": (users * float(((seed_means - mean) ** 2).sum()) / (seeds - 1), seeds - 1),
+        "user": (seeds * float(((user_means - mean) ** 2).sum()) / (users - 1), users - 1),
+        "residual": (float(((d - seed_means[:, None] - user_means[None, :] + mean) ** 2).sum())
+                     / ((seeds - 1) * (users - 1)), (seeds - 1) * (users - 1))}
+    residual = squares["residual"][0]
+    # var(mean) = var_seed/S + var_user/U + var_e/(S U), each component (MS_x - MS_e)/(size) cut at 0: a linear
+    # combination of mean squares, coefficients over S U
+    weights = {"residual": 1.0}
+    for name in ("seed", "user"):
+        if squares[name][0] > residual:
+            weights[name], weights["residual"] = 1.0, weights["residual"] - 1.0
+    variance = sum(w * squares[name][0] for name, w in weights.items()) / (seeds * users)
+    if variance <= 0:  # every difference equal: no uncertainty left
+        return mean, mean, mean, 1.0 if mean == 0 else 0.0
+    denominator = sum((w * squares[name][0]) ** 2 / squares[name][1] for name, w in weights.items() if w)
+    dof = (variance * seeds * users) ** 2 / denominator
+    error = math.sqrt(variance)
+    quantile = float(student_t.ppf(0.5 + confidence / 2, dof))
+    p_value = float(2 * student_t.sf(abs(mean) / error, dof))
+    return mean, mean - quantile * error, mean + quantile * error, p_value
+
+
+def seeds_for_verdict(difference: float, seed_sd: float, confidence: float = DEFAULT_CONFIDENCE,
+                      power: float = VERDICT_POWER) -> int | None:
+    """The fewest seeds at which a two-sided one-sample t-test over per-seed mean differences (level 1 -
+    ``confidence``) detects a true ``difference`` with ``power``, when seeds spread with ``seed_sd``; ``None``
+    without a difference or a spread, ``MAX_SEEDS_NEEDED + 1`` if more than that."""
+    from scipy.stats import nct, t as student_t
+
+    if difference == 0 or not seed_sd > 0:
+        return None
+    for n in range(2, MAX_SEEDS_NEEDED + 1):
+        critical = student_t.ppf(0.5 + confidence / 2, n - 1)
+        shift = abs(difference) / seed_sd * math.sqrt(n)
+        if nct.sf(critical, n - 1, shift) + nct.cdf(-critical, n - 1, shift) >= power:
+            return n
+    return MAX_SEEDS_NEEDED + 1
 
 
 def holm(p_values: list[float]) -> list[float]:
@@ -141,8 +248,11 @@ def holm(p_values: list[float]) -> list[float]:
 
 
 def with_holm(comparisons: list[Comparison], family: str = "") -> list[Comparison]:
-    """The comparisons of one family with ``p_holm`` filled in; ``family`` says what they are
-    (``3 methods x 1 metric``), recorded as ``holm_family`` with their count."""
+    """The comparisons of one family (:data:`HOLM_FAMILY`) with ``p_holm`` filled in; ``family`` says what they
+    are (``3 methods x 1 metric ...``), recorded as ``holm_family`` with their count. One-seed comparisons have
+    no verdict: passing one is an error."""
+    if any(not c.has_verdict for c in comparisons):
+        raise ValueError("a Holm family holds comparisons over >= 2 seeds only; a 1-seed comparison has no verdict")
     size = f"{len(comparisons)} comparison{'s' if len(comparisons) != 1 else ''}"
     named = f"{size}: {family}" if family else size
     return [replace(c, p_holm=p, holm_family=named) for c, p in zip(comparisons, holm([c.p_value for c in comparisons]))]

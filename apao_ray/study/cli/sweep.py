@@ -215,7 +215,8 @@ def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
     parser.add_argument("--study-name", help="only this study (default: every study of the dataset)")
     parser.add_argument("--metric", default="best/val/ndcg_at_10", help="validation metric that picks the best trial (default %(default)s)")
     parser.add_argument("--baseline", default="ce", help="loss every method is compared with, per user on the test "
-                        "metric of --metric, seeds pooled, Holm-corrected (default %(default)s)")
+                        "metric of --metric: over seeds and users with a Holm-corrected p where it has >= 2 seeds, "
+                        "users only and no verdict with 1 (default %(default)s)")
     parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown", help="default %(default)s")
     add_tracking_uri_argument(parser)
     parser.add_argument("--no-register", action="store_true", help="do not register/alias the best models")

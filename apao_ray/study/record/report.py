@@ -77,8 +77,8 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
 
     A finished row's test columns are the mean over its seeds (the best trial and its repeats with
     ``--seeds``; one seed: the trial's own values), with ``<metric> std``, ``seeds`` and ``n_seeds``, the
-    paired difference against ``baseline`` on the test metric that matches ``metric`` (seeds pooled,
-    Holm-corrected; None: not computed; labelled ``early learning (not converged)`` when either method had not
+    paired difference against ``baseline`` on the test metric that matches ``metric`` (over seeds and users with
+    a Holm-corrected p, or users only labelled ``1 seed``: ``analysis.stats``; None: not computed; labelled ``early learning (not converged)`` when either method had not
     converged), ``converged`` (``analysis.results.convergence`` of its seeds' validation curves; with
     ``popularity``, the popularity baseline's per-user test NDCG@10, also ``popularity_check``), and the
     ``cost/*`` of every trial of the method summed (peak memory: the largest). A method the plan deferred has a

@@ -3,8 +3,8 @@
 against the baseline, and the cost of every trial of the method summed.
 
 No Ray and no statistics of its own: the seeds are grouped into ``analysis.results.Method`` objects
-and compared by ``analysis.results.compare_methods`` (paired bootstrap CI, Wilcoxon, Holm, seeds
-pooled per user), exactly as ``python -m apao_ray report`` does. Runs are plain records
+and compared by ``analysis.results.compare_methods`` (over seeds and users with >= 2 seeds, users only and no
+verdict with 1; Holm over one family: ``analysis.stats``), exactly as ``python -m apao_ray report`` does. Runs are plain records
 (``analysis.export.trial_record``), so every function here is testable on synthetic rows.
 """
 from __future__ import annotations
@@ -79,13 +79,13 @@ def significance_column(baseline: str, metric: str) -> str:
 
 def significance_cells(methods: list[Method], baseline: str = "ce", metric: str = "ndcg_at_10",
                        num_resamples: int = 10_000) -> dict[tuple[str, str], str]:
-    """Per (backbone, loss): ``+0.0041 [0.0012, 0.0070], p_holm = 0.003`` (method - baseline on the same
-    test users, seeds pooled, Holm over the methods compared), ``baseline`` for the baseline itself, or
-    why there is no comparison."""
+    """Per (backbone, loss): ``Comparison.text()`` of method - baseline on the same test users over its seeds
+    (``+0.0041 [0.0012, 0.0070] over seeds and users (3 seeds), p_holm = 0.003 (...)``, or the one-seed label),
+    ``baseline`` for the baseline itself, or why there is no comparison."""
     cells: dict[tuple[str, str], str] = {(m.backbone, m.loss): "baseline" for m in methods if m.loss == baseline}
     for paired in compare_methods(methods, baseline, (metric,), num_resamples):
         key = (paired.method.backbone, paired.method.loss)
-        cells[key] = paired.pooled.text() if paired.pooled else f"- ({paired.note or 'no paired users'})"
+        cells[key] = paired.over_seeds.text() if paired.over_seeds else f"- ({paired.note or 'no paired users'})"
     for method in methods:
         cells.setdefault((method.backbone, method.loss), f"- (no {baseline} trial to compare with)")
     return cells
