@@ -34,6 +34,9 @@ PLAN_TAG = "apao.plan"  # on a study's parent run: what its plan answers, its bu
 # every report of a trial, one JSON line each, appended across restarts, in its run directory
 REPORTS_FILE = "metrics.jsonl"
 
+# a finished trial's test metrics at the epoch each selection rule keeps: test_by/<rule>/<metric> (training/selection.py)
+TEST_BY = "test_by"
+
 # files of a finished trial's final checkpoint
 PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial
 

@@ -9,6 +9,10 @@ worktree), alternating over ``--repeats`` rounds; medians and the median of per-
     python benchmarks/bench_validation.py --backbones tiger --baseline-rev 51b0c0c
     python benchmarks/bench_validation.py --backbones tiger --profile 12   # which ops take the time
     python benchmarks/bench_validation.py --backbones tiger --profile 12 --baseline-rev 128b81d   # ... at 128b81d
+    python benchmarks/bench_validation.py --backbones tiger --loss apao_pointwise   # + the validation-loss pass
+
+``--loss`` also times the pass a trial adds every epoch for the validation-loss selection rule
+(``training.selection.validation_loss`` of that loss over the same split), beside the beam pass.
 """
 from __future__ import annotations
 
@@ -52,7 +56,22 @@ def measure(args: argparse.Namespace) -> dict:
                                             max_name_column_width=48), file=sys.stderr)
     start = time.perf_counter()
     metrics = evaluate_split(model, dataset, args.split, tensors, train, device, None)
-    return {"seconds": time.perf_counter() - start, "loss_ce": metrics[f"{prefix}/loss_ce"],
+    seconds = time.perf_counter() - start
+    loss_seconds = None
+    if args.loss:
+        from apao_ray.config import DataConfig, LossConfig, TrialConfig
+        from apao_ray.losses import build_loss
+        from apao_ray.training.selection import validation_loss
+        from apao_ray.training.steps import EpochRunner
+
+        config = TrialConfig(DataConfig(dataset=args.dataset, data_dir=args.data_dir), ModelConfig(backbone=args.backbone),
+                             LossConfig(name=args.loss), train)
+        loss_fn = build_loss(config.loss, tensors)
+        start = time.perf_counter()
+        validation_loss(model, loss_fn, EpochRunner(config, dataset, tensors, device), dataset, None,
+                        train.eval_batch_size)
+        loss_seconds = time.perf_counter() - start
+    return {"seconds": seconds, "loss_seconds": loss_seconds, "loss_ce": metrics[f"{prefix}/loss_ce"],
             "ndcg_at_10": metrics[f"{prefix}/ndcg_at_10"], "users": len(dataset.splits[args.split]),
             "code": str(Path(apao_ray.__file__).parents[1])}
 
@@ -71,6 +90,8 @@ def main() -> int:
     parser.add_argument("--profile", type=int, metavar="ROWS",
                         help="profile one pass of the first backbone (this tree's code, or --baseline-rev's) and list "
                              "the top ROWS ops")
+    parser.add_argument("--loss", help="also time the validation-loss pass of this loss (the selection rule every "
+                        "trial records)")
     parser.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "validation.json"))
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -83,7 +104,7 @@ def main() -> int:
     from apao_ray.training.memory import allocator_env
 
     forwarded = ["--data-dir", args.data_dir, "--dataset", args.dataset, "--split", args.split,
-                 "--precision", args.precision, "--threads", str(args.threads)]
+                 "--precision", args.precision, "--threads", str(args.threads), *(["--loss", args.loss] if args.loss else [])]
     env = {**os.environ, **allocator_env(args.allocator)}
 
     def run(tree: Path, backbone: str, extra: list[str] = ()) -> dict:
@@ -127,6 +148,9 @@ def main() -> int:
                 row = {"backbone": backbone, "code": label, "seconds": statistics.median(seconds), "runs": seconds,
                        "users_per_second": measured[0]["users"] / statistics.median(seconds),
                        "loss_ce": measured[0]["loss_ce"], "ndcg_at_10": measured[0]["ndcg_at_10"]}
+                if args.loss:
+                    row["loss_pass_seconds"] = statistics.median(m["loss_seconds"] for m in measured)
+                    row["loss_pass_share"] = row["loss_pass_seconds"] / row["seconds"]
                 if baseline and label == "this tree":
                     old = [m["seconds"] for m in runs[f"@{args.baseline_rev}"]]
                     row["speedup_vs_baseline"] = statistics.median(o / n for o, n in zip(old, seconds))
@@ -141,6 +165,9 @@ def main() -> int:
         ratio = f"{row['speedup_vs_baseline']:.2f}" if "speedup_vs_baseline" in row else "-"
         print(f"{row['backbone']:<9}{row['code']:<16}{row['seconds']:>10.1f}{row['users_per_second']:>9.0f}"
               f"{ratio:>12}  {' / '.join(f'{s:.1f}' for s in row['runs'])}")
+        if "loss_pass_seconds" in row:
+            print(f"  + {args.loss} validation-loss pass: {row['loss_pass_seconds']:.1f} s "
+                  f"({row['loss_pass_share']:.0%} of the beam pass)")
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps({"cpu": cpu_model(), "load_average_at_start": load,
                                                "args": {k: v for k, v in vars(args).items() if k != "one"},

@@ -29,7 +29,7 @@ from .cost import CostMeter
 from .evaluation import evaluate_split, evaluate_split_per_user, select_users, write_per_user
 from .hooks import TrainingHooks
 from .precision import resolve_precision
-from .selection import LOSS, selection_score, validation_loss
+from .selection import LAST, selection_score, per_user_column, selection_rules, test_by_key, validation_loss
 from .steps import EpochRunner
 
 
@@ -155,8 +155,12 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     select_key, rank_key = f"val/{select_by}", f"val/{train_cfg.metric}"
     scoring = decoding_scoring(config)  # how this loss's model is decoded (MSL: valid children only)
 
-    state: dict[str, Any] = {"epoch": 0, "best_value": -math.inf, "best_epoch": 0, "history": [], "stage": stage}
+    # the other selection rules' best epochs (the last epoch needs no tracking), from the main stage's first epoch
+    others = [rule for rule in dict.fromkeys(selection_rules(train_cfg.metric)) if rule not in (select_by, LAST)]
+    state: dict[str, Any] = {"epoch": 0, "best_value": -math.inf, "best_epoch": 0, "history": [], "stage": stage,
+                             "rules": {rule: {"best_value": -math.inf, "best_epoch": ce_epochs} for rule in others}}
     best_weights = copy.deepcopy(_unwrap(model).state_dict())
+    rule_weights: dict[str, Any] = {rule: best_weights for rule in others}
     reference: nn.Module | None = None
     restored = hooks.restore_checkpoint()
     resumed_after = 0  # the epoch this run continued from after an interruption (0: it never was)
@@ -173,8 +177,12 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         scheduler.load_state_dict(saved["scheduler"])
         main_loss.load_state_dict(saved["loss"])
         torch.set_rng_state(saved["torch_rng"])
+        # a checkpoint from before the rules were recorded: they follow from the resumed epoch on
+        rules = saved.get("rules") or {rule: {"best_value": -math.inf, "best_epoch": saved["epoch"]} for rule in others}
+        rule_weights = saved.get("rule_weights") or {rule: copy.deepcopy(saved["model"]) for rule in others}
         state = {k: saved[k] for k in ("epoch", "best_value", "best_epoch", "history")}
-        state.update({"stage": stage, **({"ce_best_epoch": saved["ce_best_epoch"]} if "ce_best_epoch" in saved else {})})
+        state.update({"stage": stage, "rules": rules,
+                      **({"ce_best_epoch": saved["ce_best_epoch"]} if "ce_best_epoch" in saved else {})})
         if reference_weights is not None:
             reference = _frozen_copy(_unwrap(model), reference_weights)
         resumed_after = state["epoch"]
@@ -192,6 +200,8 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
             _broadcast_from_rank0(model)  # only rank 0 knows the best CE epoch
             state["ce_best_epoch"] = state["best_epoch"]
             state["best_value"], state["best_epoch"] = -math.inf, ce_epochs  # patience counts from here
+            state["rules"] = {rule: {"best_value": -math.inf, "best_epoch": ce_epochs} for rule in others}
+            rule_weights = {rule: best_weights for rule in others}
             reference = _frozen_copy(_unwrap(model), _unwrap(model).state_dict()) if main_loss.needs_reference else None
             optimizer, scheduler = stage_optimizer(stage)
         loss_fn = ce_loss if stage == "ce" else main_loss
@@ -212,9 +222,9 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
             with _memory_errors_named(config, "validating", epoch, loss_fn.num_negatives):
                 metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device, valid_users,
                                               scoring))
-                if select_by == LOSS:
-                    metrics["val/loss"] = validation_loss(_unwrap(model), loss_fn, runner, dataset, valid_users,
-                                                          train_cfg.eval_batch_size, reference)
+                # always: the validation-loss rule is recorded whatever the trial selects by
+                metrics["val/loss"] = validation_loss(_unwrap(model), loss_fn, runner, dataset, valid_users,
+                                                      train_cfg.eval_batch_size, reference)
         epoch_seconds = time.perf_counter() - tick
         runner.memory.release()
         epoch_times.append(epoch_seconds)
@@ -222,6 +232,12 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         if hooks.rank == 0 and value > state["best_value"]:
             state["best_value"], state["best_epoch"] = value, epoch
             best_weights = copy.deepcopy(_unwrap(model).state_dict())
+        if hooks.rank == 0 and stage == "main":
+            for rule, kept_rule in state["rules"].items():
+                if selection_score(metrics, rule) > kept_rule["best_value"]:
+                    kept_rule["best_value"], kept_rule["best_epoch"] = selection_score(metrics, rule), epoch
+                    rule_weights[rule] = best_weights if state["best_epoch"] == epoch else \
+                        copy.deepcopy(_unwrap(model).state_dict())
         # only rank 0 validates: every rank must know its best epoch, or early stopping stops the others alone
         state["best_epoch"] = _from_rank0(state["best_epoch"])
         state["epoch"] = epoch
@@ -243,7 +259,7 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                 hooks.new_checkpoint_dir(epoch),
                 {**state, "model": _unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                  "scheduler": scheduler.state_dict(), "loss": main_loss.state_dict(),
-                 "torch_rng": torch.get_rng_state(), "cost": meter.totals()},
+                 "torch_rng": torch.get_rng_state(), "cost": meter.totals(), "rule_weights": rule_weights},
                 best_weights, config.to_dict(),
                 reference.state_dict() if reference is not None else None)
         should_stop = stage == "main" and epoch - state["best_epoch"] >= train_cfg.patience  # the CE stage runs in full
@@ -264,9 +280,22 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
     final.update({"epochs_trained": state["epoch"], "best/epoch": state["best_epoch"], PRECISION_KEY: train_cfg.precision,
                   "perf/total_seconds": time.perf_counter() - started, "done": True})
     if hooks.rank == 0:
+        last_weights = copy.deepcopy(_unwrap(model).state_dict())  # the model's own tensors change below
+        kept = {select_by: (state["best_epoch"], best_weights), LAST: (state["epoch"], last_weights),
+                **{rule: (state["rules"][rule]["best_epoch"], rule_weights[rule]) for rule in others}}
+        tested: dict[int, tuple[dict[str, float], dict[str, Any]]] = {}  # epoch -> its test metrics, per-user table
+        for rule, (rule_epoch, weights) in kept.items():  # the trial's own rule first: the model it keeps
+            if rule_epoch not in tested:
+                _unwrap(model).load_state_dict(weights)
+                tested[rule_epoch] = evaluate_split_per_user(_unwrap(model), dataset, "test", tensors, train_cfg,
+                                                             device, None, scoring)
+            final[test_by_key(rule, "epoch")] = rule_epoch
+            final.update({test_by_key(rule, key): value for key, value in tested[rule_epoch][0].items()})
         _unwrap(model).load_state_dict(best_weights)
-        test_metrics, per_user = evaluate_split_per_user(_unwrap(model), dataset, "test", tensors, train_cfg, device,
-                                                         None, scoring)
+        test_metrics, per_user = tested[state["best_epoch"]]
+        per_user = {**per_user, **{per_user_column(rule, column): tested[rule_epoch][1][column]
+                                   for rule, (rule_epoch, _) in kept.items()
+                                   for column in per_user if column.startswith(("recall_at_", "ndcg_at_"))}}
         final.update(test_metrics)
         final.update(meter.stop())  # the test pass included
         final_dir = hooks.new_checkpoint_dir(state["epoch"])

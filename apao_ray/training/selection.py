@@ -1,6 +1,10 @@
 """Which epoch a trial keeps (``protocol.select_by``): a validation metric, or the lowest
 validation loss as the released code's HF Trainer keeps (``metric_for_best_model`` = loss).
 
+Every trial also follows the other selection rules (:func:`selection_rules`: the validation metric, the
+validation loss, the last epoch) and tests each rule's epoch once at the end, so one run says whether a
+comparison depends on how the epoch is chosen, everything else equal (``test_by/<rule>/<metric>``).
+
 The validation loss here is the training objective of the epoch's loss (CE: mean token CE;
 APAO: CE + beta * weighted prefix loss) averaged over the validation split, weighted by batch
 size. The released code reads it from its last evaluation batch only; the mean is steadier.
@@ -16,9 +20,32 @@ from torch import nn
 from ..data import Dataset, iter_batches
 from ..losses.base import LossInputs
 from ..models.base import label_log_probs
+from ..names import TEST_BY
 from .precision import autocast
 
 LOSS = "loss"
+LAST = "last"  # the rule that keeps the last epoch trained
+
+
+def selection_rules(metric: str) -> tuple[str, ...]:
+    """The rules every trial records: its validation ``metric`` (the trial's --metric), the validation loss, the
+    last epoch; each names what it keeps, as ``protocol.select_by`` does."""
+    return (metric, LOSS, LAST)
+
+
+def rule_name(rule: str) -> str:
+    """``val_ndcg_at_10``, ``val_loss``, ``last``: a rule as metric names and per-user columns spell it."""
+    return rule if rule == LAST else f"val_{rule}"
+
+
+def test_by_key(rule: str, metric: str) -> str:
+    """``test_by/val_loss/ndcg_at_10``: a test metric (``test/`` or not) at the epoch ``rule`` keeps."""
+    return f"{TEST_BY}/{rule_name(rule)}/{metric.removeprefix('test/')}"
+
+
+def per_user_column(rule: str, metric: str) -> str:
+    """``ndcg_at_10_by_val_loss``: a per-user test column at the epoch ``rule`` keeps."""
+    return f"{metric}_by_{rule_name(rule)}"
 
 
 def selection_score(metrics: dict[str, Any], select_by: str) -> float:

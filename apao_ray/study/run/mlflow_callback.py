@@ -12,7 +12,7 @@ from ray import tune
 
 from ...config import TrialConfig
 from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, REPEATS_TAG, RESUMED_HISTORY_KEY,
-                     SEED_TAG, WORKER_NODE_KEY, remove_scratch, train_run_name)
+                     SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ...tracking import Tracker
 from . import interrupt
 from ..record import plots
@@ -122,7 +122,8 @@ class MlflowStudyCallback(tune.Callback):
             self._backfill(run_id, result[RESUMED_HISTORY_KEY])
         metrics = {k: v for k, v in result.items() if "/" in k and not k.startswith("config/")}
         if is_final_report(result):  # it repeats the last epoch's values: log only what is new
-            metrics = {k: v for k, v in metrics.items() if k.startswith(("test/", "cost/")) or k == "perf/total_seconds"}
+            metrics = {k: v for k, v in metrics.items()
+                       if k.startswith(("test/", f"{TEST_BY}/", "cost/")) or k == "perf/total_seconds"}
             if result.get(ENERGY_METHOD_KEY):
                 self.tracker.set_tags(run_id, {ENERGY_TAG: result[ENERGY_METHOD_KEY]})
         step = int(result.get("epoch", result.get("training_iteration", 0)))

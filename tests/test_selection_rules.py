@@ -1,0 +1,52 @@
+"""Every trial records the test metrics at the epoch each selection rule keeps (issue #47 item 2): its own rule
+(the model it keeps), the other of validation NDCG@10 / validation loss, and the last epoch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from apao_ray.analysis.per_user import read_per_user
+from apao_ray.models import build_model
+from apao_ray.names import PER_USER_FILE
+from apao_ray.protocol import decoding_scoring
+from apao_ray.training.checkpoint import load_checkpoint
+from apao_ray.training.evaluation import evaluate_split
+from apao_ray.training.hooks import TrainingHooks
+from apao_ray.training.loop import run_trial
+from apao_ray.training.precision import resolve_precision
+from apao_ray.training.selection import per_user_column
+from apao_ray.training.selection import test_by_key as by_key  # not collected as a test
+from test_protocol import short, tiny_config  # noqa: F401  (short: a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+RULE_METRICS = ("recall_at_10", "ndcg_at_10", "recall_at_20", "ndcg_at_20")
+
+
+@pytest.mark.parametrize("protocol", ["paper", "reference"])
+def test_each_rule_tests_the_weights_of_the_epoch_it_keeps(short, tmp_path, protocol):  # noqa: F811
+    epochs = 5
+    config = tiny_config(protocol, lr=2e-2, epochs=epochs, patience=epochs)
+    hooks = TrainingHooks(tmp_path, keep_checkpoints=epochs + 1, verbose=False)
+    final = run_trial(config, hooks, short)
+    reports = [r for r in hooks.reports if not r.get("done")]
+    expected = {"ndcg_at_10": int(np.argmax([r["val/ndcg_at_10"] for r in reports])) + 1,
+                "loss": int(np.argmin([r["val/loss"] for r in reports])) + 1, "last": epochs}
+    assert {rule: final[by_key(rule, "epoch")] for rule in expected} == expected
+    own = "loss" if protocol == "reference" else "ndcg_at_10"
+    assert final["best/epoch"] == expected[own]
+    assert {k: final[by_key(own, k)] for k in RULE_METRICS} == {k: final[f"test/{k}"] for k in RULE_METRICS}
+    assert len(set(expected.values())) >= 2, "every rule kept one epoch: pick a run where they differ"
+
+    resolved = config.replace(train=config.train.replace(precision=resolve_precision(config.train.precision,
+                                                                                      torch.device("cpu"))))
+    model = build_model(resolved.model, short.catalog.vocab_size, short.catalog.num_levels)
+    table = read_per_user(next((tmp_path / "checkpoints").glob("*_final")) / PER_USER_FILE)
+    for rule, epoch in expected.items():
+        state, _, _ = load_checkpoint(tmp_path / "checkpoints" / f"epoch_{epoch:04d}")
+        model.load_state_dict(state["model"])  # the weights after that epoch: what the rule keeps
+        again = evaluate_split(model, short, "test", short.catalog.tensors(), resolved.train, torch.device("cpu"),
+                               None, decoding_scoring(resolved))
+        for metric in RULE_METRICS:
+            assert final[by_key(rule, metric)] == pytest.approx(again[f"test/{metric}"], abs=1e-9), (rule, metric)
+            assert table[per_user_column(rule, metric)].mean() == pytest.approx(again[f"test/{metric}"], abs=1e-6)
