@@ -399,6 +399,10 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
 
     children = {run.info.run_id: run for run in Tracker(result.tracking_uri, "apao-synthetic").child_runs()}
     table = result.table.set_index("loss")
+    for run in children.values():  # every selection rule's test metrics reach MLflow (the trial's own = test/*)
+        assert {f"test_by/{rule}/{key}" for rule in ("val_ndcg_at_10", "val_loss", "last")
+                for key in ("epoch", "ndcg_at_10")} <= set(run.data.metrics), sorted(run.data.metrics)
+        assert run.data.metrics["test_by/val_ndcg_at_10/ndcg_at_10"] == run.data.metrics["test/ndcg_at_10"]
     repeats = [run for run in children.values() if "apao.repeats" in run.data.tags]
     # one repeat per method, on seed 1, of the run the table shows, with that run's knobs, in the same parent
     assert sorted(run.data.tags["apao.repeats"] for run in repeats) == sorted(table["run_id"])
@@ -417,6 +421,11 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
         assert row["test/ndcg_at_10 std"] == pytest.approx(abs(values[0] - values[1]) / 2 ** 0.5)
         assert row["cost/wall_seconds"] > 0 and row["cost/cpu_seconds"] > 0 and row["cost/peak_rss_mb"] > 0
     assert table.loc["ce", "vs ce test/ndcg_at_10"] == "baseline"
+    # the same answer on the study's page in the MLflow UI: its best runs, their intervals, what they cover
+    note = Tracker(result.tracking_uri, "apao-synthetic").client.get_run(result.parent_run_id).data.tags[
+        "mlflow.note.content"]
+    assert all(run_id in note for run_id in table["run_id"]) and "over seeds and users (2 seeds)" in note
+    assert "training randomness" in note
     # one epoch each: no slope to read, so the figure is one of early learning and says so
     assert table.loc["apao_pointwise", "converged"] == "not converged: 1 validation epoch"
     assert re.fullmatch(r"early learning \(not converged\): [+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\] over seeds "

@@ -60,3 +60,15 @@ def test_best_prints_uris_registers_once_per_run_and_names_its_seeds(synthetic, 
     assert tracker.client.get_model_version_by_alias(NAME, "best").run_id == better
     header, row = out.splitlines()[:2]
     assert dict(zip(header.split(","), row.split(",")))["n_seeds"] == "1"
+
+    # a tie on the selection metric goes to the trial that started first, on every surface (issue #47 item 7)
+    tied = _trial(tracker, parent, checkpoint, example, 0.5, seed=7)
+    out, err = _best(tracker.tracking_uri, capsys, "--format", "json")
+    assert json.loads(out)[0]["run_id"] == better != tied and f"models:/{NAME}@best: version 2 unchanged" in err, err
+    from apao_ray.analysis.export import trial_record
+    from apao_ray.analysis.results import finished_trials
+    from apao_ray.study.record.seeds import RunSource
+
+    records = [trial_record(run) for run in tracker.child_runs()]
+    for order in (records, records[::-1]):  # whatever order the runs are listed in
+        assert [t.run_id for t in finished_trials([RunSource("s", order)])] == [better]

@@ -145,3 +145,13 @@ def test_repeat_configs_read_back_as_the_searched_choices_and_tag_their_seed_and
     assert seed_tags(configs[3], repeat.train.seed) == {"apao.seed": "2", "apao.repeats": "b"}
     search = {"backbone": "tiger", "loss": "ce"}
     assert trial_config(base, search).train.seed == 0 and seed_tags(search, 0) == {"apao.seed": "0"}
+
+
+def test_the_best_trial_rule_breaks_ties_by_start_time_and_skips_trials_without_a_value():
+    from apao_ray.analysis.results import best_of
+
+    trials = [("late", 0.5, 30), ("early", 0.5, 10), ("worse", 0.4, 0), ("untested", None, 5)]
+    for order in (trials, trials[::-1]):
+        assert best_of(order, lambda t: t[1], lambda t: t[2])[0] == "early"
+    assert best_of([("untested", None, 5)], lambda t: t[1], lambda t: t[2]) is None
+    assert best_of([], lambda t: t[1], lambda t: t[2]) is None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable, Iterable, TypeVar
 
 import numpy as np
 import pandas as pd
@@ -22,6 +22,7 @@ from .per_user import PER_USER_METRICS
 from .stats import Comparison, paired_comparison, seeds_comparison, seeds_for_verdict, with_holm
 
 SELECTION_METRIC = "best/val/ndcg_at_10"
+T = TypeVar("T")
 KNOBS = (("beta", "b"), ("eta", "eta"), ("num_negatives", "N"))
 TEST_METRICS = tuple(f"test/{name}" for name in PER_USER_METRICS)
 TRIAL_CHOICES = ("best", "all")
@@ -174,6 +175,14 @@ class Method:
         return table1(self.dataset, self.backbone, self.loss)
 
 
+def best_of(candidates: Iterable[T], value: Callable[[T], float | None], started: Callable[[T], float]) -> T | None:
+    """The candidate with the highest validation ``value`` (None: not a candidate); a tie goes to the one that
+    started first (a tuned method's enqueued paper setting before the searcher's draws). The one rule by which
+    ``sweep``'s table, ``best``, the registered model, ``report`` and the grid name a method's best trial."""
+    ranked = [(v, -started(c), i, c) for i, c in enumerate(candidates) if (v := value(c)) is not None]
+    return max(ranked, key=lambda entry: entry[:3])[3] if ranked else None
+
+
 def finished_trials(exports: list[StudyExport], which: str = "best") -> list[Trial]:
     """Finished, tested trials; with ``best`` only the best by validation NDCG@10 per (study, backbone, loss)."""
     if which not in TRIAL_CHOICES:
@@ -182,15 +191,13 @@ def finished_trials(exports: list[StudyExport], which: str = "best") -> list[Tri
               if record["status"] == "FINISHED" and "test/ndcg_at_10" in record["metrics"]]
     if which == "all":
         return trials
-    best: dict[tuple[str, str, str], Trial] = {}
-    for trial in trials:
-        if REPEATS_TAG in trial.tags:  # a repeat on another seed is not a candidate: its configuration's trial is
-            continue
-        key = (trial.export.name, trial.backbone, trial.loss)
-        value = trial.metrics.get(SELECTION_METRIC, -math.inf)
-        if key not in best or value > best[key].metrics.get(SELECTION_METRIC, -math.inf):
-            best[key] = trial
-    return with_repeats(list(best.values()), trials)
+    groups: dict[tuple[str, str, str], list[Trial]] = {}
+    for trial in trials:  # a repeat on another seed is not a candidate: its configuration's trial is
+        if REPEATS_TAG not in trial.tags:
+            groups.setdefault((trial.export.name, trial.backbone, trial.loss), []).append(trial)
+    best = [best_of(group, lambda t: t.metrics.get(SELECTION_METRIC, -math.inf),
+                    lambda t: t.record.get("start_time") or 0) for group in groups.values()]
+    return with_repeats(best, trials)
 
 
 def with_repeats(chosen: list[Trial], trials: list[Trial]) -> list[Trial]:

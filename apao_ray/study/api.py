@@ -99,7 +99,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
 
     from ..analysis.results import popularity_ndcg
     from ..tracking import Tracker, experiment_name
-    from .record.report import table_rows
+    from .record.report import DESCRIPTION_TAG, study_description, table_rows
     from .run.driver import Study, StudyOutcome, check_same_schedule, invocation, study_state_exists
     from .run.driver import run_study as run_planned
 
@@ -119,6 +119,8 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(setup.tracking_uri, experiment_name(setup.base.data.dataset))
     rows = table_rows(tracker, study=setup.study_name, popularity=popularity_ndcg(dataset.splits))
+    if outcome.parent_run_id and rows:  # the answer on the study's page in the MLflow UI
+        tracker.set_tags(outcome.parent_run_id, {DESCRIPTION_TAG: study_description(setup.study_name, rows)})
     record_rates(spec, setup, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
               for row in rows}

@@ -6,7 +6,7 @@ import io
 import json
 from typing import Any
 
-from ...analysis.results import EARLY_LEARNING, is_early_learning, popularity_check
+from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check
 from ...names import PLAN_TAG, REPEATS_TAG
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
@@ -23,16 +23,13 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
     """For each (backbone, loss): the finished search trial (not a repeat on another seed) with the
     highest *validation* metric."""
     query = "attributes.status = 'FINISHED'" + (f" and tags.`apao.study` = '{study}'" if study else "")
-    best: dict[tuple[str, str], Any] = {}
+    groups: dict[tuple[str, str], list[Any]] = {}
     for run in tracker.child_runs(filter_string=query):
-        if REPEATS_TAG in run.data.tags:
-            continue
-        key = (run.data.tags.get("backbone", "?"), run.data.tags.get("loss", "?"))
-        value = run.data.metrics.get(metric)
-        if value is None or "test/ndcg_at_10" not in run.data.metrics:
-            continue
-        if key not in best or value > best[key].data.metrics[metric]:
-            best[key] = run
+        if REPEATS_TAG not in run.data.tags and "test/ndcg_at_10" in run.data.metrics:
+            groups.setdefault((run.data.tags.get("backbone", "?"), run.data.tags.get("loss", "?")), []).append(run)
+    best = {key: best_of(runs, lambda r: r.data.metrics.get(metric), lambda r: r.info.start_time or 0)
+            for key, runs in groups.items()}
+    best = {key: run for key, run in best.items() if run is not None}
     rows = []
     for (backbone, loss), run in sorted(best.items()):
         row: dict[str, Any] = {"backbone": backbone, "loss": loss}
@@ -52,6 +49,25 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
 def _schedule(params: dict[str, str]) -> str:
     epochs, patience = params.get("base.train.epochs"), params.get("base.train.patience")
     return schedule_label(int(epochs), int(patience)) if epochs and patience else "unknown"
+
+
+# MLflow keeps a tag value of up to 8,000 characters; the description is the run's page's first text
+DESCRIPTION_TAG, DESCRIPTION_LIMIT = "mlflow.note.content", 8000
+
+
+def study_description(study: str, rows: list[dict[str, Any]]) -> str:
+    """The study's answer as the MLflow UI shows it on the parent run's page (its description): the table
+    ``sweep`` and ``best`` print (the same best trial, verdicts and intervals), what the intervals cover, and
+    whether the test columns compare with paper Table 1."""
+    from ...analysis.stats import INTERVALS_NOTE
+
+    tail = f"\n\n{paper_comparability(rows)}\n\n{INTERVALS_NOTE}"
+    table = format_rows(rows, "markdown")
+    text = f"**{study}**: best trial per (backbone, loss) by validation\n\n{table}{tail}"
+    if len(text) > DESCRIPTION_LIMIT:
+        cut = f"\n\n(table cut: `python -m apao_ray best --study-name {study}` prints it whole)"
+        text = text[:DESCRIPTION_LIMIT - len(tail) - len(cut)].rsplit("\n", 1)[0] + cut + tail
+    return text
 
 
 def paper_comparability(rows: list[dict[str, Any]]) -> str:
@@ -139,9 +155,8 @@ def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list
         runs = [run for run in children if (run.data.tags.get("backbone"), run.data.tags.get("loss")) == (backbone, loss)]
         status = deferred[(backbone, loss)] if not runs and (backbone, loss) in deferred else why_none_finished(runs)
         row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": status}
-        scored = [run for run in runs if run.data.metrics.get(metric) is not None]
-        if scored:
-            run = max(scored, key=lambda r: r.data.metrics[metric])
+        run = best_of(runs, lambda r: r.data.metrics.get(metric), lambda r: r.info.start_time or 0)
+        if run is not None:
             row.update({k: _number(run.data.params.get(k)) for k in knob_names()})
             row[metric] = run.data.metrics[metric]
             row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
