@@ -141,6 +141,27 @@ def test_a_one_seed_comparison_has_no_verdict_and_says_the_seeds_its_cell_needs(
     assert 10 < needed < 40
 
 
+def test_the_report_reads_the_convergence_verdict_its_study_recorded(tmp_path):
+    """A study's end records each best trial's verdict with the popularity check (which needs the dataset); the
+    report, from the export alone, says the same verdict and labels the comparison, where its curves alone would
+    say converged."""
+    from apao_ray.names import CONVERGED_TAG
+
+    verdict = "not converged: test ndcg_at_10 0.0060 within noise of popularity's 0.0055"
+    directory = _fabricate(tmp_path / "exports", 0, 0.02)
+    study = json.loads((directory / "study.json").read_text())
+    study["trials"][0]["tags"][CONVERGED_TAG] = verdict  # CE's
+    (directory / "study.json").write_text(json.dumps(study))
+    report = build_report([load_export(directory)], tmp_path / "out", num_resamples=200).read_text()
+    ce = next(line for line in _section(report, "Test metrics") if "| ce |" in line)
+    assert ce.endswith(f"| {verdict} |"), ce
+    paired = [line for line in _section(report, "Paired differences") if " - ce |" in line]
+    assert len(paired) == 4 and all("early learning (not converged): " in line for line in paired)
+    untagged = build_report([load_export(_fabricate(tmp_path / "plain", 0, 0.02))], tmp_path / "out2",
+                            num_resamples=200).read_text()
+    assert "early learning" not in "\n".join(_section(untagged, "Paired differences"))
+
+
 def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
     for seed in (0, 1):
         _fabricate(tmp_path / "results", seed, effect=0.01)

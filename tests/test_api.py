@@ -426,6 +426,9 @@ def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread
         "mlflow.note.content"]
     assert all(run_id in note for run_id in table["run_id"]) and "over seeds and users (2 seeds)" in note
     assert "training randomness" in note
+    fresh = {run.info.run_id: run for run in Tracker(result.tracking_uri, "apao-synthetic").child_runs()}
+    for loss, row in table.iterrows():  # the verdict best and report read back, as the study computed it
+        assert fresh[row["run_id"]].data.tags["apao.converged"] == row["converged"]
     # one epoch each: no slope to read, so the figure is one of early learning and says so
     assert table.loc["apao_pointwise", "converged"] == "not converged: 1 validation epoch"
     assert re.fullmatch(r"early learning \(not converged\): [+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\] over seeds "

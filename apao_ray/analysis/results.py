@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import numpy as np
 import pandas as pd
 
-from ..names import REPEATS_TAG
+from ..names import CONVERGED_TAG, REPEATS_TAG
 from .export import StudyExport
 from .paper import table1
 from .per_user import PER_USER_METRICS
@@ -166,8 +166,10 @@ class Method:
 
     @property
     def convergence(self) -> str:
-        """Over its seeds: the first ``not converged`` of its trials' validation curves, else ``converged``."""
-        statuses = [convergence(list(trial.history(VALIDATION_CURVE).sort_index())) for trial in self.trials]
+        """Over its seeds: the first ``not converged`` of the verdicts its study's end recorded (``CONVERGED_TAG``,
+        which also compared it with popularity) and of its trials' validation curves, else ``converged``."""
+        recorded = [trial.tags[CONVERGED_TAG] for trial in self.trials if trial.tags.get(CONVERGED_TAG)]
+        statuses = recorded + [convergence(list(trial.history(VALIDATION_CURVE).sort_index())) for trial in self.trials]
         return next((s for s in statuses if s != "converged"), "converged")
 
     @property

@@ -99,6 +99,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
 
     from ..analysis.results import popularity_ndcg
     from ..tracking import Tracker, experiment_name
+    from ..names import CONVERGED_TAG
     from .record.report import DESCRIPTION_TAG, study_description, table_rows
     from .run.driver import Study, StudyOutcome, check_same_schedule, invocation, study_state_exists
     from .run.driver import run_study as run_planned
@@ -119,6 +120,9 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(setup.tracking_uri, experiment_name(setup.base.data.dataset))
     rows = table_rows(tracker, study=setup.study_name, popularity=popularity_ndcg(dataset.splits))
+    for row in rows:  # the verdict computed here with the dataset, for best and report to read
+        if row.get("run_id") and row.get("converged"):
+            tracker.set_tags(row["run_id"], {CONVERGED_TAG: row["converged"]})
     if outcome.parent_run_id and rows:  # the answer on the study's page in the MLflow UI
         tracker.set_tags(outcome.parent_run_id, {DESCRIPTION_TAG: study_description(setup.study_name, rows)})
     record_rates(spec, setup, plan, outcome.rows)
