@@ -20,10 +20,10 @@ PRECISIONS = ("auto", "fp32", "bf16")  # resolved per device by training.precisi
 WEIGHTING_MODES = ("mirror", "per_batch", "uniform", "exp_decay", "hard_max")
 PROTOCOL_NAMES = ("paper", "reference")  # see apao_ray/protocol.py and docs/PROTOCOLS.md
 # the fastest micro-batch at effective batch 1024 (benchmarks/RESULTS.md): 128 on 2 CPUs (1.08x 256),
-# 1024 on one H200 (5.6x 128, session 19); gradient accumulation keeps the optimizer step the same
+# 1024 on one H200 (5.6x 128, 2026-11-26); gradient accumulation keeps the optimizer step the same
 MICRO_BATCH_CPU, MICRO_BATCH_GPU = 128, 1024
 # evaluation (beam search) batches: 256 on a CPU keeps a worker's peak memory low; on one H200 1024 decoded
-# 3.0x (TIGER) and 4.0x (Llama) the users/s of 256 (session 19)
+# 3.0x (TIGER) and 4.0x (Llama) the users/s of 256 (2026-11-26)
 EVAL_BATCH_CPU, EVAL_BATCH_GPU = 256, 1024
 
 

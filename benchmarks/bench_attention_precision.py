@@ -4,7 +4,7 @@ T5 (TIGER) does not scale its attention scores, so their spread is not bounded n
 cross-attention shape (20 queries over 81 keys) and a training decoder's (5 queries over 81 keys), with
 q scaled so that the scores' standard deviation is ``spread``, prints the largest absolute error against
 float64 (from the same bf16 inputs) of: SDPA in bf16, all in float32 between bf16 input and output, scores
-rounded to bf16 (session 14's evaluation path), and ``models/dropout.attention`` as it is (evaluation).
+rounded to bf16 (the evaluation path of 6375eef, 2026-11-25), and ``models/dropout.attention`` as it is (evaluation).
 
     python benchmarks/bench_attention_precision.py
 """

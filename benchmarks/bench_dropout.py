@@ -1,6 +1,6 @@
 """TIGER's dropout (``apao_ray.models.dropout.Dropout``) against ``torch.nn.functional.dropout`` and
-against session 10's form of it (the same draws kept as a bool mask, applied by ``torch.where``) on bf16
-activations, forward and forward + backward (RESULTS.md, sessions 10 and 26). Rounds alternate the order;
+against its 2026-11-25 form (the same draws kept as a bool mask, applied by ``torch.where``) on bf16
+activations, forward and forward + backward (RESULTS.md, 2026-11-25 and 2026-11-27). Rounds alternate the order;
 medians are printed and written as JSON:
 
     .venv/bin/python benchmarks/bench_dropout.py --rounds 5
@@ -21,7 +21,7 @@ from apao_ray.hardware import cpu_model
 
 
 class _BoolMaskDropout(torch.autograd.Function):
-    """Session 10's dropout: a bool mask of the same draws, ``where`` forward and backward."""
+    """The 2026-11-25 dropout: a bool mask of the same draws, ``where`` forward and backward."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, p: float) -> torch.Tensor:

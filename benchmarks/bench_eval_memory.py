@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--retention-users", type=int, default=128, help="full-sort users (default %(default)s)")
     parser.add_argument("--max-logit-elements", type=int, default=full_sort.MAX_LOGIT_ELEMENTS,
                         help="the full sort's chunk bound, logits per chunk (default %(default)s; 67108864 before "
-                             "session 17)")
+                             "2026-11-26)")
     parser.add_argument("--json-out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     full_sort.MAX_LOGIT_ELEMENTS = args.max_logit_elements

@@ -1,7 +1,7 @@
-"""``label_log_probs`` forward + backward on bf16 logits against the plain formula (RESULTS.md, session 7).
+"""``label_log_probs`` forward + backward on bf16 logits against the plain formula (RESULTS.md, 2026-11-24).
 
 The plain formula (``logits.float()``, gather, ``logsumexp``, autograd) is what the training step
-did before session 7; the library's version upcasts chunks of rows and saves only the bf16 logits
+did before 2026-11-24; the library's version upcasts chunks of rows and saves only the bf16 logits
 and one normaliser per row. Rounds alternate the two; medians are printed and written as JSON:
 
     .venv/bin/python benchmarks/bench_label_log_probs.py --rounds 3

@@ -1,4 +1,4 @@
-"""How fast the plan's probe trains, by its length and by the thread it runs in (RESULTS.md, session 6).
+"""How fast the plan's probe trains, by its length and by the thread it runs in (RESULTS.md, 2026-11-23, night).
 
 Runs ``apao_ray.study.plan.probe.run_probe`` (the plan's own probe code) on Office, TIGER, CE at the sweep's
 defaults, in this process's main thread or in a ``threading.Thread`` as Ray Train runs a trial's loop,

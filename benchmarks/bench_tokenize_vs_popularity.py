@@ -1,6 +1,6 @@
 """#14: Office as an interactions CSV + item texts, indexed by the paper's file or by `python -m apao_ray tokenize`
 (optionally --disambiguate), trained with the tests' tiny TIGER; validation Recall@10 per epoch on all users next
-to the popularity baseline (benchmarks/RESULTS.md, session 5). Reuses the tests' Office-as-a-table builder.
+to the popularity baseline (benchmarks/RESULTS.md, 2026-11-23, evening). Reuses the tests' Office-as-a-table builder.
 
     APAO_DATA_DIR=../shared/datasets .venv/bin/python benchmarks/bench_tokenize_vs_popularity.py BATCH LR EPOCHS paper,tokenized,disamb
 """

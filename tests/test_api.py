@@ -92,7 +92,7 @@ def test_cpus_per_trial_defaults_to_this_machines_cpus_shared_by_the_trials_at_o
 
 
 def test_the_micro_batch_defaults_to_the_fastest_for_the_trials_device_and_a_given_one_wins(isolated):
-    """128 on CPU, 1024 with a GPU (benchmarks/RESULTS.md, session 19); the optimizer step stays 1024 either way.
+    """128 on CPU, 1024 with a GPU (benchmarks/RESULTS.md, 2026-11-26); the optimizer step stays 1024 either way.
     The evaluation batch likewise: 256 on CPU, 1024 with a GPU."""
     from apao_ray import StudySpec, prepare
     from apao_ray.config import TrainConfig

@@ -122,10 +122,10 @@ def test_office_tokenized_from_texts_trains_beyond_popularity(tmp_path):
 
     # 3 epochs at batch 64: with 2 (cosine over 2) neither these IDs nor the paper's own index got past
     # popularity (validation Recall@10 on all users: ours 0.0098 vs 0.0143, the paper's 0.0075 vs 0.0077);
-    # with 3 ours reached 0.0096 / 0.0312 / 0.0340 (benchmarks/RESULTS.md, session 5). On a fixed 20,000 of the
+    # with 3 ours reached 0.0096 / 0.0312 / 0.0340 (benchmarks/RESULTS.md, 2026-11-23). On a fixed 20,000 of the
     # 38,543 training samples (half the time) 3 epochs still do, on 1,500 users: 0.0213 vs popularity 0.0147
     # (seed 0, 1 thread as in an xdist worker), 0.0273 vs 0.0187 (seed 1), 0.0173 vs 0.0113 (seed 0, 2 threads:
-    # k-means' codes differ with the threads); on 12,000 not (0.0087 vs 0.0147). Session 19, Intel Xeon (AMX).
+    # k-means' codes differ with the threads); on 12,000 not (0.0087 vs 0.0147). 2026-11-26, Intel Xeon (AMX).
     config = TrialConfig(DataConfig(dataset=str(directory)), ModelConfig(backbone="tiger", **TINY_MODEL),
                          LossConfig(name="ce"), TrainConfig(epochs=3, batch_size=64, effective_batch_size=64,
                                                             lr=3e-3, patience=3, precision="fp32",

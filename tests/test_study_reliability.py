@@ -307,7 +307,7 @@ def test_ray_dashboard_port_is_free_and_outside_the_range_the_os_hands_out(tmp_p
 def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path):
     """SIGKILL the process training a study's trial after its epoch-2 checkpoint: Tune retries the trial
     (--max-failures 1), which continues from that checkpoint in the same child run."""
-    # smoke epochs take ~1 s: with 4 the trial had once finished before the kill landed (CI, session 19), so
+    # smoke epochs take ~1 s: with 4 the trial had once finished before the kill landed (CI, 2026-11-26), so
     # there are 10, and the kill comes with ~8 s of training still to go
     epochs = 10
     uri = mlflow_sqlite(tmp_path)

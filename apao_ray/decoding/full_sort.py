@@ -14,7 +14,7 @@ from .scoring import VOCABULARY_SCORING, StepScoring
 
 # default bound on the elements of one chunk's (B, C, T, V) logits (64 MiB in fp32). At 1 << 26 the test
 # pass's full sort (128 users) was a trial's peak: 1.55 GiB resident vs 0.76 GiB now, in the same time
-# (benchmarks/bench_eval_memory.py --max-logit-elements N, RESULTS.md session 17)
+# (benchmarks/bench_eval_memory.py --max-logit-elements N, RESULTS.md 2026-11-26)
 MAX_LOGIT_ELEMENTS = 1 << 24
 
 

@@ -2,13 +2,13 @@
 
 ``torch.nn.functional.dropout`` on a CPU draws one Bernoulli variable per element through a slow
 generic path: in a bf16 TIGER pairwise training step it took a sixth of the time (benchmarks/RESULTS.md,
-session 10). :class:`Dropout` draws one 64-bit random word per four elements instead and compares each
+2026-11-25). :class:`Dropout` draws one 64-bit random word per four elements instead and compares each
 16-bit quarter of it with a threshold: the same inverted dropout (each element kept with probability
 ``1 - p``, independently, kept ones scaled by ``1 / (1 - p)``), with ``p`` rounded to a multiple of
 2^-16 (0.1 -> 0.100006), from the same seeded torch generator, 2-3x faster forward
 (``benchmarks/bench_dropout.py``). The mask is kept as 1.0 / 0.0 in the input's dtype, made by int16
 arithmetic (:func:`keep_mask`), so forward and backward are plain multiplies: a bool mask's
-``torch.where`` is not vectorised on a CPU and took 15% of a bf16 TIGER CE step (RESULTS.md, session 26).
+``torch.where`` is not vectorised on a CPU and took 15% of a bf16 TIGER CE step (RESULTS.md, 2026-11-27).
 On other devices (CUDA's dropout is a fused kernel already) and
 outside training it is ``F.dropout``.
 """
@@ -160,7 +160,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     ``bernoulli_`` (10% of a TIGER pairwise decoder step): there the same unfused attention is computed
     here with :func:`dropout` on the probabilities. In bf16 on a CPU, the unfused products too: in
     evaluation faster than SDPA's kernel for these small problems, in training its flash kernel's bf16
-    backward took 4x its float32 one (Llama's history pass: 47% of a CE step; session 26); elsewhere SDPA.
+    backward took 4x its float32 one (Llama's history pass: 47% of a CE step; 2026-11-27); elsewhere SDPA.
     Every query row must see at least one key (SDPA would give a fully masked row zeros, this NaN).
     """
     if q.device.type != "cpu":
@@ -170,8 +170,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     # Unfused. In bf16 evaluation too: SDPA's fused CPU kernel pays a fixed cost per (row, head), on a
     # beam's decoder steps (one query per beam over <= 5 cached keys, 20 over the history) 2-4x the work
-    # itself (RESULTS.md, session 14). The scores, softmax and dropout in at least float32 (T5 does not scale
-    # its scores: rounded to bf16 they were 6-15x SDPA's error at spreads 4-16, session 15; dropout in bf16
+    # itself (RESULTS.md, 2026-11-25). The scores, softmax and dropout in at least float32 (T5 does not scale
+    # its scores: rounded to bf16 they were 6-15x SDPA's error at spreads 4-16, 2026-11-25; dropout in bf16
     # rounds the probabilities twice, 2.7x the error), the product with v in v's dtype: in bf16 no float32
     # copy of the padded cross-attention values (or, in training, of their gradients).
     # tests/test_models.py bounds the error against float64.

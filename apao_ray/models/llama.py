@@ -164,7 +164,7 @@ class LlamaBackbone(Backbone):
         cos, sin = (t[:, None, None] for t in self.rotary(positions))           # (B, 1, 1, t, dh)
         x = self.embedding(prefix)                                              # (B, C, t, d)
         # row groups where a row has many candidates (the pairwise loss: 1.11x a step); CE's 4 queries per row
-        # make scores too small for the groups' extra ops to pay (0.97x, RESULTS.md session 27)
+        # make scores too small for the groups' extra ops to pay (0.97x, RESULTS.md 2026-11-27)
         groups = context.row_groups if num_candidates > 1 else None
         for block, keys, values in zip(self.blocks, context.keys, context.values):
             x = x + block.attn.decode(block.attn_norm(x), cos, sin, keys, values, context.key_mask, groups)

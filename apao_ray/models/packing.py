@@ -30,7 +30,7 @@ CPU_BUCKET_ROWS = 32
 # op and shape, up to 1024, and every random batch's own token count filled that cache with ~0.5 GiB
 # of primitives never used again. Rounded (<= 3% more token-wise work at micro-batch 128), Office TIGER
 # CE bf16 at 1 thread: peak RSS 1.95 -> 1.27 GiB, an epoch 0.97x the time. In fp32 (no such cache)
-# rounding gave nothing (epoch 1.01x at 256, same memory), so it is not done (RESULTS.md session 17).
+# rounding gave nothing (epoch 1.01x at 256, same memory), so it is not done (RESULTS.md, 2026-11-26).
 CPU_TOKEN_MULTIPLE = 128
 
 

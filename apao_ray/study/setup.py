@@ -117,7 +117,7 @@ def local_cpus_per_trial(num_trials: int, max_concurrent: int | None, workers_pe
     """This machine's CPUs shared by the workers of the trials that can run at once, but no more than the CPUs
     not busy now (1-minute load average, this process's start-up included): a 2-thread trial given one core's
     worth ran 10x slower than alone, 3.6x slower than on 1 thread (OpenMP threads waiting on each other;
-    benchmarks/RESULTS.md, session 16). Per worker when ``workers_per_trial`` > 1."""
+    benchmarks/RESULTS.md, 2026-11-25). Per worker when ``workers_per_trial`` > 1."""
     cpus = available_cpus()
     at_once = max(1, min(num_trials, max_concurrent or cpus, cpus // workers_per_trial))
     busy = int(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0

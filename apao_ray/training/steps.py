@@ -25,7 +25,7 @@ from .precision import autocast
 
 # On a GPU a micro-batch defaults to 1024 samples (config.default_micro_batch), but a loss with negatives scores
 # 1+N candidates per sample: there a micro-batch is run in chunks of at most this many candidates. 256 samples x
-# 101 candidates peaked at 7.7 GiB (TIGER) and 11.6 GiB (Llama) of an H200 (benchmarks/RESULTS.md, session 19);
+# 101 candidates peaked at 7.7 GiB (TIGER) and 11.6 GiB (Llama) of an H200 (benchmarks/RESULTS.md, 2026-11-26);
 # 1024 x 201 would need ~8x that. On a CPU the micro-batch is the chunk (a worker's memory cap decides there).
 GPU_CANDIDATES_PER_CHUNK = 256 * 101
 

@@ -6,7 +6,7 @@ without Ray, MLflow or Optuna (a lent GPU machine has none of them: ``office_ful
 through ``apao sweep`` where they are).
 
 Each (loss, seed) trains in its own process on the one GPU, all at once. One trial alone already keeps an
-H200 mostly busy (an Office epoch 2.1 s; four at once 6.7 s each, benchmarks/RESULTS.md session 19), so
+H200 mostly busy (an Office epoch 2.1 s; four at once 6.7 s each, benchmarks/RESULTS.md, 2026-11-26), so
 give one seed per call: its two trials should reach early stopping (~85-100 epochs) within a 10-minute call
 (an estimate: two at once were not timed). Every trial's result goes to ``--out`` as one JSON file,
 ``<loss>-seed<seed>.json`` (``llama-...`` for Llama, ``...reference-<loss>...`` under ``--protocol reference``):
@@ -52,7 +52,7 @@ def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
 
 def trial_name(loss: str, seed: int, backbone: str, protocol: str) -> str:
     """``<loss>-seed<seed>``, after the backbone when it is not TIGER and the protocol when it is not ``paper``
-    (session 19's files are TIGER's under ``paper``)."""
+    (the 2026-11-26 H200 run's files are TIGER's under ``paper``)."""
     return "-".join([*([backbone] if backbone != "tiger" else []), *([protocol] if protocol != "paper" else []),
                      loss, f"seed{seed}"])
 

@@ -3,7 +3,7 @@
 # full protocol, through the product's own sweep command: the `paper` preset (selection by validation
 # NDCG@10, mirror weights, AdamW lr 5e-4, 1% warmup + cosine over 200 epochs, effective batch 1024), up to
 # 200 epochs with early stopping at patience 20, no ASHA pruning, precision auto. Re-running resumes;
-# on CPU it takes many sessions (the first trials' epochs and the command to continue are in
+# on CPU it takes many resumed runs (the first trials' epochs and the command to continue are in
 # benchmarks/REPRODUCTION.md), on a GPU a few hours for the study. BACKBONE, LOSSES and PROTOCOL (below) make
 # the other studies of issue #17 item 2, each under its own name.
 #
@@ -40,7 +40,7 @@ mkdir -p "$OUT"
   --output-dir "$OUT/runs" --tracking-uri "sqlite:///$OUT/mlflow.db" ${SWEEP_FLAGS:-}
 # Here only when the study has ended (an interrupted sweep exits 130 / 143 and stops the script above): its
 # compact export and the report with the paper's Table 1 alongside, written into this checkout to be committed
-# (the machine may not outlive the session). Both rebuild from MLflow at any time with the same commands.
+# (a lent machine may not be kept). Both rebuild from MLflow at any time with the same commands.
 ./apao python -m apao_ray export-study --study "$study" --tracking-uri "sqlite:///$OUT/mlflow.db" \
   --to "benchmarks/results/$study"
 ./apao python -m apao_ray report --study "$study" --exports benchmarks/results --out "benchmarks/evidence/report-$study"

@@ -7,7 +7,7 @@ and, after it, the study's files landed as a committed export and the Table 1 gr
 The queue is benchmarks/evidence/queue.json (what `report --grid` reads); a study is done when
 benchmarks/results/<study>/study.json holds a finished trial of each of its losses. Names and flags are
 office_full.sh's, so a study started on a CPU and one run here are the same study. One call holds one study
-(benchmarks/gpu/study.sh) of at most ~8 minutes: its trials share the GPU (two already fill an H200: session 25,
+(benchmarks/gpu/study.sh) of at most ~8 minutes: its trials share the GPU (two already fill an H200: 2026-11-27,
 3.30 s per Office TIGER epoch each, 1.27x one trial's throughput), and nothing carries a study's checkpoints from
 one call to the next (a TIGER trial's are ~100 MB against the call's 64 MiB), so a study that does not fit one
 call waits for a longer lease (the listing says what it needs).
@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 QUEUE = ROOT / "benchmarks" / "evidence" / "queue.json"
 RESULTS = ROOT / "benchmarks" / "results"
 STUDY_LIMIT_S = 485  # study.sh's interrupt: a 600-s call less the install (~20 s), the export and the margin
-SHARED_SLOWDOWN = 2 / 1.27  # n trials at once on one H200: each ~n / 1.27 x slower than alone (n = 2, session 25)
+SHARED_SLOWDOWN = 2 / 1.27  # n trials at once on one H200: each ~n / 1.27 x slower than alone (n = 2, 2026-11-27)
 PROBE_S = 45  # Ray's start, the plan's probe and the test of the last trial
 
 

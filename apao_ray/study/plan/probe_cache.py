@@ -25,7 +25,7 @@ PROBE_VERSION = 2         # in the cache key: probes measured another way are no
 PROBE_CACHE_FILE = "probes.json"
 PROBE_CACHE_ENV = "APAO_PROBE_CACHE"
 # a probe trains alone; trials side by side on one machine share its caches and memory bandwidth. Measured
-# (benchmarks/RESULTS.md, session 15): two Grocery trials at once trained at 105 samples/s each against their
+# (benchmarks/RESULTS.md, 2026-11-25): two Grocery trials at once trained at 105 samples/s each against their
 # probe's 125 (Intel Xeon, 2 vCPUs, 1 thread per trial), 1.19x. Applied to probed (not observed) rates when
 # a study runs more than one trial at a time on this machine.
 SIDE_BY_SIDE_SLOWDOWN = 1.2

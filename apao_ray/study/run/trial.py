@@ -116,7 +116,7 @@ def run_in_tune_actor(config: TrialConfig, *, name: str, storage_path: str | Pat
                       progress_label: str = "") -> dict[str, Any]:
     """Trains the trial in the calling Tune trial actor, reporting each epoch to Tune, and returns its final
     metrics. No Ray Train controller, worker group and their helper actors: 7.0 s of Ray machinery per trial
-    instead of 30.5 s on 2 CPUs (benchmarks/bench_trial_overhead.py, RESULTS.md session 14). ``name`` must be
+    instead of 30.5 s on 2 CPUs (benchmarks/bench_trial_overhead.py, RESULTS.md 2026-11-25). ``name`` must be
     stable across restarts, as for make_trainer.
 
     Raises TrialFailedError (also on each retry) when the trial failed for a reason its checkpoint would meet
