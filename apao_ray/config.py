@@ -17,6 +17,7 @@ BACKBONE_NAMES = ("tiger", "llama")
 # `--model-size tiny`: smoke studies, quick plumbing checks and the tests' small real runs
 TINY_MODEL = {"d_model": 64, "num_layers": 2, "num_heads": 2, "head_dim": 32, "d_ff": 128}
 PRECISIONS = ("auto", "fp32", "bf16")  # resolved per device by training.precision.resolve_precision
+FULL_SORT_TEST = ("auto", "on", "off")  # TrainConfig.full_sort_test
 WEIGHTING_MODES = ("mirror", "per_batch", "uniform", "exp_decay", "hard_max")
 PROTOCOL_NAMES = ("paper", "reference")  # see apao_ray/protocol.py and docs/PROTOCOLS.md
 # the fastest micro-batch at effective batch 1024 (benchmarks/RESULTS.md): 128 on 2 CPUs (1.08x 256),
@@ -210,6 +211,8 @@ class TrainConfig(_Config):
     eval_max_users: int | None = None  # validate on a fixed random subset of users (recorded)
     retention_users: int = 128         # test users whose full-sort top-K gives beam retention (0 = off)
     validate_retention: bool = False   # also measure retention on validation every epoch (costly)
+    full_sort_test: str = "auto"       # rank every test user by the exact full sort too, at the kept epoch: on / off /
+                                       # auto (on a GPU; training/evaluation.py tests_full_sort)
     topk: tuple[int, ...] = (5, 10, 20)
 
     @classmethod
@@ -227,6 +230,7 @@ class TrainConfig(_Config):
         if self.eval_batch_size is None:
             object.__setattr__(self, "eval_batch_size", default_eval_batch(self.use_gpu))
         _check_choice("TrainConfig", "precision", self.precision, PRECISIONS)
+        _check_choice("TrainConfig", "full_sort_test", self.full_sort_test, FULL_SORT_TEST)
         for name in ("epochs", "batch_size", "effective_batch_size", "patience", "num_workers",
                      "beam_size", "eval_batch_size"):
             _check_range("TrainConfig", name, getattr(self, name), 1)

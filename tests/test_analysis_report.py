@@ -162,6 +162,29 @@ def test_the_report_reads_the_convergence_verdict_its_study_recorded(tmp_path):
     assert "early learning" not in "\n".join(_section(untagged, "Paired differences"))
 
 
+def test_the_report_compares_under_each_selection_rule_and_by_the_full_sort(tmp_path):
+    """Per-user columns of the other selection rules' epochs and of the full sort get a section of their own:
+    here APAO's edge (+0.02 on the kept epoch) is gone at the validation-loss epoch (a copy of CE's column)."""
+    exports = []
+    for seed in (0, 1):
+        directory = _fabricate(tmp_path / "exports", seed, 0.02)
+        tables = {path.name: pd.read_csv(path, dtype={"user": str}) for path in (directory / "per_user").glob("*.csv.gz")}
+        ce = tables[f"ce{seed}.csv.gz"]["ndcg_at_10"]
+        for name, table in tables.items():
+            table["ndcg_at_10_by_val_loss"] = ce  # both methods: CE's values
+            table["full_sort_ndcg_at_10"] = table["ndcg_at_10"]
+            write_per_user(directory / "per_user" / name, {c: table[c].to_numpy() for c in table.columns})
+        exports.append(load_export(directory))
+    report = build_report(exports, tmp_path / "out", num_resamples=300).read_text()
+    rows = {line.split("|")[4].strip(): line for line in
+            _section(report, "The same differences at the epoch each selection rule keeps") if " - ce |" in line}
+    assert set(rows) == {"ndcg_at_10_by_val_loss", "full_sort_ndcg_at_10"}
+    assert "| +0.0000 [0.0000, 0.0000] over seeds and users (2 seeds), p_holm = 1.000" in rows["ndcg_at_10_by_val_loss"]
+    assert "| +0.0200 [" in rows["full_sort_ndcg_at_10"]
+    plain = build_report([load_export(_fabricate(tmp_path / "plain", 0, 0.02))], tmp_path / "out2", num_resamples=200)
+    assert "each selection rule keeps" not in plain.read_text()  # runs without those columns: no section
+
+
 def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
     for seed in (0, 1):
         _fabricate(tmp_path / "results", seed, effect=0.01)

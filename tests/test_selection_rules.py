@@ -50,3 +50,37 @@ def test_each_rule_tests_the_weights_of_the_epoch_it_keeps(short, tmp_path, prot
         for metric in RULE_METRICS:
             assert final[by_key(rule, metric)] == pytest.approx(again[f"test/{metric}"], abs=1e-9), (rule, metric)
             assert table[per_user_column(rule, metric)].mean() == pytest.approx(again[f"test/{metric}"], abs=1e-6)
+
+
+def test_the_kept_epoch_is_also_ranked_by_the_full_sort_when_asked(short, tmp_path):  # noqa: F811
+    """``full_sort_test=on``: the kept model's test pass ranks every user by the exact full sort too; its metrics
+    equal a full sort computed here from the final checkpoint's weights. ``auto`` on a CPU leaves it off."""
+    from apao_ray.data import iter_batches
+    from apao_ray.decoding.full_sort import full_sort, topk_from_scores
+    from apao_ray.metrics import ndcg_from_ranks, recall_from_ranks, target_ranks
+    from apao_ray.training.precision import autocast
+
+    config = tiny_config("paper", lr=2e-2, epochs=2, full_sort_test="on")
+    final = run_trial(config, TrainingHooks(tmp_path, verbose=False), short)
+    final_dir = next((tmp_path / "checkpoints").glob("*_final"))
+    _, weights, _ = load_checkpoint(final_dir)
+    resolved = config.replace(train=config.train.replace(precision=resolve_precision(config.train.precision,
+                                                                                      torch.device("cpu"))))
+    model = build_model(resolved.model, short.catalog.vocab_size, short.catalog.num_levels)
+    model.load_state_dict(weights)
+    model.eval()
+    tensors, split = short.catalog.tensors(), short.splits["test"]
+    ranks = []
+    for batch in iter_batches(short.catalog, split, 64):
+        with autocast(resolved.train.precision, torch.device("cpu")):
+            scores = full_sort(model, batch.history_ids, batch.history_mask, tensors, scoring=decoding_scoring(resolved))
+        ranks.append(target_ranks(topk_from_scores(scores, resolved.train.beam_size)[0], batch.target_sem))
+    ranks = torch.cat(ranks)
+    assert final["test/full_sort_ndcg_at_10"] == pytest.approx(float(ndcg_from_ranks(ranks, 10).mean()), abs=1e-6)
+    assert final["test/full_sort_recall_at_20"] == pytest.approx(float(recall_from_ranks(ranks, 20).mean()), abs=1e-6)
+    table = read_per_user(final_dir / PER_USER_FILE)
+    assert table["full_sort_ndcg_at_10"].mean() == pytest.approx(final["test/full_sort_ndcg_at_10"], abs=1e-6)
+    assert "test/beam_retention_at_20" in final and "full_sort_ndcg_at_10_by_last" not in table  # kept epoch only
+
+    plain = run_trial(tiny_config("paper", lr=2e-2, epochs=1), TrainingHooks(tmp_path / "auto", verbose=False), short)
+    assert not any("full_sort" in key for key in plain)

@@ -28,6 +28,8 @@ class PerUser(NamedTuple):
         retention: (U,) beam retention per user, or None without ``with_full_sort``.
         label_log_probs: (U, T) float32 log-probability of each code of the user's target, teacher
             forced, or None without ``with_label_log_probs``.
+        full_ranks: (U,) 1-based rank of the target's semantic ID in the exact full sort's top ``beam_size``,
+            0 when absent: the ranking the beam approximates, or None without ``with_full_sort``.
     """
 
     sample_index: torch.Tensor
@@ -35,6 +37,7 @@ class PerUser(NamedTuple):
     prefix_hits: torch.Tensor
     retention: torch.Tensor | None
     label_log_probs: torch.Tensor | None = None
+    full_ranks: torch.Tensor | None = None
 
 
 def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors,
@@ -94,7 +97,7 @@ def evaluate_per_user(model: nn.Module, batches: Iterable[Batch], catalog: Catal
     def precision() -> torch.autocast:
         return torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None)
 
-    samples, ranks, prefix_hits, retention, label_logp = [], [], [], [], []
+    samples, ranks, prefix_hits, retention, label_logp, full_ranks = [], [], [], [], [], []
     was_training = model.training
     model.eval()
     try:
@@ -114,13 +117,15 @@ def evaluate_per_user(model: nn.Module, batches: Iterable[Batch], catalog: Catal
                     scores = full_sort(model, batch.history_ids, batch.history_mask, catalog, scoring=scoring)
                 exact_ids, _ = topk_from_scores(scores, beam_size)
                 retention.append(metrics.retention_per_user(result.sem_ids, exact_ids).cpu())
+                full_ranks.append(metrics.target_ranks(exact_ids, batch.target_sem).cpu())
     finally:
         model.train(was_training)
     if not ranks:
         raise ValueError("evaluate got no batches")
     return PerUser(torch.cat(samples), torch.cat(ranks), torch.cat(prefix_hits),
                    torch.cat(retention) if with_full_sort else None,
-                   torch.cat(label_logp) if with_label_log_probs else None)
+                   torch.cat(label_logp) if with_label_log_probs else None,
+                   torch.cat(full_ranks) if with_full_sort else None)
 
 
 def summarize(ranks: torch.Tensor, prefix_hits: torch.Tensor, retention: torch.Tensor | None,

@@ -26,7 +26,7 @@ from ..names import PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .cost import CostMeter
-from .evaluation import evaluate_split, evaluate_split_per_user, select_users, write_per_user
+from .evaluation import evaluate_split, evaluate_split_per_user, select_users, tests_full_sort, write_per_user
 from .hooks import TrainingHooks
 from .precision import resolve_precision
 from .selection import LAST, selection_score, per_user_column, selection_rules, test_by_key, validation_loss
@@ -287,8 +287,10 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
         for rule, (rule_epoch, weights) in kept.items():  # the trial's own rule first: the model it keeps
             if rule_epoch not in tested:
                 _unwrap(model).load_state_dict(weights)
-                tested[rule_epoch] = evaluate_split_per_user(_unwrap(model), dataset, "test", tensors, train_cfg,
-                                                             device, None, scoring)
+                # the kept model alone is also ranked by the full sort, where that is cheap (tests_full_sort)
+                tested[rule_epoch] = evaluate_split_per_user(
+                    _unwrap(model), dataset, "test", tensors, train_cfg, device, None, scoring,
+                    full_sort=not tested and tests_full_sort(train_cfg, device))
             final[test_by_key(rule, "epoch")] = rule_epoch
             final.update({test_by_key(rule, key): value for key, value in tested[rule_epoch][0].items()})
         _unwrap(model).load_state_dict(best_weights)

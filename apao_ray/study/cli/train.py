@@ -33,7 +33,8 @@ def train_config_from_args(args: argparse.Namespace, **overrides: Any) -> dict[s
     values = dict(epochs=args.epochs, patience=args.patience, batch_size=args.batch_size,
                   effective_batch_size=max(args.effective_batch_size, one_step), lr=args.lr, beam_size=args.beam_size,
                   seed=args.seed, max_train_samples=args.max_train_samples,
-                  eval_max_users=args.eval_max_users, precision=args.precision, group_by_length=args.group_by_length)
+                  eval_max_users=args.eval_max_users, precision=args.precision, group_by_length=args.group_by_length,
+                  full_sort_test=args.full_sort_test)
     values.update(overrides)
     return values
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ...config import BACKBONE_NAMES, PRECISIONS, PROTOCOL_NAMES
+from ...config import BACKBONE_NAMES, FULL_SORT_TEST, PRECISIONS, PROTOCOL_NAMES
 from ...data.files import canonical_dataset, dataset_label, is_dataset_path, known_dataset_names
 from ...paths import check_plain_name
 from .duration import parse_duration
@@ -105,6 +105,10 @@ class StudySpec:
                                            "(default: --seed alone)", kind="seeds", metavar="S,S,...")
     retention_users: int = option(128, "test users whose beam retention is measured (paper Fig. 1c; 32 with "
                                   "--quick) (default %(default)s)", low=0, integer=True)
+    full_sort_test: str = option("auto", "also rank every test user by the exact full sort at the kept epoch "
+                                 "(test/full_sort_*: how much the beam's pruning costs; beam retention then covers "
+                                 "every user): on, off, or auto = on a GPU (on a CPU ~40 min for Office's test "
+                                 "users at 1 thread) (default %(default)s)", choices=FULL_SORT_TEST, group="trial")
     protocol: str = option("paper", "the training protocol preset (docs/PROTOCOLS.md)", choices=PROTOCOL_NAMES,
                            cli=False)
     protocol_knobs: dict[str, Any] = option(factory=dict, help="protocol knob overrides (--select-by, --weighting, "
