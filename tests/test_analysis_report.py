@@ -185,6 +185,27 @@ def test_the_report_compares_under_each_selection_rule_and_by_the_full_sort(tmp_
     assert "each selection rule keeps" not in plain.read_text()  # runs without those columns: no section
 
 
+def test_methods_are_labelled_by_every_knob_their_runs_recorded_even_of_an_unloaded_plugin(tmp_path):
+    """Two seeds of a plugin loss 'focal' (not loaded here) with gamma 1 and 2: two methods, each labelled with its
+    gamma, and the report says the knob is unknown to the registry loaded."""
+    exports = []
+    for seed in (0, 1):
+        directory = _fabricate(tmp_path / "exports", seed, 0.01)
+        study = json.loads((directory / "study.json").read_text())
+        apao = study["trials"][1]
+        apao["tags"]["loss"] = apao["params"]["loss"] = "focal"
+        for knob in ("beta", "eta"):
+            del apao["params"][knob]
+        apao["params"]["gamma"] = str(float(seed + 1))
+        (directory / "study.json").write_text(json.dumps(study))
+        exports.append(load_export(directory))
+    report = build_report(exports, tmp_path / "out", num_resamples=200).read_text()
+    labels = {line.split("|")[3].strip() for line in _section(report, "Test metrics") if "| office |" in line}
+    assert labels == {"ce", "focal gamma=1", "focal gamma=2"}
+    assert "Knobs that no loss loaded here declares (a plugin whose module `APAO_PLUGINS` does not name): " \
+           "`focal`: gamma." in report
+
+
 def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
     for seed in (0, 1):
         _fabricate(tmp_path / "results", seed, effect=0.01)

@@ -126,10 +126,12 @@ def test_the_startup_note_speaks_only_where_tpe_has_a_knob_to_search():
     """Few trials per tuned method: the note says TPE never proposes; every knob fixed: nothing to say."""
     few = SearchSpec(("tiger",), ("ce", "apao_pointwise"), trials_per_tuned=1)
     assert "TPE proposes" in optuna_storage.startup_note(few)
-    fixed = SearchSpec(("tiger",), ("ce", "apao_pointwise"), beta=(0.3, 0.3), eta=(1e-4, 1e-4), trials_per_tuned=1)
+    fixed = SearchSpec(("tiger",), ("ce", "apao_pointwise"), knob_ranges={"beta": (0.3, 0.3), "eta": (1e-4, 1e-4)},
+                       trials_per_tuned=1)
     assert optuna_storage.startup_note(fixed) is None
     # pairwise still searches its negatives when only beta and eta are fixed
-    negatives = SearchSpec(("tiger",), ("apao_pairwise",), beta=(0.2, 0.2), eta=(3e-5, 3e-5), trials_per_tuned=1)
+    negatives = SearchSpec(("tiger",), ("apao_pairwise",), knob_ranges={"beta": (0.2, 0.2), "eta": (3e-5, 3e-5)},
+                           trials_per_tuned=1)
     assert "TPE proposes" in optuna_storage.startup_note(negatives)
     assert optuna_storage.startup_note(SearchSpec(("tiger",), ("apao_pointwise",), trials_per_tuned=9)) is None
 

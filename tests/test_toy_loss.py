@@ -154,6 +154,50 @@ def test_knob_flag_on_the_command_line_reaches_the_study_spec(toy_loss):
     assert cli_sweep.given_flags(parser, ["--smoke"]) == {"smoke"}  # not written: no knob range
 
 
+def test_every_knob_takes_one_route_and_its_range_comes_from_its_class(toy_loss, monkeypatch):
+    """--knob works for the paper's knobs too, --beta/--eta/--negatives are its aliases, and a range not given is
+    the loss class's Knob range: changing the Knob changes the study."""
+    import dataclasses
+
+    from apao_ray.losses.apao import APAOPointwiseLoss
+    from apao_ray.study.cli import sweep as cli_sweep
+    from apao_ray.study.run.driver import space_param
+
+    parser = cli_sweep.build_parser()
+
+    def search(*flags):
+        argv = ["--smoke", "--losses", f"ce,apao_pointwise,{NAME}", *flags]
+        args = parser.parse_args(argv)
+        cli_sweep.apply_quick(args, cli_sweep.given_flags(parser, argv))
+        return cli_sweep.spec_from_args(args).search
+
+    by_knob = search("--knob", "beta=0.1:0.5", "--knob", "eta=1e-5:1e-4", "--knob", f"{KNOB}=0.02:0.2")
+    by_alias = search("--beta", "0.1:0.5", "--eta", "1e-5:1e-4", "--knob", f"{KNOB}=0.02:0.2")
+    assert by_knob == by_alias and space_param(by_knob) == space_param(by_alias)
+    assert (by_knob.range_named("beta"), by_knob.range_named(KNOB)) == ((0.1, 0.5), (0.02, 0.2))
+    plain = search()
+    assert plain.range_named("beta") == (0.05, 0.4) and plain.range_named(KNOB) == (0.01, 0.3)  # the Knobs' own
+    wider = tuple(dataclasses.replace(k, high=0.6) if k.name == "beta" else k for k in APAOPointwiseLoss.knobs)
+    monkeypatch.setattr(APAOPointwiseLoss, "knobs", wider)
+    assert search().range_named("beta") == (0.05, 0.6)
+
+
+def test_train_sets_any_knob_its_loss_declares(toy_loss):
+    """``train --knob``: a plugin's knob reaches the loss; the paper's knobs take the same route, eta over the
+    protocol's preset, an integer knob as an int."""
+    from apao_ray.study.cli.train import build_parser, trial_config_from_args
+
+    def loss(*flags):
+        return trial_config_from_args(build_parser().parse_args(["--smoke", *flags])).loss
+
+    assert loss("--loss", NAME, "--knob", f"{KNOB}=0.2").extra == {KNOB: 0.2}
+    pointwise = loss("--loss", "apao_pointwise", "--knob", "beta=0.3", "--knob", "eta=2e-5")
+    assert (pointwise.beta, pointwise.eta) == (0.3, 2e-5)  # the paper preset's eta is 1e-4
+    pairwise = loss("--loss", "apao_pairwise", "--knob", "num_negatives=40")
+    assert pairwise.num_negatives == 40 and isinstance(pairwise.num_negatives, int)
+    assert loss("--loss", "apao_pairwise", "--num-negatives", "40") == pairwise  # the alias
+
+
 def test_an_unknown_plugin_module_is_named():
     from apao_ray.losses import import_plugins
 
@@ -204,3 +248,10 @@ def test_smoke_study_tunes_and_reports_the_plugin_knob(tmp_path):
     assert best.returncode == 0, best.stderr[-3000:]
     row, = [r for r in json.loads(best.stdout) if r["loss"] == NAME]
     assert row[KNOB] in gammas and 0 <= row["test/ndcg_at_10"] <= 1 and row["test/recall_at_10"] is not None
+    # without the plugin loaded, best still shows the knob the runs recorded (no loss here declares it)
+    unloaded = {k: v for k, v in env.items() if k != PLUGINS_ENV}
+    plain = run_script(["-m", "apao_ray", "best", "--dataset", "synthetic", "--tracking-uri", uri, "--no-register"],
+                       cwd=tmp_path, env=unloaded, timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    header = plain.stdout.splitlines()[0]
+    assert f"| {KNOB} |" in header, header

@@ -33,7 +33,12 @@ def _metrics(path: Path) -> dict:
     (["--beam-size", "1000"], "beam_size=1000 exceeds the 399 semantic IDs"),
     (["--dataset", "../etc", "--data-dir", "."], "must be a plain name"),  # a name never leaves --data-dir
     (["--dataset", "./no/such/dir"], "no/such/dir does not exist"),  # a path is a dataset directory (#14)
-    (["--loss", "ce", "--num-negatives", "10"], "loss 'ce' uses no negatives"),
+    (["--loss", "ce", "--num-negatives", "10"], "loss 'ce' has no knob 'num_negatives'; its knobs: none (a baseline)"),
+    (["--loss", "apao_pointwise", "--knob", "gamma=0.1"], "loss 'apao_pointwise' has no knob 'gamma'; its knobs: "
+                                                          "['beta', 'eta']"),
+    (["--loss", "apao_pointwise", "--beta", "0.2", "--knob", "beta=0.3"], "knob 'beta' was given twice (0.2 and 0.3)"),
+    (["--loss", "apao_pointwise", "--eta", "1e-4", "--knob", "eta=1e-3"], "eta was given twice, by --eta"),
+    (["--knob", "beta"], "argument --knob: 'beta' must be NAME=VALUE with a number"),
     (["--max-failures", "-1"], "argument --max-failures: '-1' must be an integer >= 0"),
     (["--pretrain-ce-epochs", "-1"], "argument --pretrain-ce-epochs: '-1' must be an integer >= 0"),
     (["--dataset", "office", "--data-dir", "no-such-dir"], "dataset 'office' not found in ['/"),

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from ..cli_types import positive_int
-from ..names import PLAN_TAG
+from ..names import PLAN_TAG, PLUGINS_ENV
 from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export
 from .grid import build_grid, load_queue, queue_path_default
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
-                      Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials)
+                      Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials,
+                      unknown_knobs)
 from .stats import INTERVALS_NOTE
 
 REPORT_FILE = "report.md"
@@ -197,11 +198,16 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
         raise ValueError(f"studies {names} have no trial that trained an epoch: nothing to report on")
     compared = compare_methods(methods, baseline, num_resamples=num_resamples)
     plans = _plans(exports)
+    unknown = unknown_knobs([trial for method in methods for trial in method.trials])
     lines = [f"# Study report: {', '.join(e.name for e in exports)}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report`. "
              f"Trials: {'the best by ' + SELECTION_METRIC + ' per (study, backbone, loss)' if trials == 'best' else 'all finished'}; "
              "seeds of one method are its trials across the given studies.", "", "## Sources", "", *_sources(exports), "",
              *(["## Plans", "", *plans, ""] if plans else []),
+             *([f"Knobs that no loss loaded here declares (a plugin whose module `{PLUGINS_ENV}` does not name): "
+                + "; ".join(f"`{loss}`: {', '.join(names)}" for loss, names in unknown.items())
+                + ". They label and group the methods as recorded; their ranges and meaning are unknown here.", ""]
+               if unknown else []),
              "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods), "",
              "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "

@@ -23,7 +23,9 @@ from .stats import Comparison, paired_comparison, seeds_comparison, seeds_for_ve
 
 SELECTION_METRIC = "best/val/ndcg_at_10"
 T = TypeVar("T")
-KNOBS = (("beta", "b"), ("eta", "eta"), ("num_negatives", "N"))
+# how a method's label abbreviates the paper's knobs (first, in this order); any other knob goes by its name
+KNOB_LABELS = {"beta": "b", "eta": "eta", "num_negatives": "N"}
+CHOICES = ("backbone", "loss")  # a trial's choices that are not knobs
 TEST_METRICS = tuple(f"test/{name}" for name in PER_USER_METRICS)
 TRIAL_CHOICES = ("best", "all")
 VALIDATION_CURVE = "val/ndcg_at_10"
@@ -117,15 +119,18 @@ class Trial:
         return self.tags.get("loss") or self.params.get("loss", "?")
 
     @property
+    def knobs(self) -> dict[str, float]:
+        """The knobs the trial ran with, as its run recorded them: every choice param besides backbone and loss
+        (a child run's params are its choices and the ``base.*`` config), whatever loss registry is loaded."""
+        return {k: float(v) for k, v in self.params.items() if "." not in k and k not in CHOICES and v != "None"}
+
+    @property
     def method(self) -> str:
-        """``loss`` and its knobs, e.g. ``apao_pointwise b=0.3 eta=0.0001``."""
-        parts = [self.loss]
-        for name, short in KNOBS:
-            value = self.params.get(name)
-            if value not in (None, "None"):
-                number = float(value)
-                parts.append(f"{short}={int(number) if name == 'num_negatives' else f'{number:.3g}'}")
-        return " ".join(parts)
+        """``loss`` and its knobs, e.g. ``apao_pointwise b=0.3 eta=0.0001``, ``focal gamma=2``: trials that differ
+        in any knob are different methods."""
+        knobs = self.knobs
+        order = [*(k for k in KNOB_LABELS if k in knobs), *sorted(set(knobs) - set(KNOB_LABELS))]
+        return " ".join([self.loss, *(f"{KNOB_LABELS.get(k, k)}={_knob_text(knobs[k])}" for k in order)])
 
     def history(self, key: str) -> pd.Series:
         return self.export.history(self.run_id, key)
@@ -183,6 +188,24 @@ def best_of(candidates: Iterable[T], value: Callable[[T], float | None], started
     ``sweep``'s table, ``best``, the registered model, ``report`` and the grid name a method's best trial."""
     ranked = [(v, -started(c), i, c) for i, c in enumerate(candidates) if (v := value(c)) is not None]
     return max(ranked, key=lambda entry: entry[:3])[3] if ranked else None
+
+
+def _knob_text(value: float) -> str:
+    return str(int(value)) if value.is_integer() and abs(value) >= 1 else f"{value:.3g}"
+
+
+def unknown_knobs(trials: list[Trial]) -> dict[str, list[str]]:
+    """Per loss, the knobs its trials recorded that no loss loaded here declares (a plugin not imported): they
+    still label and group the methods, but nothing here knows their ranges or meaning."""
+    from ..losses import LOSSES  # lazy: the registry imports torch
+
+    declared = {k.name for loss in LOSSES.values() for k in loss.knobs}
+    unknown: dict[str, set[str]] = {}
+    for trial in trials:
+        missing = set(trial.knobs) - declared
+        if missing or (trial.loss not in LOSSES and trial.knobs):
+            unknown.setdefault(trial.loss, set()).update(missing or trial.knobs)
+    return {loss: sorted(names) for loss, names in sorted(unknown.items())}
 
 
 def finished_trials(exports: list[StudyExport], which: str = "best") -> list[Trial]:

@@ -100,7 +100,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     from ..analysis.results import popularity_ndcg
     from ..tracking import Tracker, experiment_name
     from ..names import CONVERGED_TAG
-    from .record.report import DESCRIPTION_TAG, study_description, table_rows
+    from .record.report import DESCRIPTION_TAG, RECORDED_KNOBS, study_description, table_rows
     from .run.driver import Study, StudyOutcome, check_same_schedule, invocation, study_state_exists
     from .run.driver import run_study as run_planned
 
@@ -128,7 +128,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     record_rates(spec, setup, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
               for row in rows}
-    return StudyResult(table=pd.DataFrame(rows), trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
+    return StudyResult(table=pd.DataFrame(rows).drop(columns=[RECORDED_KNOBS], errors="ignore"), trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
                        parent_run_id=outcome.parent_run_id, plan=plan, study_name=setup.study_name,
                        tracking_uri=setup.tracking_uri, interrupted=outcome.interrupted,
                        stop_signal=outcome.stop_signal, optuna_summary=outcome.optuna_summary,

@@ -102,7 +102,7 @@ def trial_base(spec: StudySpec, data_dir: str) -> TrialConfig:
     base = TrialConfig(
         DataConfig(dataset=canonical_dataset(spec.dataset), data_dir=data_dir),
         ModelConfig(**(TINY_MODEL if spec.model_size == "tiny" else {})),
-        LossConfig(num_negatives=spec.search.num_negatives[1]),
+        LossConfig(num_negatives=int(spec.search.range_named("num_negatives")[1])),
         TrainConfig(epochs=spec.epochs, patience=spec.patience, batch_size=spec.batch_size,
                     effective_batch_size=max(spec.effective_batch_size, (spec.batch_size or 0) * workers),
                     lr=spec.lr, num_workers=workers, beam_size=spec.beam_size, seed=spec.search_seed,

@@ -54,9 +54,14 @@ def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:
     add_common_arguments(parser)
     parser.add_argument("--backbone", choices=BACKBONE_NAMES, default="tiger", help="default %(default)s")
     parser.add_argument("--loss", default="ce", help="a name from apao_ray.losses.LOSSES (default %(default)s)")
-    parser.add_argument("--beta", type=non_negative_float, default=0.1, help="weight of the prefix loss (default %(default)s)")
+    parser.add_argument("--knob", action="append", default=[], type=knob_value, metavar="NAME=VALUE",
+                        help="set a knob the loss declares, built-in or plugin (Loss.knobs: beta, eta, num_negatives, "
+                             "...; repeatable; default: the knob's default); one the loss does not declare is refused")
+    parser.add_argument("--beta", type=non_negative_float, default=None,
+                        help="the same as --knob beta=VALUE: weight of the prefix loss (default 0.1)")
     parser.add_argument("--num-negatives", type=positive_int, default=None,
-                        help="negatives for apao_pairwise/dmpo/sdpo/ce_sdpo (default 100; refused for other losses)")
+                        help="the same as --knob num_negatives=VALUE: negatives for apao_pairwise/dmpo/sdpo/ce_sdpo "
+                             "(default 100)")
     parser.add_argument("--pretrain-ce-epochs", type=non_negative_int, default=0, help="two-stage: CE epochs before the loss (default %(default)s)")
     parser.add_argument("--num-workers", type=positive_int, default=1, help="data-parallel workers (default %(default)s)")
     parser.add_argument("--cpus-per-worker", type=positive_int, default=available_cpus(),
@@ -81,11 +86,44 @@ def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
     if args.loss not in LOSSES:
         raise ValueError(f"unknown loss {args.loss!r}; choose from {sorted(LOSSES)}")
     model = ModelConfig(backbone=args.backbone, **(TINY_MODEL if args.model_size == "tiny" else {}))
-    loss = LossConfig(name=args.loss, beta=args.beta, num_negatives=args.num_negatives or 100,
-                      pretrain_ce_epochs=args.pretrain_ce_epochs)
+    knobs = loss_knobs(args, LOSSES[args.loss].knobs)
+    if "eta" in knobs:  # a protocol knob too (--eta): the preset's value yields to it
+        if args.eta is not None:
+            raise ValueError(f"eta was given twice, by --eta {args.eta} and by --knob eta={knobs['eta']}; give one")
+        args.eta = knobs.pop("eta")
+    loss = LossConfig(name=args.loss, pretrain_ce_epochs=args.pretrain_ce_epochs).with_knobs(knobs)
     train = TrainConfig(**train_config_from_args(args, num_workers=args.num_workers, use_gpu=args.use_gpu))
     config = TrialConfig(DataConfig(dataset=canonical_dataset(args.dataset), data_dir=_abs(args.data_dir)), model, loss, train)
     return apply_protocol_arguments(config, args)
+
+
+def knob_value(text: str) -> tuple[str, float]:
+    """'NAME=VALUE' -> (name, value); the knob itself is checked against the loss's."""
+    name, equals, value = text.partition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if not equals or not name.strip() or number is None:
+        raise argparse.ArgumentTypeError(f"{text!r} must be NAME=VALUE with a number, e.g. beta=0.3")
+    return name.strip(), number
+
+
+def loss_knobs(args: argparse.Namespace, declared: tuple[Any, ...]) -> dict[str, float]:
+    """The knobs given by --knob and its aliases --beta and --num-negatives, each one the loss declares (an integer
+    knob as an int); a knob given twice or not the loss's is refused, naming the loss's knobs."""
+    aliases = {"beta": args.beta, "num_negatives": args.num_negatives}
+    given: dict[str, float] = {}
+    for name, value in [*((n, v) for n, v in aliases.items() if v is not None), *args.knob]:
+        if name in given:
+            raise ValueError(f"knob {name!r} was given twice ({given[name]} and {value}); give it once")
+        given[name] = value
+    by_name = {knob.name: knob for knob in declared}
+    for name in given:
+        if name not in by_name:
+            raise ValueError(f"loss {args.loss!r} has no knob {name!r}; its knobs: "
+                             f"{sorted(by_name) or 'none (a baseline)'}")
+    return {name: int(value) if by_name[name].integer else value for name, value in given.items()}
 
 
 def _abs(path: str | None) -> str | None:

@@ -6,12 +6,12 @@ import io
 import json
 from typing import Any
 
-from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check
+from ...analysis.results import CHOICES, EARLY_LEARNING, best_of, is_early_learning, popularity_check
 from ...names import PLAN_TAG, REPEATS_TAG
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
 from . import plots
-from ..spec.space import NAMED_RANGES, knob_names
+from ..spec.space import PAPER_KNOBS, knob_names
 from .outcomes import short_reason
 from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
     significance_column
@@ -33,7 +33,7 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
     rows = []
     for (backbone, loss), run in sorted(best.items()):
         row: dict[str, Any] = {"backbone": backbone, "loss": loss}
-        row.update({k: _number(run.data.params.get(k)) for k in knob_names()})
+        row.update(run_knobs(run.data.params))
         row[metric] = run.data.metrics[metric]
         row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
         # MLflow 3 keeps models as LoggedModels (models:/m-...); runs:/<id>/model also loads
@@ -157,7 +157,7 @@ def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list
         row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": status}
         run = best_of(runs, lambda r: r.data.metrics.get(metric), lambda r: r.info.start_time or 0)
         if run is not None:
-            row.update({k: _number(run.data.params.get(k)) for k in knob_names()})
+            row.update(run_knobs(run.data.params))
             row[metric] = run.data.metrics[metric]
             row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
             row.update({"run_id": run.info.run_id, "study": run.data.tags.get("apao.study")})
@@ -192,16 +192,29 @@ def _number(text: str | None) -> float | int | None:
     return int(value) if value.is_integer() and "." not in text and "e" not in text else value
 
 
+# a row's names of the knobs its run recorded (internal: never printed)
+RECORDED_KNOBS = "_knobs"
+
+
+def run_knobs(params: dict[str, str]) -> dict[str, Any]:
+    """A run's knobs as the table's columns: every registered knob (None where the run has none) and whatever else
+    it recorded as a choice (a plugin's knob, whether or not its loss is loaded here), named in ``RECORDED_KNOBS``."""
+    recorded = {k: _number(v) for k, v in params.items() if "." not in k and k not in CHOICES}
+    return {**{k: None for k in knob_names()}, **recorded, RECORDED_KNOBS: sorted(recorded)}
+
+
 def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     if fmt == "json":
-        return json.dumps(rows, indent=2)
+        return json.dumps([{k: v for k, v in row.items() if k != RECORDED_KNOBS} for row in rows], indent=2)
     selection = [k for k in rows[0] if k.startswith("best/")] if rows else []
     spread = [k + STD_SUFFIX for k in TEST_COLUMNS] if any((row.get("n_seeds") or 0) > 1 for row in rows) else []
     significance = sorted({k for row in rows for k in row if k.startswith("vs ")})
     costs = [k for k in COST_COLUMNS if any(row.get(k) is not None for row in rows)]
     registered = ["registered_model"] if any(row.get("registered_model") for row in rows) else []
     # the paper's knobs always (the table's columns before knobs moved to the losses), others where a row has one
-    knobs = [k for k in knob_names() if k in NAMED_RANGES or any(row.get(k) is not None for row in rows)]
+    recorded = {k for row in rows for k in row.get(RECORDED_KNOBS, ())}
+    knobs = [k for k in knob_names() if k in PAPER_KNOBS or any(row.get(k) is not None for row in rows)]
+    knobs += sorted(recorded - set(knobs))  # a plugin's knob the registry loaded here does not declare
     columns = ["backbone", "loss", *knobs, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
                "protocol", "schedule", "converged", "run_id", *registered]
     if any("status" in row for row in rows):

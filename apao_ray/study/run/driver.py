@@ -19,7 +19,7 @@ from ..spec import space
 from .live_callbacks import run_callbacks
 from ..record.outcomes import summarize_results
 from .scheduler import PerMethodASHA
-from ..spec.space import SearchSpec, trial_choices
+from ..spec.space import PAPER_KNOBS, SearchSpec, trial_choices
 from .trial import Resources
 
 PARENT_ROLE_TAG = "apao.role"
@@ -169,10 +169,16 @@ def _parent_run(setup: Any) -> Any:
 
 def space_param(spec: SearchSpec) -> str:
     """The searched space as the parent run records it; not the start order, which a resume may plan
-    anew (the restored searcher keeps its own), nor the dataset (a resume checks its files). Fields added
-    later are left out while empty, so a study recorded before them resumes."""
-    return json.dumps({k: v for k, v in spec.__dict__.items()
-                       if k not in ("first", "dataset") and (k not in ("deferred", "knob_ranges") or v)}, default=list)
+    anew (the restored searcher keeps its own), nor the dataset (a resume checks its files). The paper's knobs'
+    ranges stand where they stood when they were fields of their own, every other knob's range under
+    ``knob_ranges``, and what was added later is left out while empty, so a study recorded before resumes."""
+    others = {name: list(bounds) for name, bounds in spec.knob_ranges.items() if name not in PAPER_KNOBS}
+    record = {"backbones": list(spec.backbones), "losses": list(spec.losses),
+              **{name: list(spec.range_named(name)) for name in PAPER_KNOBS},
+              "trials_per_tuned": spec.trials_per_tuned,
+              **({"deferred": [list(m) for m in spec.deferred]} if spec.deferred else {}),
+              **({"knob_ranges": others} if others else {})}
+    return json.dumps(record)
 
 
 def open_parent_run(tracker: Any, study: Study) -> str:

@@ -26,16 +26,13 @@ SEED_KEY, REPEATS_KEY = "seed", "repeats"
 
 @dataclass(frozen=True)
 class SearchSpec:
-    """What the study explores. Ranges are inclusive (low, high), on the scale the loss's ``Knob`` says (eta and
-    negatives: log). ``beta``, ``eta``, ``num_negatives`` are the ranges of those knobs (the CLI's --beta, --eta,
-    --negatives); ``knob_ranges`` holds any other knob's (``--knob NAME=LOW:HIGH``); a knob in neither is searched
-    over its ``Knob`` range. ``dataset`` picks each tuned method's paper setting (Table 5)."""
+    """What the study explores. Every knob takes one route: its range is the loss class's ``Knob`` range
+    (losses/knobs.py) unless ``knob_ranges`` names another (``--knob NAME=LOW:HIGH``, with ``--beta``, ``--eta``
+    and ``--negatives`` as aliases); ranges are inclusive, on the scale the ``Knob`` says (eta and negatives:
+    log). ``dataset`` picks each tuned method's paper setting (Table 5)."""
 
     backbones: tuple[str, ...]
     losses: tuple[str, ...]
-    beta: tuple[float, float] = (0.05, 0.4)
-    eta: tuple[float, float] = (5e-6, 5e-4)
-    num_negatives: tuple[int, int] = (10, 200)
     trials_per_tuned: int = 8
     # (backbone, loss) pairs whose trials start first, in this order (the plan's slowest methods first, so
     # that the longest trials do not start last and overrun a budget); methods not named follow, baselines
@@ -47,13 +44,6 @@ class SearchSpec:
     dataset: str = ""
 
     def __post_init__(self) -> None:
-        for name, (low, high) in (("beta", self.beta), ("eta", self.eta), ("num_negatives", self.num_negatives)):
-            if not low <= high:
-                raise ValueError(f"--{name.replace('_', '-')} range {low}:{high} is empty or inverted; give LOW:HIGH "
-                                 "with LOW <= HIGH")
-        if self.eta[0] <= 0 or self.num_negatives[0] < 1 or self.beta[0] < 0:
-            raise ValueError(f"ranges must be positive: eta {self.eta}, num_negatives {self.num_negatives}, "
-                             f"beta {self.beta}")
         if not self.backbones or not self.losses:
             raise ValueError("a study needs at least one backbone and one loss")
         if self.trials_per_tuned < 1:
@@ -76,9 +66,16 @@ class SearchSpec:
 
     def range_of(self, knob: Knob) -> tuple[float, float]:
         """The range searched for ``knob``: the study's for it, else the ``Knob``'s own."""
-        if knob.name in NAMED_RANGES:
-            return getattr(self, knob.name)
         return tuple(self.knob_ranges.get(knob.name, (knob.low, knob.high)))  # type: ignore[return-value]
+
+    def range_named(self, name: str) -> tuple[float, float]:
+        """The range searched for the knob ``name``: as the study's first loss declaring it has it, else as any
+        registered loss's (the space records the paper's knobs whatever the losses)."""
+        knob = next((k for loss in (*self.losses, *registered_losses()) for k in knobs_of(loss) if k.name == name),
+                    None)
+        if knob is None:
+            raise ValueError(f"no registered loss declares a knob {name!r}; declared: {list(knob_names())}")
+        return self.range_of(knob)
 
     @property
     def num_trials(self) -> int:
@@ -148,8 +145,10 @@ def trial_config(base: TrialConfig, config: dict[str, Any]) -> TrialConfig:
     return TrialConfig(base.data, base.model.replace(backbone=choices["backbone"]), loss, train, base.protocol)
 
 
-# the knobs whose ranges are SearchSpec fields (and CLI flags); any other knob's range is in knob_ranges
-NAMED_RANGES = ("beta", "eta", "num_negatives")
+# the paper's knobs: first among the table's columns, and always recorded in a study's space (space_param), in
+# this order, so a study recorded before every knob took one route resumes. Order and record only: their ranges
+# come from their Knob, or knob_ranges, like any other knob's
+PAPER_KNOBS = ("beta", "eta", "num_negatives")
 
 
 def loss_class(loss: str) -> Any:
@@ -167,12 +166,16 @@ def knobs_of(loss: str) -> tuple[Knob, ...]:
     return registered.knobs if registered is not None else ()
 
 
-def knob_names() -> tuple[str, ...]:
-    """Every registered loss's knob names: ``NAMED_RANGES`` first (the table's columns), then the others."""
+def registered_losses() -> tuple[str, ...]:
     from ...losses import LOSSES  # the registry imports torch: see loss_class
 
-    others = sorted({k.name for loss in LOSSES.values() for k in loss.knobs} - set(NAMED_RANGES))
-    return (*NAMED_RANGES, *others)
+    return tuple(LOSSES)
+
+
+def knob_names() -> tuple[str, ...]:
+    """Every registered loss's knob names: ``PAPER_KNOBS`` first (the table's columns), then the others."""
+    declared = {k.name for loss in registered_losses() for k in knobs_of(loss)}
+    return (*(k for k in PAPER_KNOBS if k in declared), *sorted(declared - set(PAPER_KNOBS)))
 
 
 def is_baseline(loss: str) -> bool:
@@ -184,14 +187,12 @@ def tunes(loss: str, knob: str) -> bool:
 
 
 def check_knob_ranges(ranges: dict[str, tuple[float, float]], losses: tuple[str, ...]) -> None:
-    """Each range names a knob one of ``losses`` tunes (not one with its own field) and fits its scale."""
+    """Each range names a knob one of ``losses`` tunes and fits its scale."""
     from ...losses.knobs import check_range  # torch: see loss_class
 
     declared = {k.name: k for loss in losses for k in knobs_of(loss)}
     for name, bounds in ranges.items():
-        if name in NAMED_RANGES or name not in declared:
-            other = sorted(set(declared) - set(NAMED_RANGES))
-            raise ValueError(f"knob range {name}={bounds!r}: " + (
-                f"give it with --{name.replace('_', '-')} / its own field" if name in NAMED_RANGES else
-                f"none of the losses {list(losses)} tunes {name!r}; their other knobs: {other or 'none'}"))
+        if name not in declared:
+            raise ValueError(f"knob range {name}={bounds!r}: none of the losses {list(losses)} tunes {name!r}; "
+                             f"their knobs: {sorted(declared) or 'none'}")
         check_range(name, bounds, log=declared[name].log, integer=declared[name].integer)

@@ -27,6 +27,10 @@ QUICK_SETTINGS = {"model_size": "tiny", "epochs": 2, "max_train_samples": 2048, 
 QUICK_NEGATIVES = (10, 20)
 
 
+# the flags that give a paper knob's range, aliases of --knob NAME=LOW:HIGH
+ALIAS_FLAGS = {"beta": "--beta", "eta": "--eta", "num_negatives": "--negatives"}
+
+
 def quick_negatives(losses: tuple[str, ...]) -> tuple[int, int] | None:
     """The quick range of negatives where a loss tunes them (None otherwise: nothing to give)."""
     return QUICK_NEGATIVES if any(tunes(name, "num_negatives") for name in losses) else None
@@ -85,15 +89,17 @@ class StudySpec:
                                      "ce,apao_pointwise,apao_pairwise); losses with nothing to tune are baselines and "
                                      "run once per backbone", kind="names")
     num_samples: int = option(3, "Optuna trials per tuned (backbone, loss) (default %(default)s)", low=1, integer=True)
-    beta: tuple[float, float] = option((0.05, 0.4), "LOW:HIGH (default 0.05:0.4, paper grid)", kind="range")
-    eta: tuple[float, float] = option((5e-6, 5e-4), "LOW:HIGH, log scale (default 5e-6:5e-4)", kind="range")
-    negatives: tuple[int, int] | None = option(None, "LOW:HIGH negatives for the losses that tune them, log scale "
-                                               "(default: the loss's Knob range, 10:200; 10:20 with --quick)",
-                                               kind="int_range")
+    beta: tuple[float, float] | None = option(None, "LOW:HIGH, the same as --knob beta=LOW:HIGH (default: the "
+                                              "knob's range, 0.05:0.4, the paper grid)", kind="range")
+    eta: tuple[float, float] | None = option(None, "LOW:HIGH, log scale, the same as --knob eta=LOW:HIGH (default: "
+                                             "the knob's range, 5e-6:5e-4)", kind="range")
+    negatives: tuple[int, int] | None = option(None, "LOW:HIGH negatives, log scale, the same as --knob "
+                                               "num_negatives=LOW:HIGH (default: the knob's range, 10:200; 10:20 with "
+                                               "--quick)", kind="int_range")
     knob_ranges: dict[str, tuple[float, float]] = option(
         factory=dict, kind="knobs", flag="--knob", metavar="NAME=LOW:HIGH",
-        help="search range of another knob a loss declares (Loss.knobs; repeatable; default: the knob's own range; "
-             "docs/own-loss.md)")
+        help="search range of any knob a loss declares, built-in or plugin (Loss.knobs: beta, eta, num_negatives, "
+             "...; repeatable; LOW=HIGH fixes it; default: the knob's own range; docs/own-loss.md)")
     pretrain_ce_epochs: int | None = option(None, "CE epochs before a loss that needs a CE stage (dpo/dmpo/sdpo; "
                                             "default half the epochs)", low=0, integer=True)
     enqueue_paper_setting: bool = option(True, "each tuned (backbone, loss) starts with the paper's setting (Table 5) "
@@ -184,10 +190,19 @@ class StudySpec:
         self._check_names()
         # parsed and built once, here: what the plan and the driver read (``budget_s``, ``search``)
         object.__setattr__(self, "_budget_s", None if self.budget is None else parse_duration(self.budget))
-        negatives = {"num_negatives": tuple(self.negatives)} if self.negatives else {}  # else SearchSpec's default
         object.__setattr__(self, "_search", SearchSpec(
-            self.backbones, self.losses, tuple(self.beta), tuple(self.eta), trials_per_tuned=self.num_samples,
-            knob_ranges=dict(self.knob_ranges), dataset=canonical_dataset(self.dataset), **negatives))
+            self.backbones, self.losses, trials_per_tuned=self.num_samples,
+            knob_ranges={**self.knob_ranges, **self._alias_ranges()}, dataset=canonical_dataset(self.dataset)))
+
+    def _alias_ranges(self) -> dict[str, tuple[float, float]]:
+        """The knob ranges given by --beta, --eta and --negatives: one route with --knob."""
+        given = {name: tuple(value) for name, value in
+                 (("beta", self.beta), ("eta", self.eta), ("num_negatives", self.negatives)) if value is not None}
+        twice = sorted(set(given) & set(self.knob_ranges))
+        if twice:
+            raise ValueError(f"the range of {twice[0]!r} was given twice, by {ALIAS_FLAGS[twice[0]]} and by --knob "
+                             f"{twice[0]}=...; give one")
+        return given
 
     def _check_numbers(self) -> None:
         check_bounds(self)  # the table's bounds and choices (spec/fields.py)
@@ -208,9 +223,11 @@ class StudySpec:
         unknown = [name for name in self.losses if name not in LOSSES]
         if unknown:
             raise ValueError(f"unknown loss(es) {unknown}; choose from {sorted(LOSSES)}")
-        if self.negatives is not None and not any(tunes(n, "num_negatives") for n in self.losses):
-            raise ValueError(f"--negatives was given, but none of the losses {list(self.losses)} uses negatives a study "
-                             f"tunes; add one of {sorted(n for n in LOSSES if tunes(n, 'num_negatives'))}")
+        for name, flag in ALIAS_FLAGS.items():
+            if getattr(self, "negatives" if name == "num_negatives" else name) is not None \
+                    and not any(tunes(n, name) for n in self.losses):
+                raise ValueError(f"{flag} was given, but none of the losses {list(self.losses)} tunes {name}; add one "
+                                 f"of {sorted(n for n in LOSSES if tunes(n, name))}")
         if not is_dataset_path(self.dataset):
             check_plain_name("dataset", self.dataset)  # before the default study name is made from it
         check_plain_name("study", self.study_label)
