@@ -13,6 +13,7 @@ import re
 import urllib.parse
 from typing import Any
 
+from .paths import tool_command
 from .tracking import redact
 
 SHARED_VIEW_TAG = "mlflow.sharedViewState."
@@ -33,7 +34,7 @@ def ui_hint(tracking_uri: str, experiment_id: str, view_key: str | None = None) 
     """How to look at a study's runs: the command that serves a database (its job runner off: it doubles
     the server's processes and memory for nothing a study uses), and the runs table's link."""
     serve = "" if tracking_uri.startswith(("http://", "https://")) else \
-        f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri {redact(tracking_uri)}, then open "
+        f"MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false {tool_command('mlflow')} ui --backend-store-uri {redact(tracking_uri)}, then open "
     return f"MLflow: {serve}{runs_table_url(tracking_uri, experiment_id, view_key)}"
 
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +12,20 @@ DATA_DIR_ENV = "APAO_DATA_DIR"
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 DEFAULT_DB_NAME = "mlflow.db"
 _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+def tool_command(name: str) -> str:
+    """How to run the console script ``name`` installed beside this Python (``mlflow``, ``optuna-dashboard``): its
+    absolute path when it is there, so a printed command runs from any directory for someone whose environment is
+    not on PATH (``./apao`` keeps it in the repo's .venv); else the bare name."""
+    beside = Path(sys.executable).parent / name
+    return shlex.quote(str(beside)) if beside.is_file() else name
+
+
+def pip_install_hint(extra: str) -> str:
+    """The command that installs the optional extra ``extra`` of apao_ray into this Python's environment."""
+    root = Path(__file__).resolve().parents[1]
+    return f"{shlex.quote(sys.executable)} -m pip install -e {shlex.quote(f'{root}[{extra}]')}"
 
 
 def check_plain_name(kind: str, name: str) -> str:

@@ -218,12 +218,21 @@ def test_dataset_input_carries_the_files_sha256_and_split_sizes(tmp_path, mlflow
     assert json.loads(generated["profile"])["train_samples"] == len(synthetic.splits["train"])
 
 
-def test_the_ui_link_opens_the_runs_table_of_the_server_or_of_mlflow_ui():
-    from apao_ray.mlflow_ui import ui_hint
+def test_the_ui_link_opens_the_runs_table_of_the_server_or_of_mlflow_ui(tmp_path):
+    import shlex
+    import subprocess
 
+    from apao_ray.mlflow_ui import ui_hint
+    from apao_ray.paths import tool_command
+
+    mlflow = tool_command("mlflow")
     assert ui_hint("sqlite:////tmp/x/mlflow.db", "3", "my study") == (
-        "MLflow: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false mlflow ui --backend-store-uri sqlite:////tmp/x/mlflow.db, "
+        f"MLflow: MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false {mlflow} ui --backend-store-uri sqlite:////tmp/x/mlflow.db, "
         "then open http://127.0.0.1:5000/#/experiments/3/runs?workflowType=machine_learning&viewStateShareKey=my%20study")
+    # the printed command runs as printed from another directory, with the environment's bin not on PATH
+    ran = subprocess.run([*shlex.split(mlflow), "--version"], cwd=tmp_path, capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=120)
+    assert ran.returncode == 0 and "version" in ran.stdout, ran.stderr[-2000:]
     assert ui_hint("http://user:pw@mlflow.lan:8080/", "7") == \
         "MLflow: http://user:***@mlflow.lan:8080/#/experiments/7/runs?workflowType=machine_learning"
 

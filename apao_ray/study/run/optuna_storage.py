@@ -25,6 +25,7 @@ from optuna.samplers import BaseSampler, TPESampler
 from optuna.trial import TrialState
 from ray.tune.search.optuna import OptunaSearch
 
+from ...paths import tool_command
 from ...tracking import redact
 from .scheduler import TIME_ATTR
 from ..spec.space import SEPARATOR, SearchSpec
@@ -90,7 +91,7 @@ def drop_stale_study(storage: optuna.storages.RDBStorage, name: str) -> int:
 
 
 def dashboard_command(url: str) -> str:
-    return f"optuna-dashboard {redact(url)}"
+    return f"{tool_command('optuna-dashboard')} {redact(url)}"
 
 
 class _MethodView:

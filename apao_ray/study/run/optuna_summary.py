@@ -8,6 +8,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from ...paths import pip_install_hint
 from ...tracking import redact
 from ..spec.space import SEPARATOR, knob_names
 from .optuna_storage import dashboard_command, open_storage
@@ -111,7 +112,7 @@ def log_study_artifacts(tracker: Any, parent_run_id: str, storage_url: str, stud
         lines.append(f"no parameter importance where a method has too few trials to mean something ({skipped})")
     note = importance_note(importances)
     explain_study(study, note, parent_run_id)
-    lines.append(f"Optuna study {study_name!r}: {dashboard_command(storage_url)}  (pip install -e '.[dashboard]' "
+    lines.append(f"Optuna study {study_name!r}: {dashboard_command(storage_url)}  ({pip_install_hint('dashboard')} "
                  f"installs it; its importance panel pools every method's trials)")
     return "\n".join(lines)
 
