@@ -291,54 +291,6 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
         recommender.recommend([["no-such-item"]])
 
 
-@pytest.mark.parametrize("flags, problem", [
-    (["--losses", "ce,nope"], "unknown loss(es) ['nope']"),
-    (["--backbones", "gpt"], "unknown backbone(s) ['gpt']"),
-    (["--beta", "0.4:0.1"], "range of 'beta' 0.4:0.1 is empty, inverted"),
-    (["--eta", "1e-3:1e-5"], "range of 'eta' 0.001:1e-05 is empty, inverted"),
-    (["--knob", "eta=0:1e-5"], "range of 'eta' 0.0:1e-05 is on a log scale: LOW must be > 0"),
-    (["--losses", "ce,apao_pointwise", "--negatives", "10:20"],
-     "--negatives was given, but none of the losses ['ce', 'apao_pointwise'] tunes num_negatives"),
-    (["--losses", "apao_pairwise", "--negatives", "10:5000"], "num_negatives=5000 must be < the 399 semantic IDs"),
-    (["--beam-size", "400"], "beam_size=400 exceeds the 399 semantic IDs"),
-    (["--tracking-uri", "http://127.0.0.1:9"], "MLflow tracking server 'http://127.0.0.1:9' is unreachable"),
-    (["--tracking-uri", "file:./mlruns"], "is not supported"),
-    (["--optuna-storage", "postgresql://u:pw@host:port/db"],
-     "--optuna-storage 'postgresql://u:***@host:port/db' is not a SQLAlchemy URL"),  # the password never printed
-    (["--optuna-storage", "postgress://host/db"], "--optuna-storage 'postgress://host/db' is not a SQLAlchemy URL"),
-    (["--study-name", "../escape"], "study name '../escape' must be a plain name"),
-    (["--dataset", "../synthetic"], "synthetic does not exist (a --dataset with a path separator is a directory"),
-    (["--address", "127.0.0.1:9"], "Ray address '127.0.0.1:9' is unreachable"),
-    (["--address", "headnode"], "Ray address 'headnode' must be HOST:PORT"),
-    (["--resume"], "--resume: no study 'synthetic-study' to resume"),
-    (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
-    (["--memory-per-trial", "0"], "'0' must be a number > 0"),
-    (["--cpus-per-trial", "-1"], "'-1' must be a number > 0"),
-    (["--gpus-per-trial", "-1"], "argument --gpus-per-trial: '-1' must be a number >= 0"),  # was a C++ stack trace
-    (["--max-concurrent", "0"], "argument --max-concurrent: '0' must be an integer >= 1"),  # was silently "auto"
-    (["--num-samples", "0"], "argument --num-samples: '0' must be an integer >= 1"),
-    (["--time-budget", "-5"], "argument --time-budget: '-5' must be a number > 0"),
-    (["--asha-grace-period", "0"], "argument --asha-grace-period: '0' must be an integer >= 1"),
-    (["--max-failures", "-1"], "argument --max-failures: '-1' must be an integer >= 0"),
-    (["--pretrain-ce-epochs", "-2"], "argument --pretrain-ce-epochs: '-2' must be an integer >= 0"),
-    (["--seed", "-3"], "argument --seed: '-3' must be an integer >= 0"),
-    (["--epochs", "2.5"], "argument --epochs: '2.5' is not an integer; give an integer >= 1"),
-    (["--lr", "inf"], "argument --lr: 'inf' must be a number >= 0"),
-    (["--lr", "nan"], "argument --lr: 'nan' must be a number >= 0"),
-    # an explicit --data-dir without the dataset, though $APAO_DATA_DIR may hold it
-    (["--dataset", "office", "--data-dir", "no-such-dir"], "dataset 'office' not found in ['/"),
-])
-def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, capsys, flags, problem):
-    from apao_ray.study.cli.sweep import main
-
-    monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--dataset", "synthetic", "--output-dir", str(tmp_path / "runs"), *flags])  # a later --dataset wins
-    stderr = capsys.readouterr().err
-    assert exit_info.value.code == 2 and problem in stderr, stderr[-2000:]
-    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
-
-
 @pytest.mark.e2e
 def test_optuna_storage_holds_each_trial_once_with_the_validation_metric_mlflow_has(study):
     """The study was interrupted twice (Ctrl-C, SIGKILL) and resumed: its Optuna storage (beside
@@ -394,40 +346,6 @@ def test_mlflow_opens_on_runs_with_datasets_and_the_parent_has_the_summary_metri
         assert parent.data.metrics[f"best/tiger/{loss}/test/recall_at_10"] == best.data.metrics["test/recall_at_10"]
 
 
-def _repeat_runs(db: Path) -> list[tuple[str, str]]:
-    """(run it repeats, status) of every repeat-phase child run, read straight from SQLite."""
-    query = ("select t.value, r.status from runs r join tags t on t.run_uuid = r.run_uuid and t.key = 'apao.repeats'")
-    try:
-        with sqlite3.connect(db, timeout=10) as connection:
-            return connection.execute(query).fetchall()
-    except sqlite3.Error:
-        return []
-
-
-@pytest.mark.e2e
-def test_a_study_interrupted_in_its_repeat_phase_resumes_it_without_duplicates(tmp_path):
-    """Ctrl-C while the best configurations are re-trained on the other seed; re-running the command
-    finishes the repeat phase with exactly one child run per (method, seed) and the search untouched."""
-    command = [sys.executable, SWEEP, "--smoke", "--losses", "ce,apao_pointwise", "--num-samples", "1", "--epochs", "2",
-               "--seeds", "0,1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", mlflow_sqlite(tmp_path)]
-    process, _ = _launch_until(command, tmp_path, lambda state: any(
-        status == "RUNNING" for _, status in _repeat_runs(tmp_path / "mlflow.db")), timeout=600)
-    searched = {trial for trial, _, _ in _runs_state(tmp_path / "mlflow.db")}
-    os.killpg(process.pid, signal.SIGINT)
-    _, stderr = process.communicate(timeout=180)
-    assert process.returncode == 130 and "re-run the same command" in stderr, stderr[-3000:]
-    result = run_script(command[1:], cwd=tmp_path, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    repeats = _repeat_runs(tmp_path / "mlflow.db")
-    assert len(repeats) == 2 and len({origin for origin, _ in repeats}) == 2, repeats  # one per method, no duplicate
-    assert all(status == "FINISHED" for _, status in repeats), repeats
-    from apao_ray.tracking import Tracker
-
-    children = Tracker(f"sqlite:///{tmp_path}/mlflow.db", "apao-synthetic").child_runs()
-    assert len(children) == 4 and sorted(run.data.tags["apao.seed"] for run in children) == ["0", "0", "1", "1"]
-    assert searched <= {run.data.tags.get("apao.trial_id") for run in children}  # the search's runs were kept
-
-
 @pytest.mark.e2e
 def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
     """The names a user reads in the MLflow UI: a child's params are its own config (no study-base value
@@ -470,33 +388,3 @@ def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
                                            "metrics.`best/tiger/apao_pointwise/val/ndcg_at_10`",
                                            "metrics.`best/tiger/apao_pointwise/test/ndcg_at_10`"]
     assert view["columnOrder"][:3] == ["attributes.`Run Name`", "runDateAndNestInfo", "duration"]
-
-
-@pytest.mark.e2e
-def test_smoke_study_with_two_workers_per_trial_trains_each_trial_on_two_ranks(tmp_path):
-    """`sweep --smoke --workers-per-trial 2`: each trial is a 2-worker TorchTrainer driven from its Tune actor,
-    planned as 2 workers, recorded as such in MLflow, and tested and logged like any other trial."""
-    uri = mlflow_sqlite(tmp_path)
-    result = run_script([SWEEP, "--smoke", "--workers-per-trial", "2", "--cpus-per-trial", "1", "--losses",
-                         "ce,apao_pointwise", "--num-samples", "1", "--epochs", "2", "--output-dir",
-                         str(tmp_path / "runs"), "--tracking-uri", uri], cwd=tmp_path, timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "1 at a time, 2 data-parallel workers x 1 thread each" in result.stderr
-    from apao_ray.tracking import Tracker
-
-    tracker = Tracker(uri, "apao-synthetic")
-    children = tracker.child_runs()
-    assert len(children) == 2 and all(c.info.status == "FINISHED" for c in children)
-    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
-    assert parent.data.params["workers_per_trial"] == "2"
-    for child in children:
-        assert child.data.params["base.train.num_workers"] == "2"  # the trial's own config
-        assert "test/ndcg_at_10" in child.data.metrics
-        steps = [step for step, _ in tracker.metric_history(child.info.run_id, "val/ndcg_at_10")]
-        assert steps == [1, 2]
-        # rank 0 alone recorded each epoch once where a resumed study's scheduler reads it
-        run_dir = tmp_path / "runs" / "synthetic-study" / "train_runs" / f"train-trial_id={child.data.tags['apao.trial_id']}"
-        reports = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["epoch"] for r in reports] == [1, 2, 2] and reports[-1]["done"]
-        # each rank trained half of every epoch: together the whole 2048-sample subset
-        assert all(r["train/num_samples"] == 1024 for r in reports[:2])
