@@ -55,14 +55,15 @@ def _parent(tracker):
     return parent
 
 
-def _wait_http(url: str, process: subprocess.Popen, timeout: float = 300) -> None:
+def _wait_http(url: str, process: subprocess.Popen, log: Path | None = None, timeout: float = 300) -> None:
+    """Until ``url`` answers; the process's output (its ``log`` file, else its stderr pipe) if it dies first."""
     deadline = time.time() + timeout
     while True:
         try:
             with urllib.request.urlopen(url, timeout=2):
                 return
         except OSError:
-            assert process.poll() is None, process.communicate()[1][-3000:]
+            assert process.poll() is None, (log.read_text() if log else process.communicate()[1])[-3000:]
             assert time.time() < deadline, f"{url} did not answer in {timeout} s"
             time.sleep(0.5)
 
@@ -179,19 +180,23 @@ def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_pa
 def mlflow_server(tmp_path):
     """`mlflow server` on a loopback port with a SQLite backend and a local artifact root."""
     port = stable_free_port()
-    server = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", mlflow_sqlite(tmp_path, "server.db"),
-                               "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
-                               "--port", str(port), "--workers", "1"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                              # no GenAI job runner: its 7 huey consumer processes import MLflow while the study
-                              # trains, and apao_ray submits no jobs
-                              env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
+    # its log goes to a file: a pipe nobody reads fills after ~64 KiB of request lines and blocks the server
+    # mid-response (a study then hung in an MLflow call until its test timed out)
+    log = tmp_path / "server.log"
+    with log.open("w") as output:
+        server = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", mlflow_sqlite(tmp_path, "server.db"),
+                                   "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
+                                   "--port", str(port), "--workers", "1"],
+                                  stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+                                  # no GenAI job runner: its 7 huey consumer processes import MLflow while the study
+                                  # trains, and apao_ray submits no jobs
+                                  env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
-        _wait_http(f"http://127.0.0.1:{port}/health", server)
+        _wait_http(f"http://127.0.0.1:{port}/health", server, log)
         yield port, tmp_path / "artifacts"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
-        server.communicate(timeout=60)
+        server.wait(timeout=60)
 
 
 @pytest.mark.e2e
