@@ -26,6 +26,12 @@ T = TypeVar("T")
 # how a method's label abbreviates the paper's knobs (first, in this order); any other knob goes by its name
 KNOB_LABELS = {"beta": "b", "eta": "eta", "num_negatives": "N"}
 CHOICES = ("backbone", "loss")  # a trial's choices that are not knobs
+
+
+def recorded_knobs(params: dict[str, str]) -> dict[str, str]:
+    """The knobs a child run recorded, as text: every choice param besides backbone and loss (its params are its
+    choices and the ``base.*`` config), whatever loss registry is loaded."""
+    return {k: v for k, v in params.items() if "." not in k and k not in CHOICES and v != "None"}
 TEST_METRICS = tuple(f"test/{name}" for name in PER_USER_METRICS)
 TRIAL_CHOICES = ("best", "all")
 VALIDATION_CURVE = "val/ndcg_at_10"
@@ -120,9 +126,8 @@ class Trial:
 
     @property
     def knobs(self) -> dict[str, float]:
-        """The knobs the trial ran with, as its run recorded them: every choice param besides backbone and loss
-        (a child run's params are its choices and the ``base.*`` config), whatever loss registry is loaded."""
-        return {k: float(v) for k, v in self.params.items() if "." not in k and k not in CHOICES and v != "None"}
+        """The knobs the trial ran with, as its run recorded them (``recorded_knobs``)."""
+        return {k: float(v) for k, v in recorded_knobs(self.params).items()}
 
     @property
     def method(self) -> str:

@@ -6,7 +6,7 @@ import io
 import json
 from typing import Any
 
-from ...analysis.results import CHOICES, EARLY_LEARNING, best_of, is_early_learning, popularity_check
+from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check, recorded_knobs
 from ...names import PLAN_TAG, REPEATS_TAG
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
@@ -199,7 +199,7 @@ RECORDED_KNOBS = "_knobs"
 def run_knobs(params: dict[str, str]) -> dict[str, Any]:
     """A run's knobs as the table's columns: every registered knob (None where the run has none) and whatever else
     it recorded as a choice (a plugin's knob, whether or not its loss is loaded here), named in ``RECORDED_KNOBS``."""
-    recorded = {k: _number(v) for k, v in params.items() if "." not in k and k not in CHOICES}
+    recorded = {k: _number(v) for k, v in recorded_knobs(params).items()}
     return {**{k: None for k in knob_names()}, **recorded, RECORDED_KNOBS: sorted(recorded)}
 
 
