@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from apao_ray.data import EOS_TOKEN, PAD_TOKEN, Catalog, build_splits, collate, iter_batches, load_dataset
+from apao_ray.data import (EOS_TOKEN, PAD_TOKEN, Catalog, ResidentSplit, build_splits, collate, iter_batches,
+                           load_dataset)
 
 SHARED_DATASETS = Path(os.environ.get("APAO_DATA_DIR") or Path(__file__).parents[1].parent / "shared" / "datasets")
 needs_shared = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
@@ -115,6 +116,22 @@ def test_dataset_counts_from_the_readme(name, users, items, interactions, distin
 
 
 # --- batches ---------------------------------------------------------------------------------
+
+def test_resident_split_gathers_what_collate_builds():
+    """Training gathers its batches on the device from indices (data/batches.ResidentSplit): every field equals
+    the host-built batch, for histories of every length, any order, repeats, and a one-item history."""
+    dataset = load_dataset("office", data_dir=SHARED_DATASETS, allow_download=False)
+    split = dataset.splits["train"]
+    resident = ResidentSplit(dataset.catalog, split, "cpu")
+    rng = np.random.default_rng(0)
+    shortest = np.flatnonzero(split.history_lengths == 1)[:3]
+    for indices in [rng.choice(len(split), 64, replace=False), np.array([5, 5, 7]), shortest,
+                    np.flatnonzero(split.history_lengths == 20)[:2]]:
+        expected = collate(dataset.catalog, split, indices)
+        got = resident.batch(indices, torch.as_tensor(indices))
+        for field in ("history_ids", "history_mask", "labels", "target_items", "target_sem", "sample_index"):
+            assert torch.equal(getattr(got, field), getattr(expected, field)), field
+
 
 def test_collate_pads_left_with_eos_last(catalog, splits):
     split = splits["train"]

@@ -11,16 +11,16 @@ from .splits import SPLIT_NAMES, Split, build_splits
 from .synthetic import make_synthetic
 from .tables import DEFAULT_MIN_INTERACTIONS, table_sequences
 
-__all__ = ["Batch", "Catalog", "CatalogTensors", "Dataset", "Split", "collate", "iter_batches",
+__all__ = ["Batch", "Catalog", "CatalogTensors", "Dataset", "ResidentSplit", "Split", "collate", "iter_batches",
            "load_dataset", "known_dataset_names", "PAD_TOKEN", "EOS_TOKEN", "BOS_TOKEN",
            "NUM_SPECIAL_TOKENS", "SPLIT_NAMES", "canonical_dataset", "dataset_label", "is_dataset_path",
            "read_sequences"]
 
-_BATCHES = frozenset({"Batch", "collate", "iter_batches"})  # from .batches, which imports torch
+_BATCHES = frozenset({"Batch", "ResidentSplit", "collate", "iter_batches"})  # from .batches, which imports torch
 
 
 def __getattr__(name: str):
-    """``Batch``, ``collate`` and ``iter_batches`` on first use: a study's driver, ``--help`` and the CLIs that
+    """``Batch``, ``ResidentSplit``, ``collate`` and ``iter_batches`` on first use: a study's driver, ``--help`` and the CLIs that
     read MLflow load datasets without torch (~1 s of CPU per process)."""
     if name in _BATCHES:
         from . import batches  # lazy: torch, see above

@@ -86,6 +86,41 @@ def collate(catalog: Catalog, split: Split, indices: np.ndarray, item_tokens: np
     )
 
 
+class ResidentSplit:
+    """A split's samples held on one device, for training: a batch is gathered there from its indices.
+
+    :func:`collate` builds a batch on the host and copies it over, per batch; on an accelerator that copy
+    (from pageable memory) can wait for the device's queue to drain, so the host no longer prepares the next
+    batch while the device trains this one. Here the histories, targets and token tables are copied once,
+    and a batch is a gather from them by indices that are already on the device (``batch(indices, rows)``).
+    The batch equals ``collate``'s (integer gathers, the same padding).
+    """
+
+    def __init__(self, catalog: Catalog, split: Split, device: torch.device | str,
+                 item_tokens: np.ndarray | None = None) -> None:
+        tokens = catalog.item_tokens if item_tokens is None else item_tokens                 # (I, T)
+        self.device = torch.device(device)
+        self.history_lengths = split.history_lengths                 # host: a batch's width needs no sync
+        self.histories = torch.as_tensor(split.histories, device=self.device)               # (S, H)
+        self.targets = torch.as_tensor(split.targets, device=self.device)                   # (S,)
+        self.item_tokens = torch.as_tensor(tokens, device=self.device)                       # (I, T)
+        self.item_sem = torch.as_tensor(catalog.item_sem, device=self.device)               # (I,)
+
+    def batch(self, indices: np.ndarray, rows: torch.Tensor) -> Batch:
+        """The batch of samples ``indices`` (host, for the width), ``rows`` the same indices on the device."""
+        max_len = max(int(self.history_lengths[indices].max()), 1)
+        histories = self.histories[rows, -max_len:]                                          # (B, Lh)
+        num_rows, num_levels = len(indices), self.item_tokens.shape[1]
+        tokens = self.item_tokens[histories.clamp(min=0)]                                    # (B, Lh, T)
+        tokens = tokens.masked_fill(histories[..., None] < 0, PAD_TOKEN).reshape(num_rows, max_len * num_levels)
+        eos = torch.full((num_rows, 1), EOS_TOKEN, dtype=tokens.dtype, device=self.device)
+        history_ids = torch.cat([tokens, eos], dim=1)                                        # (B, Lh*T + 1)
+        targets = self.targets[rows]
+        return Batch(history_ids=history_ids, history_mask=history_ids != PAD_TOKEN,
+                     labels=self.item_tokens[targets], target_items=targets, target_sem=self.item_sem[targets],
+                     sample_index=rows)
+
+
 def group_by_length(order: np.ndarray, lengths: np.ndarray, batch_size: int, rng: np.random.Generator,
                     window_batches: int = 64) -> np.ndarray:
     """Reorders a shuffled sample order so that each batch holds histories of similar length.

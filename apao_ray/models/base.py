@@ -52,6 +52,15 @@ class Backbone(nn.Module):
 
     vocab_size: int
     num_levels: int
+    # True: the history pass runs on the histories' real tokens only (models/packing), False: on the padded
+    # batch (the same function at more arithmetic); None: packed on a CPU, padded elsewhere. Packing sizes its
+    # tensors by the rows' lengths, which an accelerator holds: reading them stalls its queue once per forward,
+    # and there the arithmetic packing saves matters less than the stall.
+    pack_histories: bool | None = None
+
+    def packs(self, device: torch.device) -> bool:
+        """Whether the history pass on ``device`` runs packed (``pack_histories``)."""
+        return device.type == "cpu" if self.pack_histories is None else self.pack_histories
 
     def encode(self, history_ids: torch.Tensor, history_mask: torch.Tensor) -> Context:
         """Encodes the histories once.

@@ -57,11 +57,10 @@ class LlamaContext:
 class LlamaBackbone(Backbone):
     """Decoder-only Llama; defaults are the paper's size (3.80M parameters at V=1027).
 
-    ``pack_histories`` (default True) runs the history pass on its real tokens only
-    (:mod:`.packing`); False runs the padded reference path, the same function at more cost.
+    ``pack_histories`` (:class:`.base.Backbone`; default: on a CPU) runs the history pass on its real tokens
+    only (:mod:`.packing`); False runs the padded reference path, the same function at more cost.
     """
 
-    pack_histories: bool = True
 
     def __init__(self, vocab_size: int, num_levels: int, d_model: int = 128, num_layers: int = 8,
                  num_heads: int = 8, head_dim: int = 16, d_ff: int = 1024, dropout: float = 0.0,
@@ -116,7 +115,7 @@ class LlamaBackbone(Backbone):
         """
         if not self.history_eos:
             history_ids, history_mask = drop_history_eos(history_ids, history_mask)
-        if self.pack_histories:
+        if self.packs(history_mask.device):
             return self._encode_packed(history_ids, history_mask)
         hidden, keys, values = self._run(history_ids, history_mask)
         return LlamaContext(keys, values, history_mask, history_mask.long().sum(dim=1),

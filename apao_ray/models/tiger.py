@@ -65,11 +65,10 @@ class TigerContext:
 class TigerBackbone(Backbone):
     """T5-style encoder-decoder; defaults are the paper's size (4.59M parameters at V=1027).
 
-    ``pack_histories`` (default True) runs the encoder on the histories' real tokens only
-    (:mod:`.packing`); False runs the padded reference path, the same function at more cost.
+    ``pack_histories`` (:class:`.base.Backbone`; default: on a CPU) runs the history pass on its real tokens
+    only (:mod:`.packing`); False runs the padded reference path, the same function at more cost.
     """
 
-    pack_histories: bool = True
     cross_attention: str = "auto"  # "auto" (by cost, see encode), "projected" or "absorbed"
 
     def __init__(self, vocab_size: int, num_levels: int, d_model: int = 128, num_layers: int = 4,
@@ -131,7 +130,7 @@ class TigerBackbone(Backbone):
                 keys or values are projected. None (decoding: beams and full sorting reuse them) projects.
         """
         key_bias = padding_bias(history_mask)                                  # (B, 1, 1, L)
-        if self.pack_histories:
+        if self.packs(history_mask.device):
             packing = PackedHistory.from_mask(history_mask)
             biases = [self.encoder_bias(b.length, b.length) + padding_bias(b.key_mask) for b in packing.buckets]
             x = self.dropout(self.embedding(packing.pack(history_ids)))          # (N, d)
@@ -156,7 +155,7 @@ class TigerBackbone(Backbone):
         weight = torch.cat([w for layer in self.decoder_layers
                             for w in (layer.cross_attn.k.weight, layer.cross_attn.v.weight)])
         projected = F.linear(x, weight)
-        if self.pack_histories:
+        if self.packs(history_mask.device):
             projected = packing.unpack(projected)
         projected = projected.chunk(2 * len(self.decoder_layers), dim=-1)
         split = self.decoder_layers[0].cross_attn.split_heads

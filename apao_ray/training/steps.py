@@ -1,6 +1,7 @@
 """One training epoch: shuffled micro-batches, per-epoch negatives, gradient accumulation."""
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from collections import defaultdict
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from ..config import TrialConfig
-from ..data import CatalogTensors, Dataset, collate
+from ..data import CatalogTensors, Dataset, ResidentSplit
 from ..data.batches import group_by_length
 from ..losses import sample_negatives
 from ..losses.negatives import skip_targets
@@ -81,12 +82,55 @@ class PositionNegatives:
         return self._blocks[index]
 
     def __call__(self, positions: np.ndarray, target_sem: torch.Tensor) -> torch.Tensor:
-        """(S,) increasing positions in the epoch's order and their (S,) targets -> (S, N) negatives."""
+        """(S,) increasing positions in the epoch's order and their (S,) targets (on the host: no device
+        sync) -> (S, N) negatives, on the host."""
         blocks = positions // self.BLOCK
         for old in [k for k in self._blocks if k < blocks[0]]:  # a rank's positions only increase
             del self._blocks[old]
         draws = torch.cat([self._block(int(k))[positions[blocks == k] % self.BLOCK] for k in np.unique(blocks)])
-        return skip_targets(draws, target_sem.cpu())                           # (S, N)
+        return skip_targets(draws, target_sem)                                 # (S, N)
+
+
+class LossWatch:
+    """Stops training at a non-finite loss without reading each loss as it is computed.
+
+    On a CPU each loss is checked at once. On a CUDA device reading a loss waits for the device to finish
+    all the work queued before it, so the host would stop preparing the next step while the device runs this
+    one: there each loss is copied to the host asynchronously and read one loss later (when the next one is
+    queued), and the last at the epoch's end (``flush``). A non-finite loss then stops the trial one
+    optimizer step later than it arose; the weights of that epoch are discarded all the same (the trial keeps
+    the checkpoint of an earlier epoch).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.deferred = device.type == "cuda"
+        self.pending: collections.deque[tuple[torch.Tensor, Any, Callable[[float], str]]] = collections.deque()
+
+    def push(self, loss: torch.Tensor, describe: Callable[[float], str]) -> None:
+        """Checks ``loss`` (a scalar), now or after the next push; ``describe(value)`` is the error's text."""
+        if not self.deferred:
+            self._check(float(loss.detach()), describe)
+            return
+        host = loss.detach().to("cpu", non_blocking=True)  # into pinned memory, ordered on the stream
+        done = torch.cuda.Event()
+        done.record()
+        self.pending.append((host, done, describe))
+        while len(self.pending) > 1:
+            self._read(*self.pending.popleft())
+
+    def flush(self) -> None:
+        """Checks every loss not read yet."""
+        while self.pending:
+            self._read(*self.pending.popleft())
+
+    def _read(self, host: torch.Tensor, done: Any, describe: Callable[[float], str]) -> None:
+        done.synchronize()  # waits for this loss alone, not for the work queued after it
+        self._check(float(host), describe)
+
+    @staticmethod
+    def _check(value: float, describe: Callable[[float], str]) -> None:
+        if not math.isfinite(value):
+            raise NonFiniteLossError(describe(value))
 
 
 class EpochRunner:
@@ -109,6 +153,8 @@ class EpochRunner:
         self.optimizer_steps_per_epoch = math.ceil(micro_batches / self.accumulation)
         self.item_tokens = dataset.catalog.item_tokens
         self.sem_tokens = torch.as_tensor(dataset.catalog.sem_tokens, device=device)          # (U, T)
+        self.samples = ResidentSplit(dataset.catalog, split, device, self.item_tokens)  # batches gathered there
+        self.target_sem = torch.from_numpy(dataset.catalog.item_sem[split.targets])  # (S,) host, for negatives
         self.memory = MemoryReleaser()  # keeps a worker's resident memory near what it holds
 
     def _candidates(self, batch: Any, num_negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,7 +168,9 @@ class EpochRunner:
         nodes (B, 1+N, T+1)."""
         sem = batch.target_sem[:, None]                                                      # (B, 1)
         if negatives is not None:
-            sem = torch.cat([sem, negatives.to(self.device)], dim=1)                         # (B, 1+N)
+            if self.device.type == "cuda":  # a copy from pinned memory does not wait for the device's queue
+                negatives = negatives.pin_memory()
+            sem = torch.cat([sem, negatives.to(self.device, non_blocking=True)], dim=1)      # (B, 1+N)
         return with_end_token(self.sem_tokens[sem], self.config.protocol.label_eos), self.tensors.leaf_prefix_nodes[sem]
 
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -136,6 +184,25 @@ class EpochRunner:
             order = group_by_length(order, self.dataset.splits["train"].history_lengths,
                                     train.batch_size * self.world_size, rng)
         return order[:self.per_rank * self.world_size][self.rank::self.world_size]
+
+    def epoch_steps(self, local: np.ndarray, size: int) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+        """This rank's optimizer steps of an epoch (``local``: :meth:`epoch_order`), each a list of chunks of
+        at most ``size`` samples: ``(indices, places)``, the samples in order of history length and their
+        places in the epoch's order (what their negatives are drawn by). In that order a chunk's rows are
+        the loss's mean over rows as ever, and the decoders' attention over the history skips each group of
+        rows' common padding (models/packing.row_groups)."""
+        lengths = self.dataset.splits["train"].history_lengths
+        step_size = self.config.train.batch_size * self.accumulation
+        steps = []
+        for start in range(0, len(local), step_size):
+            step = []
+            for first in range(start, min(start + step_size, len(local)), size):
+                chunk = local[first:min(first + size, start + step_size, len(local))]
+                places = np.arange(first, first + len(chunk)) * self.world_size + self.rank
+                by_length = np.argsort(lengths[chunk], kind="stable")
+                step.append((chunk[by_length], places[by_length]))
+            steps.append(step)
+        return steps
 
     def train_epoch(self, epoch: int, model: nn.Module, loss_fn: Any, optimizer: torch.optim.Optimizer,
                     scheduler: Any, reference: nn.Module | None,
@@ -161,31 +228,25 @@ class EpochRunner:
         # their streams would part anyway), and a run resumed from rank 0's checkpoint draws on every rank what
         # the uninterrupted run drew
         torch.manual_seed(seed_of(train.seed, epoch, self.rank))
-        split = self.dataset.splits["train"]
         local = self.epoch_order(epoch)
         negatives = PositionNegatives(train.seed, epoch, len(self.sem_tokens), loss_fn.num_negatives)
         precision = autocast(train.precision, self.device)  # run_trial resolved 'auto' for this device
-        sums: dict[str, float] = defaultdict(float)
+        sums: dict[str, Any] = defaultdict(float)  # on the device: read once, at the epoch's end
         grad_norm_sum, num_steps = None, 0
-        step_size = train.batch_size * self.accumulation
-        size = chunk_size(train.batch_size, loss_fn.num_negatives, self.device)
-        for start in range(0, len(local), step_size):
-            step_indices = local[start:start + step_size]
-            chunks = [step_indices[i:i + size] for i in range(0, len(step_indices), size)]
+        steps = self.epoch_steps(local, chunk_size(train.batch_size, loss_fn.num_negatives, self.device))
+        rows = torch.as_tensor(np.concatenate([chunk for step in steps for chunk, _ in step]), device=self.device)
+        watch = LossWatch(self.device)
+        done, offset = 0, 0
+        for step_number, step in enumerate(steps, start=1):
+            step_samples = sum(len(chunk) for chunk, _ in step)
             optimizer.zero_grad(set_to_none=True)
             prefix_sum = None
-            for position, chunk in enumerate(chunks):
-                first = start + position * size                      # the chunk's first index in ``local``
-                places = np.arange(first, first + len(chunk)) * self.world_size + self.rank
-                # rows in order of history length, each with its own negatives (drawn by place): the loss is a
-                # mean over rows, and the decoders' attention over the history skips each group of rows' common
-                # padding (models/packing.row_groups)
-                by_length = np.argsort(split.history_lengths[chunk], kind="stable")
-                chunk, places = chunk[by_length], places[by_length]
-                batch = collate(self.dataset.catalog, split, chunk, self.item_tokens).to(self.device)
+            for position, (chunk, places) in enumerate(step):
+                batch = self.samples.batch(chunk, rows[offset:offset + len(chunk)])
+                offset += len(chunk)
                 candidates, nodes = self._candidates_with(
-                    batch, negatives(places, batch.target_sem) if loss_fn.num_negatives else None)
-                is_last = position == len(chunks) - 1
+                    batch, negatives(places, self.target_sem[chunk]) if loss_fn.num_negatives else None)
+                is_last = position == len(step) - 1
                 # gradients are all-reduced once per optimizer step, not per micro-batch
                 sync = contextlib.nullcontext() if is_last or not hasattr(model, "no_sync") else model.no_sync()
                 with sync:
@@ -197,19 +258,17 @@ class EpochRunner:
                             ref_logits = reference(batch.history_ids, batch.history_mask, candidates)
                         ref_logp = label_log_probs(ref_logits, candidates)                   # (B, C, T)
                     output = loss_fn(LossInputs(logits, candidates, nodes, ref_logp))  # losses upcast
-                    loss_value = float(output.loss.detach())
-                    if not math.isfinite(loss_value):  # the weights would be lost: stop now, not at the epoch's end
-                        raise NonFiniteLossError(
-                            f"training loss became {loss_value} in epoch {epoch} (loss {loss_fn.name!r}, lr {train.lr}; "
-                            f"optimizer step {start // step_size + 1} of {-(-len(local) // step_size)}); "
-                            "stopping this trial")
-                    (output.loss * gradient_scale(len(chunk), len(step_indices), self.config.protocol)).backward()
+                    # a NaN must stop the trial before the epoch's checkpoint (the weights would be lost)
+                    watch.push(output.loss, lambda value, step_number=step_number: (
+                        f"training loss became {value} in epoch {epoch} (loss {loss_fn.name!r}, lr {train.lr}; "
+                        f"optimizer step {step_number} of {len(steps)}); stopping this trial"))
+                    (output.loss * gradient_scale(len(chunk), step_samples, self.config.protocol)).backward()
                 weight = len(chunk)
                 for name, value in output.metrics.items():
                     if value.numel() == 1:
-                        sums[name] += float(value) * weight
+                        sums[name] += value.detach().to(torch.float64) * weight
                 if output.prefix_losses is not None:
-                    contribution = output.prefix_losses.detach() * (len(chunk) / len(step_indices))
+                    contribution = output.prefix_losses.detach() * (len(chunk) / step_samples)
                     prefix_sum = contribution if prefix_sum is None else prefix_sum + contribution
                 sums["_samples"] += weight
             if train.grad_clip:
@@ -219,13 +278,15 @@ class EpochRunner:
             optimizer.step()
             scheduler.step()
             self.memory.step()
+            done += step_samples
             if progress is not None:
-                progress(start + len(step_indices), len(local))
+                progress(done, len(local))
             if prefix_sum is not None:  # every rank applies the same adaptive-weight update: all ranks' mean
                 prefix_sum = average_over_ranks(prefix_sum)
                 loss_fn.after_optimizer_step(LossOutput(loss=prefix_sum.sum(), prefix_losses=prefix_sum))
+        watch.flush()
         num_samples = sums.pop("_samples")
-        metrics = {f"train/{name}": total / num_samples for name, total in sums.items()}
+        metrics = {f"train/{name}": float(total) / num_samples for name, total in sums.items()}
         metrics.setdefault("train/loss", float("nan"))
         metrics["train/num_samples"] = num_samples
         metrics["train/lr"] = scheduler.get_last_lr()[0]
