@@ -8,7 +8,7 @@
 #   # back here, per seed:
 #   python benchmarks/evidence/gpu_full_protocol.py --out /tmp/seeds --export office-full-gpu-seeds DIR
 #
-# Each seed's trial files land in $OUT/seeds; a pair is started only while at least 150 s are left (a pair
+# Each seed's trial files land in $OUT/seeds; a pair is started only while MIN_LEFT s (300) are left (a pair
 # still running at the deadline is stopped, its files marked unfinished). Variables: SEEDS, DEADLINE
 # (seconds from the script's start), OUT, APAO_DATA_DIR, THREADS (per trial, default 4), PROTOCOL (paper),
 # DEVICE (cuda; cpu tries the script).
@@ -32,7 +32,7 @@ fi
 echo "smoke: full sort $full_sort after $((SECONDS - start)) s"
 for seed in $seeds; do
     left=$((deadline - (SECONDS - start)))
-    if [ "$left" -lt 150 ]; then
+    if [ "$left" -lt "${MIN_LEFT:-300}" ]; then
         echo "seed $seed not started: $left s left"
         continue
     fi
