@@ -1,10 +1,11 @@
 """The training step on one CUDA GPU: this tree against a copy of an earlier one, A/B interleaved.
 
 Each row trains whole Office epochs through the product's ``EpochRunner`` (micro-batch ``--batch-size``,
-effective batch 1024, the precision a trial gets there) after a warm-up epoch of ``--warmup-samples``,
-one process per tree and round (``PYTHONPATH`` at that tree) running its rows in turn; it reports samples/s, seconds per epoch, the peak GPU
-memory and the achieved TFLOP/s (the step's floating-point operations counted by
-``torch.utils.flop_counter`` on one micro-batch, times the epoch's micro-batches, over the time). Rows:
+effective batch 1024, the precision a trial gets there) after a warm-up epoch of ``--warmup-samples``, one
+process per tree and round (``PYTHONPATH`` at that tree) running its rows in turn; it reports samples/s,
+seconds per epoch, the peak GPU memory and the achieved TFLOP/s (the step's floating-point operations on the
+row's own path, packed or padded, counted by ``torch.utils.flop_counter`` on one micro-batch, per sample,
+times the epoch's samples, over the time: a padded row counts the padding's arithmetic too). Rows:
 every ``--configs`` entry ``BACKBONE/LOSS[/PACK]`` on this tree, PACK one of ``default`` (the tree's own
 choice), ``packed`` or ``padded`` (the history pass; models/base.py ``pack_histories``), and those without
 PACK on the baseline. Rounds alternate the trees' order; the table gives medians and each new row's ratio
@@ -32,6 +33,7 @@ DEFAULT_CONFIGS = "tiger/ce,tiger/ce/packed,tiger/apao_pointwise,llama/ce"
 
 def one(args: argparse.Namespace, row: str) -> dict:
     """One row in this process (its tree is the first ``apao_ray`` on ``sys.path``)."""
+    import numpy as np
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -65,25 +67,28 @@ def one(args: argparse.Namespace, row: str) -> dict:
     EpochRunner(config.replace(train=warmup), dataset, tensors, device).train_epoch(
         1, model, loss, optimizer, scheduler, None)
     runner = EpochRunner(config, dataset, tensors, device)
-    # the step's operations, counted on one micro-batch of the first epoch's order
-    steps = runner.epoch_steps(runner.epoch_order(2), args.batch_size) if hasattr(runner, "epoch_steps") else None
-    flops_per_sample = None
-    if steps is not None:
-        from apao_ray.losses.base import LossInputs
-        chunk = steps[0][0][0]
-        batch = runner.samples.batch(chunk, torch.as_tensor(chunk, device=device))
-        candidates, nodes = runner._candidates_with(batch, None)
-        counter = FlopCounterMode(display=False)
-        from apao_ray.training.precision import autocast
-        with counter:
-            with autocast(config.train.precision, device):
-                logits = model(batch.history_ids, batch.history_mask, candidates)
-            loss(LossInputs(logits, candidates, nodes, None)).loss.backward()
-        optimizer.zero_grad(set_to_none=True)
-        flops_per_sample = counter.get_total_flops() / len(chunk)
+    # the step's operations on this row's path (packed or padded), counted on one micro-batch (either tree)
+    from apao_ray.data import collate
+    from apao_ray.losses.base import LossInputs
+    from apao_ray.training.precision import autocast
+
+    split = dataset.splits["train"]
+    chunk = runner.epoch_order(2)[:args.batch_size]
+    chunk = chunk[np.argsort(split.history_lengths[chunk], kind="stable")]
+    batch = collate(dataset.catalog, split, chunk).to(device)
+    candidates, nodes = runner._candidates(batch, loss.num_negatives, torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        with autocast(config.train.precision, device):
+            logits = model(batch.history_ids, batch.history_mask, candidates)
+        loss(LossInputs(logits, candidates, nodes, None)).loss.backward()
+    optimizer.zero_grad(set_to_none=True)
+    flops_per_sample = counter.get_total_flops() / len(chunk)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+    if args.profile:
+        return profile_epoch(runner, model, loss, optimizer, scheduler, row, cuda)
     seconds = []
     for epoch in range(2, 2 + args.epochs):
         start = time.perf_counter()
@@ -96,10 +101,34 @@ def one(args: argparse.Namespace, row: str) -> dict:
     return {"row": row, "tree": args.tree_label, "epoch_seconds": epoch_seconds, "epoch_runs": seconds,
             "samples_per_second": samples / epoch_seconds, "samples": samples,
             "flops_per_sample": flops_per_sample,
-            "tflops": flops_per_sample * samples / epoch_seconds / 1e12 if flops_per_sample else None,
+            "tflops": flops_per_sample * samples / epoch_seconds / 1e12,
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "precision": config.train.precision, "train_loss": metrics["train/loss"], "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name() if cuda else "none"}
+
+
+def profile_epoch(runner, model, loss, optimizer, scheduler, row: str, cuda: bool) -> dict:
+    """One epoch under torch.profiler: the device's busy time against the wall time, kernels per optimizer
+    step, and the kernels that take the most device time (where an epoch goes once the host keeps up)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        runner.train_epoch(2, model, loss, optimizer, scheduler, None)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+    averages = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                      key=lambda e: e.device_time_total, reverse=True)
+    steps = runner.optimizer_steps_per_epoch
+    return {"row": row, "tree": "new", "profile": True, "wall_seconds": wall, "device_busy_seconds": busy,
+            "kernels_per_step": len(kernels) / steps, "optimizer_steps": steps,
+            "top": [{"name": e.key[:80], "device_seconds": e.device_time_total / 1e6, "calls": e.count}
+                    for e in averages[:15]]}
 
 
 def check_loss_watch() -> dict:
@@ -138,6 +167,9 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cuda, or cpu to try the script (default %(default)s)")
     parser.add_argument("--max-train-samples", type=int, help="a short epoch (to try the script)")
     parser.add_argument("--json-out", required=True)
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one epoch of each --configs row on this tree instead (device busy time, "
+                             "kernels per step, top kernels)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--tree-label", default="new", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -149,6 +181,24 @@ def main() -> int:
                 print(json.dumps({"row": row, "tree": args.tree_label, "error": f"{type(error).__name__}: {error}"}),
                       flush=True)
         return 0
+    if args.profile:
+        done = subprocess.run([sys.executable, __file__, "--one", args.configs, "--profile", "--data-dir", args.data_dir,
+                               "--batch-size", str(args.batch_size), "--warmup-samples", str(args.warmup_samples),
+                               "--device", args.device, "--json-out", "-",
+                               *(["--max-train-samples", str(args.max_train_samples)] if args.max_train_samples
+                                 else [])], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        Path(args.json_out).write_text(json.dumps(rows, indent=1))
+        for row in rows:
+            if "error" in row:
+                print(row["row"], row["error"])
+                continue
+            print(f"{row['row']}: wall {row['wall_seconds']:.2f} s, device busy {row['device_busy_seconds']:.2f} s, "
+                  f"{row['kernels_per_step']:.0f} kernels per optimizer step")
+            for kernel in row["top"]:
+                print(f"  {kernel['device_seconds']:7.3f} s {kernel['calls']:6d}x  {kernel['name']}")
+        print(done.stderr[-1500:] if done.returncode else "")
+        return done.returncode
     trees = {"new": ROOT, **({"old": Path(args.baseline).resolve()} if args.baseline else {})}
     configs = {"new": args.configs.split(","), "old": [c for c in args.configs.split(",") if c.count("/") == 1]}
     results: dict[tuple[str, str], list[dict]] = {(label, c): [] for label in trees for c in configs[label]}
@@ -183,16 +233,11 @@ def main() -> int:
         if not good:
             continue
         median = statistics.median(r["epoch_seconds"] for r in good)
-        # the same model's operations on either tree: counted where this tree can (the new one)
-        flops = [r["flops_per_sample"] for rows in results.values() for r in rows if r.get("flops_per_sample")
-                 and r["row"] == config] or [r["flops_per_sample"] for (l, c), rows in results.items()
-                                             for r in rows if r.get("flops_per_sample") and l == "new"
-                                             and c.split("/")[:2] == config.split("/")[:2]]
         old = [r["epoch_seconds"] for r in results.get(("old", "/".join(config.split("/")[:2])), [])
                if "error" not in r] if label == "new" else []
         ratio = f"{statistics.median(old) / median:.2f}" if old else "-"
         print(f"{label:<5}{config:<28}{median:8.2f}{good[0]['samples'] / median:10.0f}"
-              f"{(flops[0] * good[0]['samples'] / median / 1e12 if flops else float('nan')):8.1f}"
+              f"{good[0]['flops_per_sample'] * good[0]['samples'] / median / 1e12:8.1f}"
               f"{max(r['peak_gpu_gib'] for r in good):6.1f}{ratio:>7}")
     return 0
 
