@@ -80,7 +80,7 @@ def main() -> int:
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
     from apao_ray.hardware import cpu_model
-    from apao_ray.study.run.ray_cluster import stable_free_port
+    from apao_ray.study.cluster.ray_cluster import stable_free_port
 
     port = stable_free_port()  # outside the range Ray's own processes bind port 0 in
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",

@@ -30,7 +30,7 @@ KINDS = ("trainer", "direct")
 
 def run_study(kind: str, args: argparse.Namespace) -> float:
     """Wall seconds of one study of ``args.trials`` trials of this kind, in this process."""
-    from apao_ray.study.run.ray_cluster import init_ray
+    from apao_ray.study.cluster.ray_cluster import init_ray
 
     import ray
     import ray.train

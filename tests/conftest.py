@@ -209,7 +209,7 @@ def serving(registered: dict, *flags: str):
     import time
     import urllib.request
 
-    from apao_ray.study.run.ray_cluster import stable_free_port
+    from apao_ray.study.cluster.ray_cluster import stable_free_port
 
     port = stable_free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_URI": registered["tracking_uri"]}

@@ -1,8 +1,8 @@
 """The package's import graph, read with ``ast`` (function-level imports included): no cycles, and
 the arrows point the way docs/architecture.md says: core -> training -> study -> (nothing above it);
-inside the study, spec -> plan -> run -> record, setup and api above them, cli on top; analysis below the
-study driver; only ``tracking`` imports mlflow; only the study and the Ray Train
-worker import ray."""
+inside the study, each sub-package imports only those before it in STUDY_LAYERS (spec and cluster at the
+bottom, then record, search, setup, plan, run, api, cli); analysis below the study driver; only ``tracking``
+imports mlflow; only the study and the Ray Train worker import ray."""
 from __future__ import annotations
 
 import ast
@@ -17,13 +17,14 @@ FORBIDDEN: dict[tuple[str, ...], tuple[str, ...]] = {
     CORE: ("training", "study", "tracking", "analysis", "inference", "export", "serve", "cli"),
     ("training",): ("study", "tracking", "analysis", "inference", "export", "serve", "cli"),
     ("analysis",): ("study", "cli"),
-    # inside the study layer, in the order a study runs: spec -> plan -> run -> record; setup, api and cli above
-    ("study.spec",): ("study.plan", "study.run", "study.record", "study.setup", "study.api", "study.cli"),
-    ("study.plan",): ("study.run", "study.record", "study.setup", "study.api", "study.cli"),
-    ("study.record",): ("study.plan", "study.run", "study.setup", "study.api", "study.cli"),
-    ("study.run",): ("study.plan", "study.setup", "study.api", "study.cli"),
-    ("study.setup", "study.api"): ("study.cli",),
 }
+# inside the study layer, lowest first: a sub-package (or module) imports only those before it. spec (what was
+# asked, pure) and cluster (Ray start-up, stop signals) need nothing of the study; record (tags, callbacks, table)
+# is read by the search (its trials' tags) and everything above; setup checks a spec against the world with
+# them; the plan fits a setup; run drives Tune with spec, setup and plan; api and cli on top
+STUDY_LAYERS = ("study.spec", "study.cluster", "study.record", "study.search", "study.setup", "study.plan", "study.run",
+                "study.api", "study.cli")
+FORBIDDEN.update({(layer,): STUDY_LAYERS[i + 1:] for i, layer in enumerate(STUDY_LAYERS[:-1])})
 THIRD_PARTY_OWNERS = {"mlflow": ("tracking",), "ray": ("study", "training.worker")}
 
 

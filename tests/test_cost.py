@@ -80,7 +80,7 @@ def test_codecarbon_starts_without_a_second_python_for_the_cpu_name():
 
 
 def test_parent_run_sums_the_cost_of_its_children_per_method(tmp_path):
-    from apao_ray.study.run.mlflow_callback import log_cost_per_method
+    from apao_ray.study.record.mlflow_callback import log_cost_per_method
     from apao_ray.tracking import Tracker
 
     tracker = Tracker(mlflow_sqlite(tmp_path), "apao-test")

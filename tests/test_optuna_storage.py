@@ -11,7 +11,7 @@ import statistics
 import optuna
 import pytest
 
-from apao_ray.study.run import optuna_storage, optuna_summary
+from apao_ray.study.search import optuna_storage, optuna_summary
 from apao_ray.study.spec.space import SearchSpec, param_name
 from apao_ray.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, dataset_record
 from conftest import mlflow_sqlite
@@ -197,7 +197,7 @@ def test_experiment_is_tagged_as_model_training_unless_the_user_chose_a_kind(mlf
 
 
 def test_dataset_input_carries_the_files_sha256_and_split_sizes(tmp_path, mlflow_uri, synthetic):
-    from apao_ray.study.run.mlflow_callback import dataset_record_of
+    from apao_ray.study.record.mlflow_callback import dataset_record_of
 
     checksums = {"office.inter.json": "a" * 64, "office.index.rq-kmeans.json": "b" * 64}
     record = dataset_record("office", checksums, {"train": 10, "valid": 2, "test": 3}, str(tmp_path))

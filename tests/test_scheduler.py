@@ -1,4 +1,4 @@
-"""study/run/scheduler.py driven with synthetic results (no training, no Ray cluster): who is stopped when."""
+"""study/search/scheduler.py driven with synthetic results (no training, no Ray cluster): who is stopped when."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -18,7 +18,7 @@ def _report(scheduler, trial, epoch: int, value: float) -> str:
 
 @pytest.fixture
 def scheduler():
-    from apao_ray.study.run.scheduler import PerMethodASHA
+    from apao_ray.study.search.scheduler import PerMethodASHA
 
     # 5 epochs (max_t one past the last); rungs at epochs 1 and 4 (reduction factor 4)
     return PerMethodASHA(metric=METRIC, mode="max", max_t=6, grace_period=1)
@@ -53,7 +53,7 @@ def test_a_baseline_runs_to_the_end_however_far_behind(scheduler):
 def test_within_a_method_the_weak_trial_is_pruned_and_its_epoch_recorded(scheduler):
     from ray.tune.schedulers import TrialScheduler
 
-    from apao_ray.study.run.scheduler import pruned_epoch
+    from apao_ray.study.record.outcomes import pruned_epoch
 
     strong = _add(scheduler, *(_trial(f"p{k}", "apao_pointwise") for k in range(3)))
     weak, other_method = _add(scheduler, _trial("weak", "apao_pointwise"), _trial("pair", "apao_pairwise"))
@@ -76,7 +76,7 @@ def test_a_resumed_trial_meets_the_rung_of_its_epoch_not_of_its_reports_since_th
     """Tune's training_iteration restarts at 1 when a study resumes: the rungs must count epochs."""
     from ray.tune.schedulers import TrialScheduler
 
-    from apao_ray.study.run.scheduler import pruned_epoch
+    from apao_ray.study.record.outcomes import pruned_epoch
 
     strong = _add(scheduler, *(_trial(f"s{k}", "apao_pointwise") for k in range(3)))
     for epoch in range(1, 5):  # weak at first (rung 1), strong by rung 4
@@ -96,7 +96,7 @@ def test_a_resumed_study_puts_its_trials_back_in_the_rungs_they_had_reached(tmp_
     from ray.tune.schedulers import TrialScheduler
 
     from apao_ray.names import REPORTS_FILE, train_run_name
-    from apao_ray.study.run.scheduler import PerMethodASHA
+    from apao_ray.study.search.scheduler import PerMethodASHA
 
     def write_reports(trial_id: str, values: list[float], final: bool = False) -> None:
         run_dir = tmp_path / train_run_name(trial_id)

@@ -130,7 +130,8 @@ def test_cost_is_summed_over_every_trial_of_a_method_and_peak_memory_is_the_larg
 
 def test_repeat_configs_read_back_as_the_searched_choices_and_tag_their_seed_and_origin():
     from apao_ray.config import TrialConfig
-    from apao_ray.study.run.repeats import repeat_configs, seed_tags
+    from apao_ray.study.record.outcomes import seed_tags
+    from apao_ray.study.run.repeats import repeat_configs
     from apao_ray.study.spec.space import trial_choices, trial_config
 
     best = [{"backbone": "tiger", "loss": "ce", "beta": None, "eta": None, "num_negatives": None, "run_id": "a"},

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from apao_ray.study.run.ray_cluster import stable_free_port
+from apao_ray.study.cluster.ray_cluster import stable_free_port
 from conftest import ROOT, descendant_pids, mlflow_sqlite, run_script
 
 SWEEP = str(ROOT / "studies" / "sweep.py")
@@ -282,7 +282,7 @@ def test_recorded_command_lines_hide_secrets(line, secret):
 def test_ray_dashboard_port_is_free_and_outside_the_range_the_os_hands_out(tmp_path, monkeypatch):
     """Ray's own processes bind port 0 (the kernel's ephemeral range) while ours starts: the dashboard's port
     comes from below that range and above Ray's worker ports, and is one nobody holds."""
-    import apao_ray.study.run.ray_cluster as runner
+    import apao_ray.study.cluster.ray_cluster as runner
 
     ephemeral_start = int(runner.EPHEMERAL_RANGE_FILE.read_text().split()[0])
     ports = {runner.stable_free_port() for _ in range(20)}

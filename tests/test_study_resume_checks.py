@@ -86,7 +86,7 @@ def test_overwrite_retires_the_old_study_runs_under_their_own_name(tmp_path):
 def test_resume_refuses_an_optuna_storage_other_than_the_one_the_study_started_with(tmp_path, monkeypatch, capsys):
     """The restored searcher keeps writing to its first storage: a different --optuna-storage is an error, not ignored."""
     from apao_ray.study.cli.sweep import main
-    from apao_ray.study.run.optuna_storage import STORAGE_TAG
+    from apao_ray.study.search.optuna_storage import STORAGE_TAG
     from apao_ray.tracking import Tracker
 
     argv, uri, _, parent_id = _started_tiny_study(tmp_path, monkeypatch)
@@ -106,3 +106,17 @@ def test_resume_refuses_an_optuna_storage_other_than_the_one_the_study_started_w
             main([*argv, *given, "--dry-run"])
         except SystemExit as error:
             assert "Optuna storage" not in capsys.readouterr().err, given
+
+
+def test_a_study_saved_before_study_run_was_split_still_unpickles():
+    """Tune pickles the searcher, the scheduler and the run callbacks by module path: a study saved before they
+    left ``study/run/`` names the old modules, and resuming it must find the same classes (run/__init__.MOVED)."""
+    import pickle
+
+    from apao_ray.study.record.live_callbacks import LiveCallbacks
+    from apao_ray.study.search.optuna_storage import PersistentOptunaSearch
+    from apao_ray.study.search.scheduler import PerMethodASHA
+
+    for old, cls in [("optuna_storage", PersistentOptunaSearch), ("scheduler", PerMethodASHA),
+                     ("live_callbacks", LiveCallbacks)]:
+        assert pickle.loads(f"capao_ray.study.run.{old}\n{cls.__name__}\n.".encode()) is cls

@@ -62,7 +62,7 @@ def test_the_local_rays_workers_run_at_the_drivers_niceness_and_its_dashboard_st
 
     from conftest import ROOT
 
-    code = ("import os, sys, ray, ray._private.worker as w; from apao_ray.study.run.ray_cluster import init_ray; "
+    code = ("import os, sys, ray, ray._private.worker as w; from apao_ray.study.cluster.ray_cluster import init_ray; "
             "init_ray(None, num_cpus=1, dashboard=sys.argv[1] == 'on'); "
             "print(os.nice(0), ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote()), "
             "repr(w.get_dashboard_url())); ray.shutdown()")

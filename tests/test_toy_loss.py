@@ -61,7 +61,7 @@ def test_a_knob_declared_only_on_the_class_is_searched_passed_to_the_loss_and_lo
 
     from apao_ray.config import LossConfig, TrialConfig
     from apao_ray.losses import build_loss
-    from apao_ray.study.run.mlflow_callback import child_params
+    from apao_ray.study.record.mlflow_callback import child_params
     from apao_ray.study.spec.space import SearchSpec, is_baseline, param_name, trial_choices, trial_config
 
     spec = SearchSpec(("tiger",), ("ce", NAME), trials_per_tuned=4, dataset="synthetic")

@@ -29,8 +29,9 @@ def test_the_drivers_callbacks_read_results_without_loading_torch():
     import subprocess
     import sys
 
-    code = ("import sys; import apao_ray.study.run.mlflow_callback, apao_ray.study.run.progress, apao_ray.study.run.pruned, "
-            "apao_ray.study.record.seeds; print(sorted(m for m in ('torch', 'ray.train.torch') if m in sys.modules))")
+    code = ("import sys; import apao_ray.study.record.mlflow_callback, apao_ray.study.record.progress, "
+            "apao_ray.study.run.pruned, apao_ray.study.record.seeds; "
+            "print(sorted(m for m in ('torch', 'ray.train.torch') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
 
@@ -40,7 +41,7 @@ def test_a_trial_run_again_keeps_its_last_attempts_end_as_history_not_as_its_sta
     say 'out of memory', and the error of the attempt before is kept under apao.previous_error."""
     from types import SimpleNamespace
 
-    from apao_ray.study.run.mlflow_callback import MlflowStudyCallback
+    from apao_ray.study.record.mlflow_callback import MlflowStudyCallback
     from apao_ray.tracking import Tracker
 
     uri = mlflow_sqlite(tmp_path)

@@ -8,7 +8,7 @@ from typing import Any
 from .record.outcomes import short_reason
 from .plan.plan import Plan, cost_summary, make_plan, method_config, validation_users
 from .plan.probe_cache import record_observed
-from .setup import StudySetup, prepare
+from .setup import StudySetup, prepare, study_state_exists
 from .spec.study import StudySpec
 
 
@@ -49,7 +49,7 @@ def study_slots(spec: StudySpec, setup: StudySetup, start_ray: bool) -> int:
     if spec.address or start_ray:
         import ray
 
-        from .run.ray_cluster import cluster_cpus, init_ray
+        from .cluster.ray_cluster import cluster_cpus, init_ray
 
         init_ray(spec.address, dashboard=spec.starts_ray_dashboard)
         cpus, where = cluster_cpus(), "the Ray cluster"
@@ -101,7 +101,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     from ..tracking import Tracker, experiment_name
     from ..names import CONVERGED_TAG
     from .record.report import DESCRIPTION_TAG, RECORDED_KNOBS, study_description, table_rows
-    from .run.driver import Study, StudyOutcome, check_same_schedule, invocation, study_state_exists
+    from .run.driver import Study, StudyOutcome, check_same_schedule, invocation
     from .run.driver import run_study as run_planned
 
     setup = setup if setup is not None else prepare(spec)

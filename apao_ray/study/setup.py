@@ -6,9 +6,14 @@ another question, answered once, when the study starts (``api.run_study`` and ``
 files load and hold what every loss needs, the MLflow store answers, the Ray cluster is reachable, a resumed
 study's dataset and Optuna storage are the ones it started with. What that finds is a ``StudySetup``; the
 plan (``plan.plan.make_plan``) then fits the trials' schedule to the budget.
+
+Where it sits: above ``cluster`` (``check_ray_address``), ``record`` (``dataset_record_of``: the dataset as each run
+logs it) and ``search`` (``resolve_storage_url``, ``STORAGE_TAG``), which it asks; below the plan and the driver,
+which take the ``StudySetup`` (the driver also reuses ``study_state_exists`` and ``parent_run`` on a resume).
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +22,8 @@ from typing import Any
 from ..config import TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from ..hardware import available_cpus
 from .spec.study import StudySpec, with_pretrain
+
+PARENT_ROLE_TAG = "apao.role"  # with the study tag, what finds a study's MLflow parent run
 
 
 @dataclass(frozen=True)
@@ -62,10 +69,9 @@ def prepare(spec: StudySpec) -> StudySetup:
     from ..protocol import check_select_by
     from ..tracking import check_tracking_uri, resolve_tracking_uri
     from ..training.checks import check_against_catalog
-    from .run.driver import check_resumable, study_state_exists
-    from .run.mlflow_callback import dataset_record_of
-    from .run.optuna_storage import resolve_storage_url
-    from .run.ray_cluster import check_ray_address
+    from .cluster.ray_cluster import check_ray_address
+    from .record.mlflow_callback import dataset_record_of
+    from .search.optuna_storage import resolve_storage_url
 
     dataset = load_dataset(spec.dataset, spec.data_dir, allow_download=not spec.data_dir)  # given: it is there
     base = with_pretrain(trial_base(spec, dataset.data_dir), spec.losses, spec.pretrain_ce_epochs)
@@ -122,3 +128,56 @@ def local_cpus_per_trial(num_trials: int, max_concurrent: int | None, workers_pe
     at_once = max(1, min(num_trials, max_concurrent or cpus, cpus // workers_per_trial))
     busy = int(os.getloadavg()[0] + 0.5) if hasattr(os, "getloadavg") else 0
     return float(max(1, min(cpus // (at_once * workers_per_trial), (cpus - busy) // workers_per_trial)))
+
+
+def study_state_exists(study_dir: Path) -> bool:
+    """Whether Tune saved a study's state in ``study_dir`` (``<output_dir>/<study name>``): it can be resumed."""
+    from ray import tune
+
+    return tune.Tuner.can_restore(str(study_dir))
+
+
+def parent_tags(study_name: str) -> dict[str, str]:
+    """The tags that identify a study's MLflow parent run."""
+    from .record.outcomes import STUDY_TAG
+
+    return {STUDY_TAG: study_name, PARENT_ROLE_TAG: "study"}
+
+
+def check_resumable(setup: StudySetup, spec: StudySpec) -> None:
+    """Refuses to resume a study whose dataset files or named Optuna storage changed (what the plan does not
+    decide: checked before the plan's probe). Tune restores the searcher from its own state, so a changed
+    storage would be silently ignored, and a changed dataset would mix two datasets in one comparison."""
+    from ..tracking import redact
+
+    if spec.overwrite:
+        return
+    run = parent_run(setup)
+    if run is None:
+        return
+    recorded, now = json.loads(run.data.tags.get("dataset_checksums", "{}")), setup.dataset.checksums
+    changed = sorted(name for name in set(recorded) | set(now) if recorded.get(name) != now.get(name))
+    if changed:
+        details = "; ".join(f"{name}: recorded {str(recorded.get(name))[:12]}, now {str(now.get(name))[:12]}"
+                            for name in changed)
+        raise ValueError(f"dataset files changed since study {setup.study_name!r} started ({details}); restore "
+                         "the original files, or start a new study with --study-name NAME or --overwrite")
+    study_dir = setup.output_dir / setup.study_name
+    if spec.optuna_storage is not None and study_state_exists(study_dir):
+        from .search.optuna_storage import STORAGE_TAG
+
+        storage = run.data.tags.get(STORAGE_TAG)
+        if storage != redact(setup.optuna_storage):  # the restored searcher writes where it was started
+            started = f"with Optuna storage {storage!r}" if storage else "without an Optuna storage"
+            raise ValueError(f"study {setup.study_name!r} was started {started}; --optuna-storage now gives "
+                             f"{redact(setup.optuna_storage)!r}: a resumed study keeps its storage, so drop "
+                             "--optuna-storage (or give the recorded one), or start a new --study-name")
+
+
+def parent_run(setup: StudySetup) -> Any:
+    """The MLflow parent run of the study ``setup`` names, if the store and the run exist (nothing is created)."""
+    from ..tracking import Tracker, experiment_name
+
+    tracker = Tracker.existing(setup.tracking_uri, experiment_name(setup.base.data.dataset))
+    parent_id = tracker.find_run(parent_tags(setup.study_name)) if tracker else None
+    return None if parent_id is None else tracker.client.get_run(parent_id)

@@ -1,6 +1,6 @@
 """Runs of one experiment: ``Tracker`` (params, metrics, tags, artifacts, datasets, child runs).
 
-All writes of a study happen in the driver process (see ``study/run/mlflow_callback.py``), so
+All writes of a study happen in the driver process (see ``study/record/mlflow_callback.py``), so
 concurrent trials never contend for the SQLite database.
 """
 from __future__ import annotations

@@ -41,7 +41,7 @@ GPU_DIR = ROOT / ".gpu"  # git-ignored (.gitignore), so only `carry` takes it to
 MIB = 1024 * 1024
 CALL_LIMIT_BYTES = 64 * MIB  # the run tool's limit on the working tree plus carried paths
 
-# ray[tune,train] without [default]: a study starts its local Ray without the dashboard (study/run/ray_cluster.py), the
+# ray[tune,train] without [default]: a study starts its local Ray without the dashboard (study/cluster/ray_cluster.py), the
 # only user of [default]'s State API; apao train keeps it and is not what the GPU call runs
 REQUIREMENTS = ["ray[tune,train]", "optuna", "mlflow-skinny",
                 # skinny declares no store: the SQLite store needs SQLAlchemy and Alembic, and imports cryptography

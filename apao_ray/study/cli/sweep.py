@@ -194,7 +194,7 @@ def report_interrupted(result: Any, argv: list[str]) -> int:
     import shlex
     import signal
 
-    from ..run.interrupt import exit_code
+    from ..cluster.interrupt import exit_code
 
     done = sum(status != "stopped" for status in result.trials.get("status", []))
     num_trials, study_name = result.plan.num_trials, result.study_name

@@ -1,13 +1,14 @@
-"""What a study records of each trial: its MLflow tag names and outcome texts, its run name, and how a Tune
-result is read (the trial's final report, a failure's kind).
+"""What a study records of each trial: its MLflow tag names and outcome texts, its run name, how a Tune
+result is read (the trial's final report, a failure's kind), and the epoch at which the scheduler pruned it.
 
 Plain names and functions, no Ray, MLflow or torch: the driver's callbacks (MLflow, progress), the pruned-trial
-tests and the trial actor (its progress label) read them alike.
+tests, the trial actor (its progress label) and the search's scheduler read them alike.
 """
 from __future__ import annotations
 
 from typing import Any
 
+from ...names import REPEATS_TAG, SEED_TAG
 from ..spec.space import REPEATS_KEY, SEED_KEY, trial_choices
 
 TRIAL_TAG = "apao.trial_id"
@@ -26,6 +27,26 @@ PREVIOUS_OUTCOME_TAG, PREVIOUS_ERROR_TAG = "apao.previous_outcome", "apao.previo
 STOPPED_BY_TUNE = ("stopped before its end by Tune, not by the scheduler's pruning (the time budget ran out, "
                    "or it was pruned in a driver that was lost)")
 TERMINAL = ("TERMINATED", "ERROR")
+
+# trial id -> the epoch at which the scheduler (search/scheduler.py) stopped it, for the trials it stopped in this
+# driver process. The MLflow callback reads it to say "pruned at epoch e" only of trials really pruned
+# (a trial that Tune stops for a time budget or a stop signal ends the same way, TERMINATED).
+_pruned_at: dict[str, int] = {}
+
+
+def mark_pruned(trial_id: str, epoch: int) -> None:
+    """Remembers that the scheduler pruned this trial at ``epoch``."""
+    _pruned_at[trial_id] = epoch
+
+
+def pruned_epoch(trial_id: str) -> int | None:
+    """The epoch at which the scheduler pruned this trial, or None if it did not."""
+    return _pruned_at.get(trial_id)
+
+
+def seed_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
+    """A child run's seed tags: the seed it trained on, and for a repeat the run it repeats."""
+    return {SEED_TAG: str(seed), **({REPEATS_TAG: str(config[REPEATS_KEY])} if REPEATS_KEY in config else {})}
 
 
 def is_final_report(result: dict[str, Any]) -> bool:

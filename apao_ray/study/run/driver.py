@@ -9,20 +9,25 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...config import TrialConfig
 from ...protocol import run_tags
 from ...tracking import redact
-from . import interrupt
-from ..spec import space
-from .live_callbacks import run_callbacks
+from ..cluster import interrupt
+from ..record.live_callbacks import run_callbacks
 from ..record.outcomes import summarize_results
-from .scheduler import PerMethodASHA
+from ..search.scheduler import PerMethodASHA
+from ..setup import parent_run, parent_tags, study_state_exists
+from ..spec import space
 from ..spec.space import PAPER_KNOBS, SearchSpec, trial_choices
 from .trial import Resources
 
-PARENT_ROLE_TAG = "apao.role"
+if TYPE_CHECKING:  # the types only: the driver runs a Plan, it never makes one
+    from ...tracking import Tracker
+    from ..plan.plan import Plan
+    from ..setup import StudySetup
+    from ..spec.study import StudySpec
 
 
 @dataclass(frozen=True)
@@ -37,9 +42,9 @@ class Study:
       ASHA's grace period, the repeat seeds, and the record the parent run keeps.
     """
 
-    spec: Any
-    setup: Any
-    plan: Any
+    spec: StudySpec
+    setup: StudySetup
+    plan: Plan
     command_line: list[str] = field(default_factory=lambda: invocation(sys.argv))
 
     @property
@@ -52,7 +57,7 @@ class Study:
         return [self.plan.base.train.seed, *self.plan.run_repeat_seeds]
 
 
-def memory_bytes(spec: Any) -> int | None:
+def memory_bytes(spec: StudySpec) -> int | None:
     """The per-trial memory cap in bytes (``memory_per_trial_gib``), None without one."""
     return int(spec.memory_per_trial_gib * 2**30) if spec.memory_per_trial_gib else None
 
@@ -96,53 +101,11 @@ def code_version() -> str:
         return __version__
 
 
-def study_state_exists(study_dir: Path) -> bool:
-    """Whether Tune saved a study's state in ``study_dir`` (``<output_dir>/<study name>``): it can be resumed."""
-    from ray import tune
-
-    return tune.Tuner.can_restore(str(study_dir))
-
-
-def parent_tags(study_name: str) -> dict[str, str]:
-    """The tags that identify a study's MLflow parent run."""
-    from ..record.outcomes import STUDY_TAG
-
-    return {STUDY_TAG: study_name, PARENT_ROLE_TAG: "study"}
-
-
-def check_resumable(setup: Any, spec: Any) -> None:
-    """Refuses to resume a study whose dataset files or named Optuna storage changed (what the plan does not
-    decide: checked before the plan's probe). Tune restores the searcher from its own state, so a changed
-    storage would be silently ignored, and a changed dataset would mix two datasets in one comparison."""
-    if spec.overwrite:
-        return
-    run = _parent_run(setup)
-    if run is None:
-        return
-    recorded, now = json.loads(run.data.tags.get("dataset_checksums", "{}")), setup.dataset.checksums
-    changed = sorted(name for name in set(recorded) | set(now) if recorded.get(name) != now.get(name))
-    if changed:
-        details = "; ".join(f"{name}: recorded {str(recorded.get(name))[:12]}, now {str(now.get(name))[:12]}"
-                            for name in changed)
-        raise ValueError(f"dataset files changed since study {setup.study_name!r} started ({details}); restore "
-                         "the original files, or start a new study with --study-name NAME or --overwrite")
-    study_dir = setup.output_dir / setup.study_name
-    if spec.optuna_storage is not None and study_state_exists(study_dir):
-        from .optuna_storage import STORAGE_TAG
-
-        storage = run.data.tags.get(STORAGE_TAG)
-        if storage != redact(setup.optuna_storage):  # the restored searcher writes where it was started
-            started = f"with Optuna storage {storage!r}" if storage else "without an Optuna storage"
-            raise ValueError(f"study {setup.study_name!r} was started {started}; --optuna-storage now gives "
-                             f"{redact(setup.optuna_storage)!r}: a resumed study keeps its storage, so drop "
-                             "--optuna-storage (or give the recorded one), or start a new --study-name")
-
-
 def check_same_schedule(study: Study) -> None:
     """Refuses to resume a study whose search space, trial count or seeds (as planned) changed: Tune restores
     them from its own state, so a change would be silently ignored."""
     spec, setup, plan = study.spec, study.setup, study.plan
-    run = None if spec.overwrite or not study_state_exists(study.study_dir) else _parent_run(setup)
+    run = None if spec.overwrite or not study_state_exists(study.study_dir) else parent_run(setup)
     if run is None:
         return
     name, search = setup.study_name, plan.search
@@ -156,15 +119,6 @@ def check_same_schedule(study: Study) -> None:
     if seeds_before is not None and seeds_before != seeds_now:
         raise ValueError(f"study {name!r} was started with seeds {seeds_before}; now {seeds_now}: a "
                          "resumed study keeps its seeds, so use a new --study-name or --overwrite")
-
-
-def _parent_run(setup: Any) -> Any:
-    """The MLflow parent run of the study ``setup`` names, if the store and the run exist (nothing is created)."""
-    from ...tracking import Tracker, experiment_name
-
-    tracker = Tracker.existing(setup.tracking_uri, experiment_name(setup.base.data.dataset))
-    parent_id = tracker.find_run(parent_tags(setup.study_name)) if tracker else None
-    return None if parent_id is None else tracker.client.get_run(parent_id)
 
 
 def space_param(spec: SearchSpec) -> str:
@@ -181,7 +135,7 @@ def space_param(spec: SearchSpec) -> str:
     return json.dumps(record)
 
 
-def open_parent_run(tracker: Any, study: Study) -> str:
+def open_parent_run(tracker: Tracker, study: Study) -> str:
     """The study's MLflow parent run: reopened when the study resumes, else created with its space."""
     from ..record.outcomes import STUDY_TAG
 
@@ -210,7 +164,7 @@ def open_parent_run(tracker: Any, study: Study) -> str:
     record = plan.record()
     tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(record), BUDGET_PROTOCOL_TAG: record.get("budget_protocol") or "none"})
     from ...mlflow_ui import save_runs_view, view_key
-    from .mlflow_callback import study_columns
+    from ..record.mlflow_callback import study_columns
 
     save_runs_view(tracker, view_key(setup.study_name), study_columns(
         plan.search.backbones, plan.search.losses, f"best/val/{plan.base.train.metric}"))
@@ -235,7 +189,7 @@ def run_study(study: Study, example_history: list[str]) -> StudyOutcome:
     trials and the parent run as interrupted, and returns ``interrupted=True`` with the signal."""
     from ...tracking import Tracker, experiment_name
     from ..record.outcomes import INTERRUPTED, OUTCOME_TAG
-    from .ray_cluster import init_ray
+    from ..cluster.ray_cluster import init_ray
 
     spec, setup, plan = study.spec, study.setup, study.plan
     study_dir = study.study_dir
@@ -258,15 +212,16 @@ def run_study(study: Study, example_history: list[str]) -> StudyOutcome:
         return outcome
 
 
-def _run_tuner(study: Study, tracker: Any, parent_id: str, example_history: list[str]) -> StudyOutcome:
+def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: list[str]) -> StudyOutcome:
     """Builds (or restores) the Tuner, runs it, and records the study's end in the parent run."""
     from ray import tune
 
     from ...tracking import experiment_name
-    from . import live_callbacks, optuna_storage, optuna_summary
-    from .mlflow_callback import MlflowStudyCallback, log_study_summary
+    from ..record import live_callbacks
+    from ..record.mlflow_callback import MlflowStudyCallback, log_study_summary
     from ..record.outcomes import OUTCOME_TAG
-    from .progress import ProgressCallback
+    from ..record.progress import ProgressCallback
+    from ..search import optuna_storage, optuna_summary
 
     spec, setup, plan = study.spec, study.setup, study.plan
     study_dir = study.study_dir

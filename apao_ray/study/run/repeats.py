@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ...names import REPEATS_TAG, SEED_TAG
 from ..spec.space import REPEATS_KEY, SEED_KEY, knobs_of, param_name
 
 REPEATS_DIR = "repeats"
@@ -29,11 +28,6 @@ def repeat_configs(best: list[dict[str, Any]], seeds: tuple[int, ...]) -> list[d
     return configs
 
 
-def seed_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
-    """A child run's seed tags: the seed it trained on, and for a repeat the run it repeats."""
-    return {SEED_TAG: str(seed), **({REPEATS_TAG: str(config[REPEATS_KEY])} if REPEATS_KEY in config else {})}
-
-
 def run_repeats(study: Any, tracker: Any, trainable: Any, callbacks: list[Any], metric: str,
                 time_budget_s: float | None) -> tuple[list[dict[str, Any]], bool]:
     """Runs (or resumes) the repeat phase; returns (one summary per repeat trial, whether it was stopped
@@ -41,9 +35,10 @@ def run_repeats(study: Any, tracker: Any, trainable: Any, callbacks: list[Any], 
     from ray import tune
     from ray.tune.search import BasicVariantGenerator
 
-    from . import interrupt, live_callbacks
+    from ..cluster import interrupt
+    from ..record import live_callbacks
+    from ..record.live_callbacks import run_callbacks
     from ..record.report import best_rows
-    from .live_callbacks import run_callbacks
     from ..record.outcomes import summarize_results
 
     spec, setup, plan = study.spec, study.setup, study.plan

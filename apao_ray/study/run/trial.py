@@ -18,7 +18,7 @@ from ...config import TrialConfig
 from ...names import remove_scratch, scratch_prefix
 from ...training.checkpoint import FINAL_METRICS_FILE
 from ...training.worker import TrialFailedError, train_in_tune_actor, train_loop_per_worker
-from .ray_cluster import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV, init_ray
+from ..cluster.ray_cluster import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV, init_ray
 
 if TYPE_CHECKING:  # Ray Train is imported where a TorchTrainer is made: a trial in Tune's actor does without it
     import ray.train

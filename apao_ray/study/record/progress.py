@@ -7,8 +7,7 @@ from typing import Any
 
 from ray import tune
 
-from ..record.outcomes import PRUNED, TERMINAL, describe, is_final_report
-from .scheduler import pruned_epoch
+from .outcomes import PRUNED, TERMINAL, describe, is_final_report, pruned_epoch
 from ..spec.space import trial_choices
 
 

@@ -14,21 +14,11 @@ from typing import Any
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, TrialScheduler
 
 from ...names import read_reports
+from ..record.outcomes import mark_pruned
 from ..spec.space import is_baseline
 
 # what the rungs count: every report of a trial (each epoch's and the final test one) carries its epoch
 TIME_ATTR = "epoch"
-
-# trial id -> the epoch at which the scheduler stopped it, for the trials it stopped in this driver
-# process. The MLflow callback reads it to say "pruned at epoch e" only of trials really pruned
-# (a trial that Tune stops for a time budget or a stop signal ends the same way, TERMINATED).
-_pruned_at: dict[str, int] = {}
-
-
-def pruned_epoch(trial_id: str) -> int | None:
-    """The epoch at which the scheduler pruned this trial, or None if it did not."""
-    return _pruned_at.get(trial_id)
-
 
 def method_of(trial: Any) -> tuple[str, str]:
     return trial.config.get("backbone", "?"), trial.config.get("loss", "?")
@@ -89,7 +79,7 @@ class PerMethodASHA(FIFOScheduler):
             return TrialScheduler.CONTINUE
         decision = asha.on_trial_result(tune_controller, trial, result)
         if decision == TrialScheduler.STOP and not result.get("done"):
-            _pruned_at[trial.trial_id] = int(result[TIME_ATTR])
+            mark_pruned(trial.trial_id, int(result[TIME_ATTR]))  # read by the MLflow and progress callbacks
         return decision
 
     def on_trial_complete(self, tune_controller: Any, trial: Any, result: dict) -> None:

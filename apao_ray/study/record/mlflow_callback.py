@@ -14,13 +14,12 @@ from ...config import TrialConfig
 from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, REPEATS_TAG, RESUMED_HISTORY_KEY,
                      SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ...tracking import Tracker
-from . import interrupt
-from ..record import plots
-from ..record.outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
+from ..cluster import interrupt
+from . import plots
+from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
                        PREVIOUS_ERROR_TAG, PREVIOUS_OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, STOPPED_BY_TUNE,
-                       STUDY_TAG, TERMINAL, TRIAL_TAG, describe, failure_outcome, is_final_report)
-from .repeats import seed_tags
-from .scheduler import pruned_epoch
+                       STUDY_TAG, TERMINAL, TRIAL_TAG, describe, failure_outcome, is_final_report, pruned_epoch,
+                       seed_tags)
 from ..spec.space import trial_choices, trial_config
 
 MODEL_METRICS = ("test/", "best/val/")  # what a trial's logged model shows on its page: how it tests, why chosen
@@ -217,7 +216,7 @@ def log_cost_per_method(tracker: Tracker, parent_run_id: str) -> dict[str, dict[
     """Sums every child run's ``cost/*`` (wall and CPU seconds, energy; the largest peak memory) per
     (backbone, loss) and logs them on the parent run as ``cost/<backbone>/<loss>/<name>``."""
     from ...analysis.export import trial_record
-    from ..record.seeds import cost_totals
+    from .seeds import cost_totals
 
     totals = {f"{backbone}/{loss}": sums for (backbone, loss), sums in
               cost_totals([trial_record(run) for run in tracker.child_runs(parent_run_id)]).items()}
@@ -262,7 +261,7 @@ def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: s
 def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str, metric: str) -> dict[str, float]:
     """Gives the parent run the study's result as metrics: per (backbone, loss), the best trial's (by
     validation) validation and test metrics, so the parent's chart view is not empty. Returns them."""
-    from ..record.report import TEST_COLUMNS, table_rows
+    from .report import TEST_COLUMNS, table_rows
 
     summary: dict[str, float] = {}
     for row in table_rows(tracker, metric, study_name, baseline=None):  # means over seeds; no significance needed
