@@ -213,6 +213,8 @@ class TrainConfig(_Config):
     validate_retention: bool = False   # also measure retention on validation every epoch (costly)
     full_sort_test: str = "auto"       # rank every test user by the exact full sort too, at the kept epoch: on / off /
                                        # auto (on a GPU; training/evaluation.py tests_full_sort)
+    test_every_epoch: bool = False     # diagnosis only: the test split after every epoch, as diagnosis/test/<metric>;
+                                       # no selection rule reads it (names.DIAGNOSIS_PREFIX)
     topk: tuple[int, ...] = (5, 10, 20)
 
     @classmethod

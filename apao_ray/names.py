@@ -39,6 +39,8 @@ REPORTS_FILE = "metrics.jsonl"
 
 # a finished trial's test metrics at the epoch each selection rule keeps: test_by/<rule>/<metric> (training/selection.py)
 TEST_BY = "test_by"
+# TrainConfig.test_every_epoch: the test split after every epoch, diagnosis/test/<metric>; no selection reads it
+DIAGNOSIS_PREFIX = "diagnosis/"
 
 # files of a finished trial's final checkpoint
 PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial

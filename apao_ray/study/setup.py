@@ -114,7 +114,8 @@ def trial_base(spec: StudySpec, data_dir: str) -> TrialConfig:
                     lr=spec.lr, num_workers=workers, beam_size=spec.beam_size, seed=spec.search_seed,
                     max_train_samples=spec.max_train_samples, eval_max_users=spec.eval_max_users,
                     precision=spec.precision, group_by_length=spec.group_by_length, use_gpu=spec.gpus_per_trial > 0,
-                    retention_users=spec.retention_users, full_sort_test=spec.full_sort_test))
+                    retention_users=spec.retention_users, full_sort_test=spec.full_sort_test,
+                    test_every_epoch=spec.test_every_epoch))
     # eta stays searched under every protocol; the preset's weighting and other knobs hold for all trials
     return apply_protocol(base, spec.protocol, {k: v for k, v in spec.protocol_knobs.items() if k != "eta"})
 

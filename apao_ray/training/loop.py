@@ -22,7 +22,7 @@ from ..config import LossConfig, TrialConfig
 from ..data import Dataset, load_dataset
 from ..losses import build_loss
 from ..models import build_model
-from ..names import PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
+from ..names import DIAGNOSIS_PREFIX, PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .cost import CostMeter
@@ -225,6 +225,10 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                 # always: the validation-loss rule is recorded whatever the trial selects by
                 metrics["val/loss"] = validation_loss(_unwrap(model), loss_fn, runner, dataset, valid_users,
                                                       train_cfg.eval_batch_size, reference)
+                if train_cfg.test_every_epoch and stage == "main":  # diagnosis (#47 item 4): nothing selects on it
+                    tested = evaluate_split(_unwrap(model), dataset, "test", tensors,
+                                            train_cfg.replace(retention_users=0), device, None, scoring)
+                    metrics.update({DIAGNOSIS_PREFIX + key: value for key, value in tested.items()})
         epoch_seconds = time.perf_counter() - tick
         runner.memory.release()
         epoch_times.append(epoch_seconds)

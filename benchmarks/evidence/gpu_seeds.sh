@@ -11,7 +11,7 @@
 # Each seed's trial files land in $OUT/seeds; a pair is started only while MIN_LEFT s (300) are left (a pair
 # still running at the deadline is stopped, its files marked unfinished). Variables: SEEDS, DEADLINE
 # (seconds from the script's start), OUT, APAO_DATA_DIR, THREADS (per trial, default 4), PROTOCOL (paper),
-# DEVICE (cuda; cpu tries the script).
+# DEVICE (cuda; cpu tries the script), TRAIN_FLAGS (more `apao train` flags, e.g. --test-every-epoch).
 set -u
 cd "$(dirname "$0")/../.."
 start=$SECONDS
@@ -38,6 +38,6 @@ for seed in $seeds; do
     fi
     python3 benchmarks/evidence/gpu_full_protocol.py --data-dir "$APAO_DATA_DIR" --out "$out/seeds" \
         --work /tmp/apao-seeds --seeds "$seed" --device "${DEVICE:-cuda}" --protocol "$protocol" --threads "${THREADS:-4}" --deadline "$left" \
-        --train-flags="--full-sort-test $full_sort"
+        --train-flags="--full-sort-test $full_sort ${TRAIN_FLAGS:-}"
     mv "$out/seeds/trials.log" "$out/seeds/trials-seed$seed.log"
 done

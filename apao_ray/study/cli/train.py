@@ -34,7 +34,7 @@ def train_config_from_args(args: argparse.Namespace, **overrides: Any) -> dict[s
                   effective_batch_size=max(args.effective_batch_size, one_step), lr=args.lr, beam_size=args.beam_size,
                   seed=args.seed, max_train_samples=args.max_train_samples,
                   eval_max_users=args.eval_max_users, precision=args.precision, group_by_length=args.group_by_length,
-                  full_sort_test=args.full_sort_test)
+                  full_sort_test=args.full_sort_test, test_every_epoch=args.test_every_epoch)
     values.update(overrides)
     return values
 

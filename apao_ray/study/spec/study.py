@@ -115,6 +115,9 @@ class StudySpec:
                                  "(test/full_sort_*: how much the beam's pruning costs; beam retention then covers "
                                  "every user): on, off, or auto = on a GPU (on a CPU ~40 min for Office's test "
                                  "users at 1 thread) (default %(default)s)", choices=FULL_SORT_TEST, group="trial")
+    test_every_epoch: bool = option(False, "diagnosis only: also evaluate the test split after every epoch, logged "
+                                    "as diagnosis/test/<metric> and never read by any selection rule (why validation "
+                                    "and test disagree; one more beam pass per epoch)", kind="switch", group="trial")
     protocol: str = option("paper", "the training protocol preset (docs/PROTOCOLS.md)", choices=PROTOCOL_NAMES,
                            cli=False)
     protocol_knobs: dict[str, Any] = option(factory=dict, help="protocol knob overrides (--select-by, --weighting, "
