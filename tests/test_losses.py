@@ -281,8 +281,10 @@ def test_state_dict_round_trip_restores_weights(catalog):
 
 # --- registry, interface, errors ----------------------------------------------------------------
 def test_registry_names_counts_and_metric_names(catalog):
-    assert sorted(LOSSES) == sorted(["ce", "msl", "apao_pointwise", "apao_pairwise", "dpo", "dmpo", "sdpo", "ce_sdpo"])
-    expected_negatives = dict(ce=0, msl=0, apao_pointwise=0, apao_pairwise=7, dpo=1, dmpo=7, sdpo=7, ce_sdpo=7)
+    assert sorted(LOSSES) == sorted(["ce", "msl", "apao_pointwise", "apao_pairwise", "dpo", "dmpo", "sdpo", "ce_sdpo",
+                                     "bear", "token_weighted"])
+    expected_negatives = dict(ce=0, msl=0, apao_pointwise=0, apao_pairwise=7, dpo=1, dmpo=7, sdpo=7, ce_sdpo=7, bear=0,
+                              token_weighted=0)
     for name in LOSSES:
         loss_fn = build_loss(LossConfig(name=name, num_negatives=7), catalog.tensors())
         assert loss_fn.name == name and loss_fn.num_negatives == expected_negatives[name]

@@ -130,7 +130,8 @@ def test_registered_losses_declare_their_facts():
                                                                                 "ce_sdpo"}
     assert {name: [k.name for k in loss.knobs] for name, loss in LOSSES.items() if loss.knobs} == {
         "apao_pointwise": ["beta", "eta"], "apao_pairwise": ["beta", "eta", "num_negatives"],
-        "ce_sdpo": ["beta", "num_negatives"], "dmpo": ["num_negatives"], "sdpo": ["num_negatives"]}
+        "ce_sdpo": ["beta", "num_negatives"], "dmpo": ["num_negatives"], "sdpo": ["num_negatives"],
+        "bear": ["bear_b", "bear_xi", "bear_lambda"], "token_weighted": ["front_alpha"]}
     assert all(loss.display_name and loss.help for loss in LOSSES.values())
     pointwise, pairwise = LOSSES["apao_pointwise"], LOSSES["apao_pairwise"]
     assert pointwise.paper_point("tiger", "grocery") == {"beta": 0.1, "eta": 5e-5}

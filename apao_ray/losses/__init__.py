@@ -12,10 +12,12 @@ import os as _os
 from .apao import (AdaptivePrefixWeights, APAOPairwiseLoss, APAOPointwiseLoss, apao_pairwise_losses,
                    apao_pointwise_losses, prefix_scores)
 from .base import LossInputs, LossOutput
+from .bear import BEARLoss
 from .ce import CrossEntropyLoss
 from .msl import MaskedSoftmaxLoss, valid_token_mask
 from .negatives import counted_negatives_mask, sample_negatives
 from .preference import CESDPOLoss, DMPOLoss, DPOLoss, SDPOLoss
+from .token_weighted import FrontGreaterTokenLoss
 from .knobs import Knob
 from .registry import LOSSES, Loss, build_loss, register
 from ..names import PLUGINS_ENV
@@ -45,5 +47,5 @@ __all__ = [
     "prefix_scores", "apao_pointwise_losses", "apao_pairwise_losses", "AdaptivePrefixWeights",
     "counted_negatives_mask", "sample_negatives", "valid_token_mask",
     "CrossEntropyLoss", "MaskedSoftmaxLoss", "APAOPointwiseLoss", "APAOPairwiseLoss",
-    "DPOLoss", "DMPOLoss", "SDPOLoss", "CESDPOLoss",
+    "DPOLoss", "DMPOLoss", "SDPOLoss", "CESDPOLoss", "BEARLoss", "FrontGreaterTokenLoss",
 ]

@@ -54,7 +54,10 @@ class MaskedSoftmaxLoss(Loss):
         self.tau = config.tau
         self.token_offsets = catalog.token_offsets.tolist()  # once: avoids a GPU sync per batch
 
-    def __call__(self, inputs: LossInputs) -> LossOutput:
+    def masked_logits(self, inputs: LossInputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Candidate 0's logits over the trie's valid next tokens: (z / tau with every other token at -inf,
+        the labels, the plain logits), each (B, T, V) / (B, T) / (B, T, V) in at least float32. Labels that end
+        with EOS (protocol.label_eos) get it as the only valid token of their last step."""
         self.check_candidates(inputs)
         logits = at_least_float32(inputs.logits[:, 0])                      # (B, T, V)
         labels = inputs.candidates[:, 0]                                    # (B, T)
@@ -63,9 +66,17 @@ class MaskedSoftmaxLoss(Loss):
         if labels.shape[1] > allowed.shape[1]:  # labels end with EOS (protocol.label_eos): its only valid token
             is_end = torch.zeros_like(allowed[:, :1]).scatter_(-1, labels[:, -1:, None], True)  # (B, 1, V)
             allowed = torch.cat([allowed, is_end], dim=1)                   # (B, T+1, V)
-        masked = (logits / self.tau).masked_fill(~allowed, float("-inf"))  # (B, T, V)
+        return (logits / self.tau).masked_fill(~allowed, float("-inf")), labels, logits
+
+    def __call__(self, inputs: LossInputs) -> LossOutput:
+        masked, labels, logits = self.masked_logits(inputs)
         picked = masked.gather(-1, labels.unsqueeze(-1)).squeeze(-1)        # (B, T)
         loss = (torch.logsumexp(masked, dim=-1) - picked).mean()
-        with torch.no_grad():
-            ce = (torch.logsumexp(logits, -1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)).mean()
-        return LossOutput(loss=loss, metrics={"loss": loss.detach(), "loss_msl": loss.detach(), "loss_ce": ce})
+        return LossOutput(loss=loss, metrics={"loss": loss.detach(), "loss_msl": loss.detach(),
+                                              "loss_ce": plain_ce(logits, labels)})
+
+
+def plain_ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The full-vocabulary token CE of ``labels`` (B, T) under ``logits`` (B, T, V), detached, for logging."""
+    with torch.no_grad():
+        return (torch.logsumexp(logits, -1) - logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)).mean()
