@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 
 from apao_ray.analysis.export import load_export
-from apao_ray.analysis.grid import build_grid, load_queue
-from apao_ray.analysis.paper import TABLE1
+from apao_ray.analysis.grid import GRID_CELLS, build_grid, load_queue
 from apao_ray.cli import main
 from test_analysis_report import _fabricate
 
@@ -42,7 +41,7 @@ def test_grid_shows_done_running_and_queued_cells(tmp_path):
     grid = build_grid([*done, budget, running], tmp_path / "out", load_queue(_queue(tmp_path / "q.json")),
                       num_resamples=500).read_text()
     rows = _rows(grid)
-    assert len(rows) == len(TABLE1)
+    assert len(rows) == len(GRID_CELLS) == 18
     ours, difference, paper, status = rows[("office", "tiger", "apao_pointwise")]
     recalls = [e.trials[1]["metrics"]["test/recall_at_10"] for e in done]
     assert ours.startswith(f"{sum(recalls) / 2:.4f} ± ") and ours.endswith("(n=2)")

@@ -11,12 +11,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from .export import StudyExport
+from .heuristics import baseline_sections, recorded_datasets
 from .paper import TABLE1
 from .results import (SELECTION_METRIC, Method, Paired, Trial, compare_methods, finished_trials, group_methods,
                       unfinished_trials)
 from .stats import INTERVALS_NOTE
 
 GRID_FILE = "grid.md"
+# the grid's cells: paper Table 1's CE and APAO rows on the datasets whose interactions are public (Yelp's are not)
+GRID_CELLS = tuple(key for key in TABLE1 if key[0] in ("office", "grocery", "beauty")
+                   and key[2] in ("ce", "apao_pointwise", "apao_pairwise"))
 GRID_METRICS = ("test/recall_at_10", "test/ndcg_at_10")
 COMPARED_METRIC = "ndcg_at_10"  # a per-user table column
 
@@ -98,8 +102,9 @@ def _queued(queue: list[QueueItem], dataset: str, backbone: str, loss: str, prot
 
 
 def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[QueueItem] | None = None,
-               num_resamples: int = 10_000) -> Path:
-    """Writes ``grid.md`` into ``out_dir`` and returns its path."""
+               num_resamples: int = 10_000, data_dir: str | None = None) -> Path:
+    """Writes ``grid.md`` into ``out_dir`` and returns its path; ``data_dir``: where the training-free baselines
+    read the grid's datasets (default: ``$APAO_DATA_DIR``, ``./data``, the cache)."""
     queue = queue or []
     finished = [t for t in finished_trials(exports, "best") if _is_full_length(t)]
     paper_methods = _by_loss(group_methods([t for t in finished if _is_paper_cell(t)]))
@@ -117,7 +122,8 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
               "APAO - CE test N@10 (95% CI; p_holm with >= 2 seeds)", "paper R@10 / N@10", "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     counts = {"done": 0, "in progress": 0, "queued": 0}
-    for (dataset, backbone, loss), (recall, ndcg) in TABLE1.items():
+    for dataset, backbone, loss in GRID_CELLS:
+        recall, ndcg = TABLE1[dataset, backbone, loss]
         method = paper_methods.get((dataset, backbone, loss))
         in_progress = running.get((dataset, backbone, loss, "paper"), [])
         paired = compared.get((dataset, backbone, loss))
@@ -145,13 +151,14 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
     text = [
         "# Paper Table 1, cell by cell", "",
         f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report --grid` from "
-        f"{len(exports)} committed study exports. {counts['done']} of {len(TABLE1)} cells done, "
+        f"{len(exports)} committed study exports. {counts['done']} of {len(GRID_CELLS)} cells done, "
         f"{counts['in progress']} in progress, {counts['queued']} not started.", "",
         "Ours: test Recall@10 / NDCG@10 (beam 20) at the paper's full protocol (preset `paper`, up to 200 epochs, "
         "patience 20), best trial per study, mean ± sample std over seeds. The difference is APAO minus CE. "
         f"{INTERVALS_NOTE} Paper: Table 1.", "",
         *lines, "",
         "## Other full-length runs (not paper cells)", "", *(other_lines or ["(none)"]), "",
+        *baseline_sections({**{d: None for d, _, _ in GRID_CELLS}, **recorded_datasets(exports)}, data_dir),
         "## The queue (benchmarks/evidence/queue.json), in order", "", *(pending or ["(empty)"]), "",
     ]
     out_dir = Path(out_dir)

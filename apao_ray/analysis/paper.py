@@ -1,24 +1,77 @@
-"""The paper's Table 1 (SPEC §6): test Recall@10 / NDCG@10 with beam 20, after the paper's schedule."""
+"""The published numbers the report and the grid set ours beside, read from ``field.csv`` (one row per published
+figure: dataset, backbone, method, our loss name where it is one of ours, Recall/NDCG at 10 and 20 where published,
+the source, and how its split or protocol differs from ours).
+
+``TABLE1`` is the APAO paper's Table 1 (SPEC §6): test Recall@10 / NDCG@10 with beam 20 after the paper's schedule,
+keyed by (dataset, backbone, loss).
+"""
 from __future__ import annotations
 
+import csv
+from dataclasses import dataclass
+from pathlib import Path
+
+FIELD_FILE = Path(__file__).with_name("field.csv")
+APAO_SOURCE = "APAO (Yu et al., KDD'26), Table 1"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published result (a row of ``field.csv``); a metric the source does not report is None."""
+
+    dataset: str
+    backbone: str
+    method: str
+    loss: str
+    recall_at_10: float | None
+    recall_at_20: float | None
+    ndcg_at_10: float | None
+    ndcg_at_20: float | None
+    source: str
+    note: str
+
+
+def _number(text: str) -> float | None:
+    return float(text) if text.strip() else None
+
+
+def load_field(path: str | Path = FIELD_FILE) -> tuple[Published, ...]:
+    with open(path, newline="") as handle:
+        return tuple(Published(row["dataset"], row["backbone"], row["method"], row["loss"],
+                               *(_number(row[k]) for k in ("recall_at_10", "recall_at_20", "ndcg_at_10", "ndcg_at_20")),
+                               row["source"], row["note"]) for row in csv.DictReader(handle))
+
+
+FIELD = load_field()
 # (dataset, backbone, loss) -> (Recall@10, NDCG@10)
 TABLE1: dict[tuple[str, str, str], tuple[float, float]] = {
-    ("office", "tiger", "ce"): (0.0608, 0.0292), ("grocery", "tiger", "ce"): (0.0775, 0.0403),
-    ("beauty", "tiger", "ce"): (0.0611, 0.0318),
-    ("office", "tiger", "apao_pointwise"): (0.0667, 0.0337), ("grocery", "tiger", "apao_pointwise"): (0.0815, 0.0419),
-    ("beauty", "tiger", "apao_pointwise"): (0.0637, 0.0332),
-    ("office", "tiger", "apao_pairwise"): (0.0671, 0.0337), ("grocery", "tiger", "apao_pairwise"): (0.0811, 0.0418),
-    ("beauty", "tiger", "apao_pairwise"): (0.0639, 0.0339),
-    ("office", "llama", "ce"): (0.0469, 0.0236), ("grocery", "llama", "ce"): (0.0647, 0.0343),
-    ("beauty", "llama", "ce"): (0.0516, 0.0274),
-    ("office", "llama", "apao_pointwise"): (0.0559, 0.0265), ("grocery", "llama", "apao_pointwise"): (0.0701, 0.0379),
-    ("beauty", "llama", "apao_pointwise"): (0.0564, 0.0300),
-    ("office", "llama", "apao_pairwise"): (0.0557, 0.0269), ("grocery", "llama", "apao_pairwise"): (0.0741, 0.0390),
-    ("beauty", "llama", "apao_pairwise"): (0.0548, 0.0293),
-}
+    (row.dataset, row.backbone, row.loss): (row.recall_at_10, row.ndcg_at_10)
+    for row in FIELD if row.source == APAO_SOURCE}
 # Table 4 (TIGER, Office, one A100): seconds per epoch
 SECONDS_PER_EPOCH_A100 = {"ce": 15, "apao_pointwise": 15, "sdpo": 199, "apao_pairwise": 163}
 
 
 def table1(dataset: str, backbone: str, loss: str) -> tuple[float, float] | None:
     return TABLE1.get((dataset.lower(), backbone, loss))
+
+
+def field_for(dataset: str) -> list[Published]:
+    """Every published figure on ``dataset`` (any case), in the file's order."""
+    return [row for row in FIELD if row.dataset == dataset.lower()]
+
+
+def field_table(datasets: list[str]) -> list[str]:
+    """Markdown: every published figure on ``datasets`` (``field.csv``), each with its source's number, then the
+    sources and how each differs from ours; a metric a source does not give is ``-``."""
+    header = ["dataset", "backbone", "method", "R@10", "R@20", "N@10", "N@20", "source"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    sources: dict[tuple[str, str], int] = {}
+    for dataset in sorted({d.lower() for d in datasets}):
+        for row in field_for(dataset):
+            number = sources.setdefault((row.source, row.note), len(sources) + 1)
+            values = ["-" if v is None else f"{v:.4f}" for v in (row.recall_at_10, row.recall_at_20, row.ndcg_at_10,
+                                                                row.ndcg_at_20)]
+            lines.append("| " + " | ".join([row.dataset, row.backbone, row.method, *values, f"[{number}]"]) + " |")
+    if not sources:
+        return []
+    return [*lines, "", *(f"[{number}] {source}: {note}." for (source, note), number in sources.items())]

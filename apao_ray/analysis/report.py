@@ -20,6 +20,7 @@ from ..names import PLAN_TAG, PLUGINS_ENV
 from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export
 from .grid import build_grid, load_queue, queue_path_default
+from .heuristics import baseline_sections, recorded_datasets
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
                       Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials,
                       unknown_knobs)
@@ -185,8 +186,9 @@ def _plans(exports: list[StudyExport]) -> list[str]:
 
 
 def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str = "ce", trials: str = "best",
-                 num_resamples: int = 10_000) -> Path:
-    """Writes ``report.md`` and its PNGs into ``out_dir``; returns the markdown file's path."""
+                 num_resamples: int = 10_000, data_dir: str | None = None) -> Path:
+    """Writes ``report.md`` and its PNGs into ``out_dir``; returns the markdown file's path. ``data_dir``: where
+    the training-free baselines read the studies' datasets (default: ``$APAO_DATA_DIR``, ``./data``, the cache)."""
     from . import figures  # lazy: matplotlib (which writes a font cache on first import) only when a report is made
 
     out_dir = Path(out_dir)
@@ -228,6 +230,7 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
                   *_significance_table(compared), ""]
     else:
         lines += [f"No method to compare: each (dataset, backbone) needs a `{baseline}` trial and another method.", ""]
+    lines += baseline_sections(recorded_datasets(exports), data_dir)
     alternatives = _alternative_metrics(methods)
     if alternatives and compared:
         lines += ["## The same differences at the epoch each selection rule keeps, and by the full sort", "",
@@ -282,7 +285,7 @@ def _main(args: argparse.Namespace) -> int:
             raise ValueError("--grid reads committed exports: give --exports DIR (e.g. benchmarks/results)")
         queue_file = args.queue or queue_path_default(args.exports)
         grid = build_grid(find_exports(args.exports, args.study), args.out,
-                          load_queue(queue_file) if queue_file else [], args.resamples)
+                          load_queue(queue_file) if queue_file else [], args.resamples, args.data_dir)
         print(f"wrote {grid}" + (f" (queue {queue_file})" if queue_file else ""))
         return 0
     if args.exports:
@@ -295,7 +298,7 @@ def _main(args: argparse.Namespace) -> int:
             directory = Path(args.out) / "exports" / study
             export_study(args.tracking_uri, study, directory)
             exports.append(load_export(directory))
-    report = build_report(exports, args.out, args.baseline, args.trials, args.resamples)
+    report = build_report(exports, args.out, args.baseline, args.trials, args.resamples, args.data_dir)
     print(f"wrote {report} ({len(exports)} studies)")
     return 0
 
@@ -316,6 +319,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--trials", choices=TRIAL_CHOICES, default="best",
                         help="per (study, backbone, loss): the best trial by validation NDCG@10, or all (default best)")
     parser.add_argument("--resamples", type=positive_int, default=10_000, help="bootstrap resamples (default 10000)")
+    parser.add_argument("--data-dir", metavar="DIR", help="where the studies' datasets are, for the training-free "
+                        "baselines (default: $APAO_DATA_DIR, ./data, the user cache; never downloaded)")
     parser.add_argument("--grid", action="store_true",
                         help="write grid.md instead: every cell of paper Table 1 with ours at the full protocol, the "
                              "paired difference against CE, the paper's figure and the cell's status (needs --exports)")

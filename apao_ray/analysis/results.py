@@ -57,14 +57,12 @@ def convergence(curve: list[float]) -> str:
     return "converged"
 
 
-def popularity_ndcg(splits: dict[str, Any], k: int = 10) -> np.ndarray:
-    """Per test user, NDCG@k of the popularity baseline: the k items most often a training target, for everyone."""
-    from ..metrics import ndcg_from_ranks, target_ranks  # lazy: metrics imports torch; a report needs it only here
+def popularity_ndcg(dataset: Any, split: str = "test") -> np.ndarray:
+    """Per user of ``split``, NDCG@10 of the popularity baseline (``heuristics``: the 10 semantic IDs most often
+    a training target, for everyone)."""
+    from .heuristics import heuristic_per_user  # lazy: the metric code imports torch; a report needs it only here
 
-    top = np.argsort(-np.bincount(splits["train"].targets), kind="stable")[:k]  # (k,) most frequent first
-    test = splits["test"]
-    ranks = target_ranks(np.tile(top, (len(test), 1)), test.targets)  # (S,)
-    return ndcg_from_ranks(ranks, k).numpy()
+    return heuristic_per_user(dataset, "popularity", split)["ndcg_at_10"].to_numpy(float)
 
 
 def popularity_check(method: "Method", popularity: np.ndarray, metric: str = "ndcg_at_10") -> str:

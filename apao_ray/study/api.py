@@ -119,7 +119,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(setup.tracking_uri, experiment_name(setup.base.data.dataset))
-    rows = table_rows(tracker, study=setup.study_name, popularity=popularity_ndcg(dataset.splits))
+    rows = table_rows(tracker, study=setup.study_name, popularity=popularity_ndcg(dataset))
     for row in rows:  # the verdict computed here with the dataset, for best and report to read
         if row.get("run_id") and row.get("converged"):
             tracker.set_tags(row["run_id"], {CONVERGED_TAG: row["converged"]})

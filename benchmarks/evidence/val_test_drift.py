@@ -47,7 +47,7 @@ def split_popularity(dataset) -> dict:
     out = {}
     for name in ("valid", "test"):
         targets = splits[name].targets
-        baseline = popularity_ndcg({"train": splits["train"], "test": splits[name]})
+        baseline = popularity_ndcg(dataset, name)
         out[name] = {"mean_log1p_train_count": float(np.log1p(counts[targets]).mean()),
                      "median_train_count": float(np.median(counts[targets])),
                      "share_never_a_train_target": float((counts[targets] == 0).mean()),
