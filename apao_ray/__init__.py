@@ -27,7 +27,7 @@ def load_recommender(model_uri: str, device: str = "cpu", precision: str | None 
     an ``export --format hf`` directory. ``precision`` (fp32/bf16/auto, or ``trial``: the trial's own) defaults to
     fp32, what the export and the served model decode in. Here, above both: MLflow (tracking) serves a
     Recommender (inference), so inference itself never imports tracking."""
-    from .inference import Recommender, load_local  # lazy: torch; `import apao_ray` stays torch-free (test_api)
+    from .reuse.inference import Recommender, load_local  # lazy: torch; `import apao_ray` stays torch-free (test_api)
 
     if Path(model_uri).is_dir():
         return load_local(model_uri, device, precision)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from apao_ray.data.catalog import BOS_TOKEN, EOS_TOKEN, NUM_SPECIAL_TOKENS, PAD_TOKEN
-from apao_ray.export import tiger_to_t5  # the export's TIGER -> T5 weight mapping
+from apao_ray.reuse.export import tiger_to_t5  # the export's TIGER -> T5 weight mapping
 from apao_ray.models import TigerBackbone, label_log_probs
 
 NUM_LEVELS, CODES_PER_LEVEL = 4, 256

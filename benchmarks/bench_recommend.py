@@ -16,7 +16,7 @@ import torch
 
 from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
 from apao_ray.data import load_dataset
-from apao_ray.inference import Recommender
+from apao_ray.reuse.inference import Recommender
 from apao_ray.models import build_model
 
 

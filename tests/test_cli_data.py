@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from apao_ray import cli, paths
+from apao_ray import paths
+from apao_ray.cli import commands as cli
 from apao_ray.data import files
 from conftest import SHARED_DATASETS, closed_port
 

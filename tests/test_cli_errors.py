@@ -16,7 +16,7 @@ from conftest import ROOT, mlflow_sqlite
 
 
 def registered_commands() -> list[str]:
-    """Every subcommand cli.py registers (pass-through and ``register(subparsers)`` ones)."""
+    """Every subcommand cli/commands.py registers (pass-through and ``register(subparsers)`` ones)."""
     parser = cli.build_parser()
     commands = next(action for action in parser._actions if action.dest == "command")
     return sorted(commands.choices)

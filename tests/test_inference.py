@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
-from apao_ray.inference import Recommender, served_request
+from apao_ray.reuse.inference import Recommender, served_request
 from apao_ray.models import build_model
 from apao_ray.config import TINY_MODEL
 

@@ -263,7 +263,7 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     from apao_ray.data import load_dataset
     from apao_ray.decoding import beam_search
     from apao_ray.data.batches import iter_batches
-    from apao_ray.inference import Recommender
+    from apao_ray.reuse.inference import Recommender
     from apao_ray.training.precision import autocast
 
     mlflow.set_tracking_uri(study["uri"])

@@ -27,7 +27,7 @@ from typing import Any, Iterator
 
 import pandas as pd
 
-from ..cli_types import positive_int
+from ..cli.types import positive_int
 from ..paths import add_tracking_uri_argument
 from .per_user import PER_USER_FILE, read_per_user, recompute_per_user
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cli_types import positive_int
+from ..cli.types import positive_int
 from ..names import PLAN_TAG, PLUGINS_ENV
 from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export

@@ -12,7 +12,7 @@ import json
 import time
 from pathlib import Path
 
-from ..cli_types import int_at_least, non_negative_int, positive_int
+from ..cli.types import int_at_least, non_negative_int, positive_int
 from ..data.files import LEVEL_LETTERS, _read_json, index_meta_path, locate_directory
 from ..data.tables import table_sequences
 from .embeddings import DEFAULT_ENCODER, describe_source, item_vectors

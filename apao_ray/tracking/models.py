@@ -30,13 +30,13 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
     """
 
     def load_context(self, context: Any) -> None:
-        from ..inference import Recommender  # lazy: torch, in the serving process only (tracking stays torch-free)
+        from ..reuse.inference import Recommender  # lazy: torch, in the serving process only (tracking stays torch-free)
 
         self.checkpoint_dir = context.artifacts["checkpoint"]
         self.recommender = Recommender.from_checkpoint(self.checkpoint_dir)
 
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> pd.DataFrame:
-        from ..inference import served_request  # lazy: as in load_context
+        from ..reuse.inference import served_request  # lazy: as in load_context
 
         params = {**SERVED_PARAMS, **(params or {})}
         try:

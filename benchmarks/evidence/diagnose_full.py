@@ -34,7 +34,7 @@ import torch
 from apao_ray.analysis.stats import paired_comparison
 from apao_ray.data import load_dataset
 from apao_ray.hardware import cpu_model
-from apao_ray.inference import Recommender
+from apao_ray.reuse.inference import Recommender
 from apao_ray.protocol import decoding_scoring
 from apao_ray.training.checkpoint import CONFIG_FILE, FINAL_METRICS_FILE, STATE_FILE
 from apao_ray.training.evaluation import evaluate_split_per_user

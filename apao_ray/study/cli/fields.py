@@ -7,7 +7,7 @@ import os
 from dataclasses import MISSING, Field
 from typing import Any, Callable
 
-from ...cli_types import bounded_number
+from ...cli.types import bounded_number
 from ..spec.duration import parse_duration
 from ..spec.fields import flag_of, table
 

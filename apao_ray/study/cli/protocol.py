@@ -9,7 +9,7 @@ import argparse
 
 from ...config import PROTOCOL_NAMES, WEIGHTING_MODES, TrialConfig
 from ...protocol import KNOBS, PRESET_HELP, PRESETS, apply_protocol
-from ...cli_types import non_negative_float
+from ...cli.types import non_negative_float
 
 
 def _preset_values(knob: str) -> str:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ...cli_types import non_negative_float, non_negative_int, positive_int
+from ...cli.types import non_negative_float, non_negative_int, positive_int
 from ...config import (BACKBONE_NAMES, TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig,
                       TrialConfig)
 from ...data import canonical_dataset, dataset_label

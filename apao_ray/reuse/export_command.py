@@ -1,19 +1,19 @@
 """``python -m apao_ray export``: a trained model as a Hugging Face ``transformers`` directory (the format
-itself, and how weights map, is :mod:`apao_ray.export`)."""
+itself, and how weights map, is :mod:`apao_ray.reuse.export`)."""
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from . import load_recommender
+from .. import load_recommender
 from .export import FORMATS, export_hf
 from .export import __doc__ as EXPORT_DOC
-from .paths import add_tracking_uri_argument
+from ..paths import add_tracking_uri_argument
 
 
 def _run(args: argparse.Namespace) -> int:
     # lazy: mlflow; every `python -m apao_ray` command builds the parser that imports this module
-    from .tracking import require_model, resolve_tracking_uri
+    from ..tracking import require_model, resolve_tracking_uri
 
     if args.format not in FORMATS:
         raise ValueError(f"--format {args.format!r} is not known; choose from {list(FORMATS)}")

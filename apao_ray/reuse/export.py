@@ -14,9 +14,9 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .data.catalog import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
-from .data.files import LEVEL_LETTERS
-from .protocol import decoding_scoring
+from ..data.catalog import BOS_TOKEN, EOS_TOKEN, PAD_TOKEN
+from ..data.files import LEVEL_LETTERS
+from ..protocol import decoding_scoring
 
 if TYPE_CHECKING:  # annotations only: every `python -m apao_ray ... --help` imports this module
     import torch
@@ -79,7 +79,7 @@ def _load_mapped(hf_model: Any, ours: Any, names: dict[str, str]) -> Any:
 
 def from_hf_state(ours: Any, hf_state: dict[str, torch.Tensor]) -> Any:
     """Loads an exported (or HF-fine-tuned) model's weights back into our backbone of the same sizes."""
-    from .models import TigerBackbone  # lazy: torch; every command's parser imports this module (cli_export)
+    from ..models import TigerBackbone  # lazy: torch; every command's parser imports this module (export_command)
 
     names = tiger_names(ours) if isinstance(ours, TigerBackbone) else llama_names(ours)
     uncovered = sorted(set(ours.state_dict()) - set(names.values()))
@@ -128,7 +128,7 @@ def llama_to_hf(ours: Any) -> Any:
 
 def to_hf(ours: Any) -> Any:
     """Our backbone -> the equivalent ``transformers`` model (eval mode, float32)."""
-    from .models import LlamaBackbone, TigerBackbone  # lazy: torch, as in from_hf_state
+    from ..models import LlamaBackbone, TigerBackbone  # lazy: torch, as in from_hf_state
 
     if isinstance(ours, TigerBackbone):
         return tiger_to_t5(ours)
@@ -163,7 +163,7 @@ def export_hf(recommender: Any, directory: str | Path) -> Path:
     from transformers import GenerationConfig  # lazy: an optional extra
 
     from . import hf_generate  # lazy: torch, as in from_hf_state
-    from .decoding.scoring import VOCABULARY_SCORING  # lazy: torch
+    from ..decoding.scoring import VOCABULARY_SCORING  # lazy: torch
 
     scoring = decoding_scoring(recommender.config)
     if scoring != VOCABULARY_SCORING:

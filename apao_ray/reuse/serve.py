@@ -21,8 +21,8 @@ import os
 import sys
 from typing import Any
 
-from .cli_types import positive_int
-from .paths import add_tracking_uri_argument
+from ..cli.types import positive_int
+from ..paths import add_tracking_uri_argument
 
 MODEL_PATH_ENV = "APAO_SERVE_MODEL_PATH"
 MAX_BODY_ENV = "APAO_SERVE_MAX_BODY_BYTES"
@@ -144,7 +144,7 @@ async def _answer(send: Any, status: int, content: dict) -> None:
 
 def limited_app() -> RequestLimits:
     """The app the server process runs (``serve_app.py``), configured by the environment ``_run`` sets."""
-    from .tracking import SERVED_PARAMS, scoring_app  # lazy: mlflow; every command's parser imports this module
+    from ..tracking import SERVED_PARAMS, scoring_app  # lazy: mlflow; every command's parser imports this module
 
     return RequestLimits(scoring_app(os.environ[MODEL_PATH_ENV]), SERVED_PARAMS,
                          int(os.environ.get(MAX_BODY_ENV, DEFAULT_MAX_BODY_BYTES)),
@@ -152,14 +152,14 @@ def limited_app() -> RequestLimits:
 
 
 def serve_command(host: str, port: int, workers: int) -> list[str]:
-    """uvicorn running ``apao_ray.serve_app:app`` in this interpreter."""
-    return [sys.executable, "-m", "uvicorn", "apao_ray.serve_app:app", "--host", host, "--port", str(port),
+    """uvicorn running ``apao_ray.reuse.serve_app:app`` in this interpreter."""
+    return [sys.executable, "-m", "uvicorn", "apao_ray.reuse.serve_app:app", "--host", host, "--port", str(port),
             "--workers", str(workers)]
 
 
 def _run(args: argparse.Namespace) -> int:
     # lazy: mlflow; every command's parser imports this module
-    from .tracking import TRACKING_URI_ENV, check_tracking_uri, download_model, require_model, resolve_tracking_uri
+    from ..tracking import TRACKING_URI_ENV, check_tracking_uri, download_model, require_model, resolve_tracking_uri
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port {args.port} must be between 0 and 65535")

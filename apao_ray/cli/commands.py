@@ -11,9 +11,9 @@ import importlib
 import json
 import sys
 
-from .cli_types import int_at_least, positive_int
-from .data import known_dataset_names, load_dataset
-from .paths import absolute_data_dir_env
+from .types import int_at_least, positive_int
+from ..data import known_dataset_names, load_dataset
+from ..paths import absolute_data_dir_env
 
 # name -> ("module:function", help): a pass-through main(argv, prog=...) with its own --help
 PASS_THROUGH = {
@@ -23,12 +23,12 @@ PASS_THROUGH = {
 }
 # modules with register(subparsers): one line each
 REGISTERED = [
-    "apao_ray.cli",               # data stats
+    "apao_ray.cli.commands",      # data stats
     "apao_ray.semantic_ids",      # tokenize
-    "apao_ray.cli_export",        # export --format hf
+    "apao_ray.reuse.export_command",  # export --format hf
     "apao_ray.analysis.export",   # export-study
     "apao_ray.analysis.report",   # report
-    "apao_ray.serve",             # serve MODEL_URI
+    "apao_ray.reuse.serve",       # serve MODEL_URI
 ]
 
 _ORDER = ["users", "items", "interactions", "density", "distinct_semantic_ids", "colliding_semantic_ids",

@@ -15,16 +15,16 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from .config import TrialConfig
-from .data import Catalog
-from .data.batches import encode_histories
-from .decoding import beam_search
+from ..config import TrialConfig
+from ..data import Catalog
+from ..data.batches import encode_histories
+from ..decoding import beam_search
 from .export import TRIAL_CONFIG_FILE, from_hf_state
 from .hf_generate import ITEM_MAP_FILE
-from .models import build_model
-from .protocol import decoding_scoring
-from .training.checkpoint import BEST_MODEL_FILE, CONFIG_FILE, load_catalog_arrays
-from .training.precision import autocast, resolve_precision
+from ..models import build_model
+from ..protocol import decoding_scoring
+from ..training.checkpoint import BEST_MODEL_FILE, CONFIG_FILE, load_catalog_arrays
+from ..training.precision import autocast, resolve_precision
 
 # What a loaded model decodes in unless told otherwise: fp32, whatever the trial trained in. bf16
 # autocast rounds per operation, so two implementations of one model (ours, the transformers export,
