@@ -11,7 +11,8 @@
 # Each seed's trial files land in $OUT/seeds; a pair is started only while MIN_LEFT s (300) are left (a pair
 # still running at the deadline is stopped, its files marked unfinished). Variables: SEEDS, DEADLINE
 # (seconds from the script's start), OUT, APAO_DATA_DIR, THREADS (per trial, default 4), PROTOCOL (paper),
-# DEVICE (cuda; cpu tries the script), TRAIN_FLAGS (more `apao train` flags, e.g. --test-every-epoch).
+# DEVICE (cuda; cpu tries the script), TRAIN_FLAGS (more `apao train` flags, e.g. --test-every-epoch), LOSSES
+# (default ce,apao_pointwise; e.g. LOSSES=bear,token_weighted SEEDS=4 for the field's losses beside seed 4's pair).
 set -u
 cd "$(dirname "$0")/../.."
 start=$SECONDS
@@ -37,7 +38,7 @@ for seed in $seeds; do
         continue
     fi
     python3 benchmarks/evidence/gpu_full_protocol.py --data-dir "$APAO_DATA_DIR" --out "$out/seeds" \
-        --work /tmp/apao-seeds --seeds "$seed" --device "${DEVICE:-cuda}" --protocol "$protocol" --threads "${THREADS:-4}" --deadline "$left" \
+        --work /tmp/apao-seeds --seeds "$seed" --losses "${LOSSES:-ce,apao_pointwise}" --device "${DEVICE:-cuda}" --protocol "$protocol" --threads "${THREADS:-4}" --deadline "$left" \
         --train-flags="--full-sort-test $full_sort ${TRAIN_FLAGS:-}"
     mv "$out/seeds/trials.log" "$out/seeds/trials-seed$seed.log"
 done
