@@ -120,7 +120,7 @@ def test_a_spec_is_checked_without_io_and_the_plan_holds_the_schedule_it_fits(is
     from apao_ray import StudySpec, prepare
     from apao_ray.study.plan.budget import Deferral, Fit, MethodCost
     from apao_ray.study.plan.plan import Plan
-    from apao_ray.study.run.driver import Study
+    from apao_ray.study.run.study import Study
 
     missing = StudySpec(dataset="office", data_dir=str(isolated / "nowhere"), output_dir="runs")  # nothing read yet
     assert missing.search.num_trials == 7 and not (isolated / "mlflow.db").exists()

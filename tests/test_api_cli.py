@@ -30,7 +30,7 @@ def test_smoke_settings_yield_to_options_written_in_any_form():
 
 
 def test_the_recorded_command_is_the_one_a_user_types_again():
-    from apao_ray.study.run.driver import invocation
+    from apao_ray.study.run.study import invocation
 
     assert invocation(["/x/apao_ray/__main__.py", "sweep", "--dataset", "office"]) == [
         "python", "-m", "apao_ray", "sweep", "--dataset", "office"]

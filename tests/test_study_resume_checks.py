@@ -18,7 +18,8 @@ def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, chec
     from apao_ray.config import DataConfig, TrialConfig
     from apao_ray.study.plan.budget import Fit
     from apao_ray.study.plan.plan import Plan
-    from apao_ray.study.run.driver import Study, open_parent_run
+    from apao_ray.study.run.driver import open_parent_run
+    from apao_ray.study.run.study import Study
     from apao_ray.study.setup import StudySetup
     from apao_ray.study.spec.study import StudySpec
     from apao_ray.tracking import Tracker

@@ -101,7 +101,8 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     from ..tracking import Tracker, experiment_name
     from ..names import CONVERGED_TAG
     from .record.report import DESCRIPTION_TAG, RECORDED_KNOBS, study_description, table_rows
-    from .run.driver import Study, StudyOutcome, check_same_schedule, invocation
+    from .run.driver import StudyOutcome, check_same_schedule
+    from .run.study import Study, invocation
     from .run.driver import run_study as run_planned
 
     setup = setup if setup is not None else prepare(spec)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...training.memory import find_tcmalloc
 from ..spec.duration import format_duration
@@ -18,10 +18,17 @@ from ..spec.study import with_pretrain
 from .budget import TRIAL_START_S, Fit, MethodCost, asha_rungs, fit_budget, study_seconds
 from .probe_cache import PROBE_SECONDS, PROBE_TRIAL_SHARE, SIDE_BY_SIDE_SLOWDOWN, probe, probe_cache_path
 
+if TYPE_CHECKING:  # the types only
+    from ...config import TrialConfig
+    from ...data.splits import Split
+    from ..setup import StudySetup
+    from ..spec.space import SearchSpec
+    from ..spec.study import StudySpec
+
 MEMORY_WARNING_FRACTION = 0.8  # of the machine's memory, for the plan's peak (Ray's monitor kills at 0.95)
 
 
-def method_config(base: Any, backbone: str, loss: str) -> dict[str, Any]:
+def method_config(base: TrialConfig, backbone: str, loss: str) -> dict[str, Any]:
     """The trial config a method is probed with (and its cache entry's key is made of), as plain JSON."""
     config = base.replace(model=base.model.replace(backbone=backbone).to_dict(),
                           loss=base.loss.replace(name=loss).to_dict())
@@ -55,8 +62,8 @@ class Plan:
     effective_batch_size: int = 1024  # the asked optimizer batch (fit.effective_batch_size: the budget protocol's)
     # the trials' schedule as the study runs it: every trial's config (the fitted epochs, training subset,
     # optimizer batch and CE stage) and the search (trials per tuned method, start order, deferred methods)
-    base: Any = None
-    search: Any = None
+    base: TrialConfig | None = None
+    search: SearchSpec | None = None
 
     @property
     def deferred(self) -> set[tuple[str, str]]:
@@ -138,7 +145,7 @@ class Plan:
             line += "; budget protocol"
         return line
 
-    def scheduled(self, base: Any, search: Any, losses: tuple[str, ...], pretrain_ce_epochs: int | None) -> "Plan":
+    def scheduled(self, base: TrialConfig, search: SearchSpec, losses: tuple[str, ...], pretrain_ce_epochs: int | None) -> "Plan":
         """This plan with the trials' schedule it fits filled in (``base``, ``search``): the asked base config
         with the fitted epochs (and a preference loss's CE stage), training subset and the budget protocol's
         batch; the asked search with the fitted trials per tuned method, the start order, the deferred methods."""
@@ -249,7 +256,7 @@ def machine_memory_bytes() -> int:
         return 0
 
 
-def validation_users(base: Any, splits: dict[str, Any]) -> int:
+def validation_users(base: TrialConfig, splits: dict[str, Split]) -> int:
     """Users a trial validates on each epoch (``eval_max_users`` caps the split)."""
     return min(len(splits["valid"]), base.train.eval_max_users or len(splits["valid"]))
 
@@ -259,7 +266,7 @@ def trial_threads(cpus_per_trial: float) -> int:
     return max(1, int(round(cpus_per_trial)))
 
 
-def make_plan(spec: Any, setup: Any, slots: int, use_cache: bool = True) -> Plan:
+def make_plan(spec: StudySpec, setup: StudySetup, slots: int, use_cache: bool = True) -> Plan:
     """Probes each (backbone, loss) of a ``StudySpec`` (checked: ``setup`` is what ``prepare`` found) and fits the
     study to its budget.
 

@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +21,7 @@ from ..search.scheduler import PerMethodASHA
 from ..setup import parent_run, parent_tags, study_state_exists
 from ..spec import space
 from ..spec.space import PAPER_KNOBS, SearchSpec, trial_choices
+from .study import Study, invocation
 from .trial import Resources
 
 if TYPE_CHECKING:  # the types only: the driver runs a Plan, it never makes one
@@ -30,44 +31,9 @@ if TYPE_CHECKING:  # the types only: the driver runs a Plan, it never makes one
     from ..spec.study import StudySpec
 
 
-@dataclass(frozen=True)
-class Study:
-    """A study ready to run, from its three sources, none repeating another:
-
-    * ``spec``: what the user asked (``spec.study.StudySpec``): the user's choices (address, GPUs, failures,
-      overwrite, retry, the budget, the Optuna storage as given);
-    * ``setup``: what checking it found (``study.setup.StudySetup``): the dataset, every trial's config as
-      asked, the study's name, paths and URIs, the CPUs per trial;
-    * ``plan``: what fits (``plan.plan.Plan``): the trials' schedule (``plan.base``, ``plan.search``), slots,
-      ASHA's grace period, the repeat seeds, and the record the parent run keeps.
-    """
-
-    spec: StudySpec
-    setup: StudySetup
-    plan: Plan
-    command_line: list[str] = field(default_factory=lambda: invocation(sys.argv))
-
-    @property
-    def study_dir(self) -> Path:
-        return self.setup.study_dir
-
-    @property
-    def seeds(self) -> list[int]:
-        """The search's seed, then the repeats'."""
-        return [self.plan.base.train.seed, *self.plan.run_repeat_seeds]
-
-
 def memory_bytes(spec: StudySpec) -> int | None:
     """The per-trial memory cap in bytes (``memory_per_trial_gib``), None without one."""
     return int(spec.memory_per_trial_gib * 2**30) if spec.memory_per_trial_gib else None
-
-
-def invocation(argv: list[str]) -> list[str]:
-    """The command as a user would type it again: ``python -m apao_ray sweep ...`` rather than the absolute
-    path of ``apao_ray/__main__.py`` that ``sys.argv[0]`` holds under ``-m``."""
-    if argv and Path(argv[0]).parts[-2:] == ("apao_ray", "__main__.py"):
-        return ["python", "-m", "apao_ray", *argv[1:]]
-    return list(argv)
 
 
 def make_trial_function(base: TrialConfig, train_root: str, resources: Resources) -> Any:

@@ -10,7 +10,7 @@ with its repeats (report.py).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..spec.space import REPEATS_KEY, SEED_KEY, knobs_of, param_name
 
@@ -28,7 +28,12 @@ def repeat_configs(best: list[dict[str, Any]], seeds: tuple[int, ...]) -> list[d
     return configs
 
 
-def run_repeats(study: Any, tracker: Any, trainable: Any, callbacks: list[Any], metric: str,
+if TYPE_CHECKING:
+    from ...tracking import Tracker
+    from .study import Study
+
+
+def run_repeats(study: Study, tracker: Tracker, trainable: Any, callbacks: list[Any], metric: str,
                 time_budget_s: float | None) -> tuple[list[dict[str, Any]], bool]:
     """Runs (or resumes) the repeat phase; returns (one summary per repeat trial, whether it was stopped
     before every repeat ended). Nothing to repeat (no seeds, no finished method): ``([], False)``."""
