@@ -44,6 +44,8 @@ DIAGNOSIS_PREFIX = "diagnosis/"
 
 # files of a finished trial's final checkpoint
 PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial
+# the kept model's validation, per user (the validation users of the selection): to compare validation with test
+PER_USER_VALID_FILE = "per_user_valid.csv.gz"
 
 SCRATCH_PREFIX = "apao-worker-"  # + the run's name and directory (scratch_prefix): a worker's scratch in the system temp dir
 

@@ -86,6 +86,9 @@ def test_export_is_compact_and_holds_what_the_report_needs(studies, tmp_path):
         assert trial["tags"]["apao.precision"] in ("fp32", "bf16") and "test/beam_retention_at_20" in trial["metrics"]
         assert list(export.history(trial["run_id"], "val/ndcg_at_10").index) == [1, 2]
         assert len(export.per_user(trial)) == 600
+        # the kept model's validation per user: its mean is the best epoch's validation NDCG@10
+        valid = export.per_user(trial, "valid")
+        assert valid["ndcg_at_10"].mean() == pytest.approx(trial["metrics"]["best/val/ndcg_at_10"], abs=1e-6)
     apao = next(t for t in export.trials if t["tags"]["loss"] == "apao_pointwise")
     assert apao["params"]["beta"] == "0.3" and len(export.history(apao["run_id"], "train/apao_weight_m1")) == 2
     assert "--seed 0" in export.record["parents"][0]["tags"]["command_line"]

@@ -8,7 +8,7 @@ import torch
 
 from apao_ray.analysis.per_user import read_per_user
 from apao_ray.models import build_model
-from apao_ray.names import PER_USER_FILE
+from apao_ray.names import PER_USER_FILE, PER_USER_VALID_FILE
 from apao_ray.protocol import decoding_scoring
 from apao_ray.training.checkpoint import load_checkpoint
 from apao_ray.training.evaluation import evaluate_split
@@ -41,7 +41,13 @@ def test_each_rule_tests_the_weights_of_the_epoch_it_keeps(short, tmp_path, prot
     resolved = config.replace(train=config.train.replace(precision=resolve_precision(config.train.precision,
                                                                                       torch.device("cpu"))))
     model = build_model(resolved.model, short.catalog.vocab_size, short.catalog.num_levels)
-    table = read_per_user(next((tmp_path / "checkpoints").glob("*_final")) / PER_USER_FILE)
+    final_dir = next((tmp_path / "checkpoints").glob("*_final"))
+    table = read_per_user(final_dir / PER_USER_FILE)
+    # the kept model's validation per user: its means are the kept epoch's validation metrics
+    valid = read_per_user(final_dir / PER_USER_VALID_FILE)
+    assert len(valid) == reports[0]["val/num_users_evaluated"] < len(short.splits["valid"])  # the users selection saw
+    for metric in RULE_METRICS:
+        assert valid[metric].mean() == pytest.approx(reports[expected[own] - 1][f"val/{metric}"], abs=1e-6), metric
     for rule, epoch in expected.items():
         state, _, _ = load_checkpoint(tmp_path / "checkpoints" / f"epoch_{epoch:04d}")
         model.load_state_dict(state["model"])  # the weights after that epoch: what the rule keeps

@@ -8,6 +8,7 @@ Layout of an export directory:
     epochs.csv.gz    every per-epoch metric of every trial, long format: run_id, key, step, value
                      (train/val metrics, adaptive weights, learning rate, seconds per epoch)
     per_user/<run_id>.csv.gz   the trial's per-user test table (user, rank, Recall/NDCG@10/20, prefix hits)
+    per_user_valid/<run_id>.csv.gz   the kept model's per-user validation table, where the trial logged one
 
 A SQLite store is read from a snapshot copy (the live file of a running study is never opened).
 """
@@ -29,11 +30,13 @@ import pandas as pd
 
 from ..cli.types import positive_int
 from ..paths import add_tracking_uri_argument
+from ..names import PER_USER_VALID_FILE
 from .per_user import PER_USER_FILE, read_per_user, recompute_per_user
 
 STUDY_FILE = "study.json"
 EPOCHS_FILE = "epochs.csv.gz"
 PER_USER_DIR = "per_user"
+PER_USER_VALID_DIR = "per_user_valid"
 FORMAT_VERSION = 1
 _SKIPPED_TAGS = ("mlflow.log-model.history", "mlflow.source.", "mlflow.user")
 
@@ -80,12 +83,12 @@ def _epoch_rows(client: Any, run: Any) -> list[tuple[str, str, int, float]]:
     return rows
 
 
-def _download_per_user(client: Any, run_id: str, destination: Path) -> bool:
+def _download_per_user(client: Any, run_id: str, destination: Path, name: str = PER_USER_FILE) -> bool:
     names = {artifact.path for artifact in client.list_artifacts(run_id)}
-    if PER_USER_FILE not in names:
+    if name not in names:
         return False
     with tempfile.TemporaryDirectory() as tmp:
-        local = client.download_artifacts(run_id, PER_USER_FILE, tmp)
+        local = client.download_artifacts(run_id, name, tmp)
         shutil.copyfile(local, destination)
     return True
 
@@ -151,6 +154,7 @@ def export_study(tracking_uri: str, study: str, to_dir: str | Path, recompute_pe
         children = [run for parent in parents for run in tracker.child_runs(parent.info.run_id)]
         children.sort(key=lambda run: (run.info.start_time or 0, run.info.run_id))
         (to_dir / PER_USER_DIR).mkdir(parents=True, exist_ok=True)
+        (to_dir / PER_USER_VALID_DIR).mkdir(parents=True, exist_ok=True)
         trials, rows = [], []
         for run in children:
             record = trial_record(run)
@@ -165,8 +169,14 @@ def export_study(tracking_uri: str, study: str, to_dir: str | Path, recompute_pe
                 record["per_user"], record["per_user_source"] = None, (
                     "none logged (add --recompute-per-user to recompute it from the checkpoint)"
                     if run.info.status == "FINISHED" else f"none: the trial ended {run.info.status}")
+            valid = to_dir / PER_USER_VALID_DIR / f"{run.info.run_id}.csv.gz"
+            valid.unlink(missing_ok=True)
+            record["per_user_valid"] = (f"{PER_USER_VALID_DIR}/{valid.name}" if _download_per_user(
+                client, run.info.run_id, valid, PER_USER_VALID_FILE) else None)
             trials.append(record)
             rows.extend(_epoch_rows(client, run))
+    with contextlib.suppress(OSError):  # no trial logged a validation table (runs from before they existed)
+        (to_dir / PER_USER_VALID_DIR).rmdir()
     record = {"format_version": FORMAT_VERSION, "study": study, "experiment": experiment,
               "tracking_uri": redact(tracking_uri), "exported_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "parents": [trial_record(parent) for parent in parents], "trials": trials}
@@ -193,8 +203,10 @@ class StudyExport:
     def trials(self) -> list[dict[str, Any]]:
         return self.record["trials"]
 
-    def per_user(self, trial: dict[str, Any]) -> pd.DataFrame | None:
-        return read_per_user(self.directory / trial["per_user"]) if trial.get("per_user") else None
+    def per_user(self, trial: dict[str, Any], split: str = "test") -> pd.DataFrame | None:
+        """The trial's per-user table of ``split`` (``test``, or ``valid``: the kept model's validation), if any."""
+        key = {"test": "per_user", "valid": "per_user_valid"}[split]
+        return read_per_user(self.directory / trial[key]) if trial.get(key) else None
 
     def history(self, run_id: str, key: str) -> pd.Series:
         """(step -> value) of one metric of one trial, sorted by step."""

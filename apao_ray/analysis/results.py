@@ -138,8 +138,8 @@ class Trial:
     def history(self, key: str) -> pd.Series:
         return self.export.history(self.run_id, key)
 
-    def per_user(self) -> pd.DataFrame | None:
-        return self.export.per_user(self.record)
+    def per_user(self, split: str = "test") -> pd.DataFrame | None:
+        return self.export.per_user(self.record, split)
 
 
 @dataclass

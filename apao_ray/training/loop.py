@@ -22,7 +22,7 @@ from ..config import LossConfig, TrialConfig
 from ..data import Dataset, load_dataset
 from ..losses import build_loss
 from ..models import build_model
-from ..names import DIAGNOSIS_PREFIX, PER_USER_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
+from ..names import DIAGNOSIS_PREFIX, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .cost import CostMeter
@@ -303,10 +303,14 @@ def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None
                                    for rule, (rule_epoch, _) in kept.items()
                                    for column in per_user if column.startswith(("recall_at_", "ndcg_at_"))}}
         final.update(test_metrics)
-        final.update(meter.stop())  # the test pass included
+        # the kept model's validation per user (the users selection saw): its means are the kept epoch's
+        _, valid_per_user = evaluate_split_per_user(_unwrap(model), dataset, "valid", tensors, train_cfg, device,
+                                                    valid_users, scoring)
+        final.update(meter.stop())  # the test and validation passes included
         final_dir = hooks.new_checkpoint_dir(state["epoch"])
         save_checkpoint(final_dir, {**state, "model": best_weights}, best_weights, config.to_dict())
         write_per_user(final_dir / PER_USER_FILE, per_user)  # the paired significance tests read it
+        write_per_user(final_dir / PER_USER_VALID_FILE, valid_per_user)
         save_catalog(final_dir, catalog.item_ids, catalog.item_codes)
         (final_dir / FINAL_METRICS_FILE).write_text(json.dumps(final, indent=2, sort_keys=True))
         # a resumed run may have trained nothing new: its history goes with the final report too

@@ -11,8 +11,8 @@ from typing import Any
 from ray import tune
 
 from ...config import TrialConfig
-from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PRECISION_KEY, REPEATS_TAG, RESUMED_HISTORY_KEY,
-                     SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
+from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, REPEATS_TAG,
+                     RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ...tracking import Tracker
 from ..cluster import interrupt
 from . import plots
@@ -151,8 +151,9 @@ class MlflowStudyCallback(tune.Callback):
             return
         self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
         self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
-        if (checkpoint / PER_USER_FILE).exists():  # absent in checkpoints from before it existed
-            self.tracker.log_artifact(run_id, checkpoint / PER_USER_FILE)
+        for table in (PER_USER_FILE, PER_USER_VALID_FILE):
+            if (checkpoint / table).exists():  # absent in checkpoints from before they existed
+                self.tracker.log_artifact(run_id, checkpoint / table)
         # a trial completed again after a resume (the driver was killed before Tune saved its end) keeps its model
         model_uri = self.tracker.logged_model_uri(run_id)
         if model_uri is None:

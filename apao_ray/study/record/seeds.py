@@ -15,7 +15,7 @@ from typing import Any
 
 from ...analysis.per_user import PER_USER_FILE, read_per_user
 from ...analysis.results import Method, Trial, compare_methods, with_repeats
-from ...names import SUMMED
+from ...names import PER_USER_VALID_FILE, SUMMED
 
 TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
 STD_SUFFIX = " std"
@@ -28,19 +28,22 @@ class RunSource:
     def __init__(self, name: str, records: list[dict[str, Any]], tracker: Any = None,
                  tables: dict[str, Any] | None = None) -> None:
         self.name, self.trials, self.tracker = name, records, tracker
-        self.tables: dict[str, Any] = dict(tables or {})  # run_id -> per-user DataFrame (downloaded once)
+        # run_id -> per-user test DataFrame, (run_id, split) -> another split's (each downloaded once)
+        self.tables: dict[Any, Any] = dict(tables or {})
 
-    def per_user(self, record: dict[str, Any]) -> Any:
-        run_id = record["run_id"]
-        if run_id not in self.tables and self.tracker is not None:
+    def per_user(self, record: dict[str, Any], split: str = "test") -> Any:
+        """The run's per-user table of ``split`` (``test``, or ``valid``: the kept model's), None without one."""
+        key = record["run_id"] if split == "test" else (record["run_id"], split)  # tables given: by run id
+        if key not in self.tables and self.tracker is not None:
             from ...tracking import quiet_mlflow
 
+            name = {"test": PER_USER_FILE, "valid": PER_USER_VALID_FILE}[split]
             try:
                 with tempfile.TemporaryDirectory() as tmp, quiet_mlflow():
-                    self.tables[run_id] = read_per_user(self.tracker.client.download_artifacts(run_id, PER_USER_FILE, tmp))
+                    self.tables[key] = read_per_user(self.tracker.client.download_artifacts(record["run_id"], name, tmp))
             except Exception:  # noqa: BLE001 - a run without the table (older, failed upload): no comparison for it
-                self.tables[run_id] = None
-        return self.tables.get(run_id)
+                self.tables[key] = None
+        return self.tables.get(key)
 
     def history(self, run_id: str, key: str) -> Any:
         """(step -> value) of one metric of one run, from MLflow (empty without a tracker)."""
