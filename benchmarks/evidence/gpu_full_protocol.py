@@ -62,7 +62,7 @@ def one(loss: str, seed: int, args: argparse.Namespace) -> None:
 
     import torch
 
-    from apao_ray.names import PER_USER_FILE
+    from apao_ray.names import PER_USER_FILE, PER_USER_VALID_FILE
     from apao_ray.study.cli.train import build_parser, trial_config_from_args
     from apao_ray.training.hooks import TrainingHooks
     from apao_ray.training.loop import run_trial
@@ -73,9 +73,11 @@ def one(loss: str, seed: int, args: argparse.Namespace) -> None:
     hooks = TrainingHooks(work, device=args.device, verbose=True)
     final = run_trial(config, hooks)
     per_user = sorted(work.glob(f"checkpoints/*_final/{PER_USER_FILE}"))
+    per_user_valid = sorted(work.glob(f"checkpoints/*_final/{PER_USER_VALID_FILE}"))
     result = {"loss": loss, "seed": seed, "finished": True, "config": config.to_dict(), "final": final,
               "epochs": [r for r in hooks.reports if not r.get("done")],
-              "per_user_test_csv": gzip.decompress(per_user[0].read_bytes()).decode() if per_user else None}
+              "per_user_test_csv": gzip.decompress(per_user[0].read_bytes()).decode() if per_user else None,
+              "per_user_valid_csv": gzip.decompress(per_user_valid[0].read_bytes()).decode() if per_user_valid else None}
     (Path(args.out) / f"{trial_name(loss, seed, args.backbone, args.protocol)}.json").write_text(json.dumps(result))
 
 
@@ -106,7 +108,7 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
     import gzip
     import time
 
-    from apao_ray.analysis.export import EPOCHS_FILE, FORMAT_VERSION, PER_USER_DIR, STUDY_FILE
+    from apao_ray.analysis.export import EPOCHS_FILE, FORMAT_VERSION, PER_USER_DIR, PER_USER_VALID_DIR, STUDY_FILE
     from apao_ray.config import TrialConfig
     from apao_ray.protocol import run_tags
     from apao_ray.study.cli.train import build_parser, trial_config_from_args
@@ -141,6 +143,10 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
         if trial.get("per_user_test_csv"):
             (to_dir / PER_USER_DIR / f"{run_id}.csv.gz").write_bytes(gzip.compress(trial["per_user_test_csv"].encode()))
             record["per_user"], record["per_user_source"] = f"{PER_USER_DIR}/{run_id}.csv.gz", "logged by the trial"
+        if trial.get("per_user_valid_csv"):
+            (to_dir / PER_USER_VALID_DIR).mkdir(parents=True, exist_ok=True)
+            (to_dir / PER_USER_VALID_DIR / f"{run_id}.csv.gz").write_bytes(gzip.compress(trial["per_user_valid_csv"].encode()))
+            record["per_user_valid"] = f"{PER_USER_VALID_DIR}/{run_id}.csv.gz"
         trials.append(record)
         rows += [(run_id, key, e["epoch"], value) for e in epochs for key, value in e.items()
                  if key != "epoch" and isinstance(value, (int, float))]
