@@ -42,9 +42,8 @@ def train_args(loss: str, seed: int, args: argparse.Namespace) -> list[str]:
     from apao_ray.losses import LOSSES
 
     knobs = LOSSES[loss].paper_point(args.backbone, args.dataset)
-    flags = {"beta": "--beta", "eta": "--eta", "num_negatives": "--num-negatives"}
     return ["--dataset", args.dataset, "--data-dir", args.data_dir, "--backbone", args.backbone, "--loss", loss,
-            *(item for knob, value in knobs.items() for item in (flags[knob], str(value))),
+            *(item for knob, value in knobs.items() for item in ("--knob", f"{knob}={value}")),
             "--protocol", args.protocol, "--epochs", "200", "--patience", "20",
             "--seed", str(seed), "--batch-size", str(args.batch_size),
             *(["--use-gpu"] if args.device == "cuda" else []), *args.train_flags.split()]
