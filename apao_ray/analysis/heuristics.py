@@ -23,13 +23,9 @@ from .per_user import PER_USER_METRICS
 HEURISTIC_CUTOFF = 20  # the longest list a per-user metric reads (recall/ndcg at 20)
 
 
-def _sem_counts(sem_targets: np.ndarray, num_sem: int) -> np.ndarray:
-    return np.bincount(sem_targets, minlength=num_sem)
-
-
 def popularity_order(sem_targets: np.ndarray, num_sem: int) -> np.ndarray:
     """(U,) every semantic ID, most often a training target first (ties: lower id first)."""
-    return np.argsort(-_sem_counts(sem_targets, num_sem), kind="stable")
+    return np.argsort(-np.bincount(sem_targets, minlength=num_sem), kind="stable")
 
 
 def popularity_ranking(splits: dict[str, Any], item_sem: np.ndarray, split: str = "test",
@@ -44,8 +40,8 @@ def last_item_ranking(splits: dict[str, Any], item_sem: np.ndarray, split: str =
     """(S, k) semantic IDs: the successors of each user's last item in training, then popularity (module doc)."""
     train, evaluated = splits["train"], splits[split]
     num_sem = int(item_sem.max()) + 1
-    counts = _sem_counts(item_sem[train.targets], num_sem)
-    popular = popularity_order(item_sem[train.targets], num_sem)[:k]
+    counts = np.bincount(item_sem[train.targets], minlength=num_sem)
+    popular = np.argsort(-counts, kind="stable")[:k]                          # popularity_order, from these counts
     has_previous = train.histories[:, -1] >= 0                               # every training sample has one
     previous = item_sem[train.histories[has_previous, -1]]                    # (P,)
     following = item_sem[train.targets[has_previous]]                         # (P,)
@@ -110,7 +106,7 @@ def recorded_datasets(exports: list[Any]) -> dict[str, dict[str, str] | None]:
     for export in exports:
         for parent in export.record.get("parents", []):
             tags, params = parent.get("tags", {}), parent.get("params", {})
-            name = tags.get("dataset") or params.get("base.data.dataset")
+            name = (tags.get("dataset") or params.get("base.data.dataset") or "").lower()
             if name and name != "synthetic":
                 checksums = tags.get("dataset_checksums")
                 found[name] = json.loads(checksums) if checksums else found.get(name)
