@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .fused import fused_active
+
 # an opaque per-backbone object (TIGER: encoder output + mask; Llama: the history's key/value
 # cache + positions); only the backbone that made it reads it.
 Context = Any
@@ -60,6 +62,8 @@ class Backbone(nn.Module):
 
     def packs(self, device: torch.device) -> bool:
         """Whether the history pass on ``device`` runs packed (``pack_histories``)."""
+        if fused_active():  # a fused cohort (models/fused.py): packing sizes tensors by data, which vmap cannot
+            return False
         return device.type == "cpu" if self.pack_histories is None else self.pack_histories
 
     def encode(self, history_ids: torch.Tensor, history_mask: torch.Tensor) -> Context:

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused import fused_active
+
 _LANES = 4  # 16-bit lanes per 64-bit random word
 _LEVELS = 1 << 16
 # the 16 bits of 1.0 in the 16-bit float types: an int16 0 / 1 mask times these, viewed as the type, is 0.0 / 1.0
@@ -110,7 +112,7 @@ class _ReluDropout(torch.autograd.Function):
 def relu_dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """``dropout(relu(x), p, training)`` (T5's feed-forward), fused on CPU tensors in training: one fewer
     pass each way and half the saved activations of the widest tensor of a TIGER layer."""
-    if not training or p == 0.0 or x.device.type != "cpu" or p >= 1.0:
+    if not training or p == 0.0 or x.device.type != "cpu" or p >= 1.0 or fused_active():
         return dropout(F.relu(x), p, training)
     return _ReluDropout.apply(x, p)
 
@@ -138,7 +140,7 @@ class _DropoutTo(torch.autograd.Function):
 def dropout_to(x: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
     """``dropout(x, p).to(dtype)`` in training, fused on CPU tensors (the attention probabilities: dropout in
     float32 and the product with the values in bf16)."""
-    if x.device.type != "cpu" or p >= 1.0 or p == 0.0 or x.dtype == dtype:
+    if x.device.type != "cpu" or p >= 1.0 or p == 0.0 or x.dtype == dtype or fused_active():
         return dropout(x, p).to(dtype)
     return _DropoutTo.apply(x, p, dtype)
 
@@ -147,7 +149,7 @@ def dropout(x: torch.Tensor, p: float, training: bool = True) -> torch.Tensor:
     """``F.dropout`` by :func:`keep_mask` on CPU tensors in training (``F.dropout`` elsewhere)."""
     if not training or p == 0.0:
         return x
-    if x.device.type != "cpu" or p >= 1.0:
+    if x.device.type != "cpu" or p >= 1.0 or fused_active():  # a fused cohort: F.dropout batches under vmap
         return F.dropout(x, p, True)
     return _Dropout.apply(x, p)
 
@@ -166,7 +168,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     if q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, dropout_p=p if training else 0.0)
     dropping = training and p > 0.0
-    if not dropping and q.dtype != torch.bfloat16:
+    if not dropping and q.dtype != torch.bfloat16 and not fused_active():
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     # Unfused. In bf16 evaluation too: SDPA's fused CPU kernel pays a fixed cost per (row, head), on a
     # beam's decoder steps (one query per beam over <= 5 cached keys, 20 over the history) 2-4x the work

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .fused import fused_active
+
 # Rows per attention bucket on a CPU: 32 rows of a sorted batch of 128-256 pad to within a
 # few tokens of their own length. Accelerators take the batch in one bucket (one kernel).
 CPU_BUCKET_ROWS = 32
@@ -203,7 +205,7 @@ def row_groups(mask: torch.Tensor, rows: int = CPU_BUCKET_ROWS) -> tuple[tuple[i
     ~81 tokens while the mean is ~33 (groups of 32 compute 51% of the columns), and a pairwise decoder step's
     (B, H, (1 + N) t, L) scores are its largest tensor.
     """
-    if mask.device.type != "cpu":
+    if mask.device.type != "cpu" or fused_active():  # under vmap the lengths cannot be read
         return None
     num_rows, width = mask.shape
     lengths = mask.sum(dim=1).tolist()

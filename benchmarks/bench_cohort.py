@@ -1,0 +1,133 @@
+"""A fused cohort (training/cohort.py) against the same members trained as separate trials, on Office.
+
+For each (backbone, loss, K): K members of seeds 0..K-1, each with its own EpochRunner (its own sample order
+and negatives), AdamW and schedule, train ``--steps`` optimizer steps of ``--effective-batch-size`` real
+Office samples through the product's epoch loop (training/steps.train_members): once one member after
+another (``separate``: what a study runs when its trials queue for the same cores), once as one fused model
+(``fused``). The two are interleaved over ``--repeats`` rounds after a warm-up round; medians reported, and
+the fused/separate ratio of samples/s within each round (>1: the cohort is faster). Both use every thread
+of this process (``--threads``). Prints a table and writes JSON.
+
+    python benchmarks/bench_cohort.py                                  # TIGER and Llama, CE and APAO, K = 2, 4
+    python benchmarks/bench_cohort.py --backbones tiger --losses ce --cohorts 2 --steps 1 --repeats 1  # try it
+    python benchmarks/bench_cohort.py --device cuda --cohorts 1,4,10,20 --batch-size 1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig, default_micro_batch  # noqa: E402
+from apao_ray.data import load_dataset  # noqa: E402
+from apao_ray.hardware import cpu_model  # noqa: E402
+from apao_ray.losses import build_loss  # noqa: E402
+from apao_ray.models import build_model  # noqa: E402
+from apao_ray.models.fused import FusedModels  # noqa: E402
+from apao_ray.training.loop import _optimizer, _schedule  # noqa: E402
+from apao_ray.training.precision import resolve_precision  # noqa: E402
+from apao_ray.training.steps import EpochMember, EpochRunner, train_members  # noqa: E402
+
+PAPER_KNOBS = {"apao_pointwise": {"beta": 0.3, "eta": 1e-4}}  # the paper's Table 5 (Office TIGER)
+
+
+def members(dataset, backbone: str, loss: str, k: int, args: argparse.Namespace,
+            device: torch.device) -> list[EpochMember]:
+    result = []
+    for seed in range(k):
+        micro = args.batch_size or min(default_micro_batch(device.type == "cuda"), args.effective_batch_size)
+        config = TrialConfig(
+            data=DataConfig(dataset="office"), model=ModelConfig(backbone=backbone),
+            loss=LossConfig(name=loss, **PAPER_KNOBS.get(loss, {})),
+            train=TrainConfig(seed=seed, batch_size=micro, effective_batch_size=args.effective_batch_size,
+                              max_train_samples=args.steps * args.effective_batch_size,
+                              precision=resolve_precision(args.precision, device)))
+        torch.manual_seed(seed)
+        tensors = dataset.catalog.tensors(device)
+        model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels).to(device)
+        runner = EpochRunner(config, dataset, tensors, device)
+        optimizer = _optimizer(model, config.train.lr, config.train.weight_decay)
+        scheduler = _schedule(optimizer, 1000, 0.0)
+        result.append(EpochMember(runner, model, build_loss(config.loss, tensors), optimizer, scheduler))
+    return result
+
+
+def timed(function) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    function()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(dataset, backbone: str, loss: str, k: int, args: argparse.Namespace, device: torch.device) -> dict:
+    cohort = members(dataset, backbone, loss, k, args, device)
+    fused = FusedModels([member.model for member in cohort])
+    samples = k * args.steps * args.effective_batch_size
+    rounds = []
+    for epoch in range(args.repeats + 1):  # round 0 warms up both
+        order = ["separate", "fused"] if epoch % 2 == 0 else ["fused", "separate"]
+        seconds = {}
+        for arm in order:
+            if arm == "separate":
+                seconds[arm] = timed(lambda: [train_members(epoch + 1, [member], None) for member in cohort])
+            else:
+                seconds[arm] = timed(lambda: train_members(epoch + 1, cohort, fused))
+        if epoch:
+            rounds.append(seconds)
+    separate = statistics.median(r["separate"] for r in rounds)
+    fused_seconds = statistics.median(r["fused"] for r in rounds)
+    return {"backbone": backbone, "loss": loss, "members": k, "samples": samples,
+            "separate_samples_per_second": samples / separate, "fused_samples_per_second": samples / fused_seconds,
+            "fused_over_separate": statistics.median(r["separate"] / r["fused"] for r in rounds),
+            "rounds": rounds}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data-dir", default=os.environ.get("APAO_DATA_DIR", str(ROOT.parent / "shared" / "datasets")))
+    parser.add_argument("--backbones", default="tiger,llama")
+    parser.add_argument("--losses", default="ce,apao_pointwise")
+    parser.add_argument("--cohorts", default="2,4", help="members per cohort (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per member per round (default %(default)s)")
+    parser.add_argument("--effective-batch-size", type=int, default=256, help="samples per optimizer step")
+    parser.add_argument("--batch-size", type=int, default=None, help="micro-batch (default: the product's for the device)")
+    parser.add_argument("--precision", default="auto", help="auto, fp32 or bf16 (default %(default)s)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default %(default)s)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every usable CPU)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "bench_cohort.json"))
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    dataset = load_dataset("office", args.data_dir, allow_download=False)
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{cpu_model()}, {torch.get_num_threads()} threads"
+    result = {"device": where, "torch": torch.__version__, "args": vars(args), "rows": []}
+    print(f"{where}; torch {torch.__version__}; precision {resolve_precision(args.precision, device)}")
+    print(f"{'backbone':<8} {'loss':<15} {'K':>3} {'separate/s':>11} {'fused/s':>9} {'fused/sep':>9}")
+    for backbone in args.backbones.split(","):
+        for loss in args.losses.split(","):
+            for k in (int(value) for value in args.cohorts.split(",")):
+                row = measure(dataset, backbone, loss, k, args, device)
+                result["rows"].append(row)
+                Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.json_out).write_text(json.dumps(result, indent=1))
+                print(f"{backbone:<8} {loss:<15} {k:>3} {row['separate_samples_per_second']:>11.0f} "
+                      f"{row['fused_samples_per_second']:>9.0f} {row['fused_over_separate']:>9.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
