@@ -10,7 +10,8 @@ of this process (``--threads``). Prints a table and writes JSON.
 
     python benchmarks/bench_cohort.py                                  # TIGER and Llama, CE and APAO, K = 2, 4
     python benchmarks/bench_cohort.py --backbones tiger --losses ce --cohorts 2 --steps 1 --repeats 1  # try it
-    python benchmarks/bench_cohort.py --device cuda --cohorts 1,4,10,20 --batch-size 1024
+    python benchmarks/bench_cohort.py --device cuda --cohorts 1,4,10,20 --effective-batch-size 1024 --steps 5 \\
+        --data-dir .gpu/datasets --json-out $OUT/cohort.json     # on a lent GPU (K = 1: the fused path alone)
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from apao_ray.models.fused import FusedModels  # noqa: E402
 from apao_ray.training.loop import _optimizer, _schedule  # noqa: E402
 from apao_ray.training.precision import resolve_precision  # noqa: E402
 from apao_ray.training.steps import EpochMember, EpochRunner, train_members  # noqa: E402
+from bench_roofline import flops_per_sample  # noqa: E402 - benchmarks/, this script's own folder
 
 PAPER_KNOBS = {"apao_pointwise": {"beta": 0.3, "eta": 1e-4}}  # the paper's Table 5 (Office TIGER)
 
@@ -88,9 +90,13 @@ def measure(dataset, backbone: str, loss: str, k: int, args: argparse.Namespace,
             rounds.append(seconds)
     separate = statistics.median(r["separate"] for r in rounds)
     fused_seconds = statistics.median(r["fused"] for r in rounds)
-    return {"backbone": backbone, "loss": loss, "members": k, "samples": samples,
+    # matrix-product FLOPs per training sample (forward + backward, counted on 64 real rows): the achieved rate
+    flop = flops_per_sample(dataset, backbone, loss, cohort[0].loss_fn.num_negatives or 100, 64)  # unused at 0
+    return {"backbone": backbone, "loss": loss, "members": k, "samples": samples, "flop_per_sample": flop,
             "separate_samples_per_second": samples / separate, "fused_samples_per_second": samples / fused_seconds,
+            "fused_tflop_per_second": samples / fused_seconds * flop / 1e12,
             "fused_over_separate": statistics.median(r["separate"] / r["fused"] for r in rounds),
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
             "rounds": rounds}
 
 
@@ -116,16 +122,24 @@ def main() -> int:
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"{cpu_model()}, {torch.get_num_threads()} threads"
     result = {"device": where, "torch": torch.__version__, "args": vars(args), "rows": []}
     print(f"{where}; torch {torch.__version__}; precision {resolve_precision(args.precision, device)}")
-    print(f"{'backbone':<8} {'loss':<15} {'K':>3} {'separate/s':>11} {'fused/s':>9} {'fused/sep':>9}")
+    print(f"{'backbone':<8} {'loss':<15} {'K':>3} {'separate/s':>11} {'fused/s':>9} {'fused/sep':>9} "
+          f"{'TFLOP/s':>8} {'GiB':>5}")
     for backbone in args.backbones.split(","):
         for loss in args.losses.split(","):
             for k in (int(value) for value in args.cohorts.split(",")):
-                row = measure(dataset, backbone, loss, k, args, device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                try:
+                    row = measure(dataset, backbone, loss, k, args, device)
+                except torch.OutOfMemoryError as error:  # a large K on a small card: reported, the next runs
+                    print(f"{backbone:<8} {loss:<15} {k:>3} out of memory: {str(error)[:120]}", flush=True)
+                    continue
                 result["rows"].append(row)
                 Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json_out).write_text(json.dumps(result, indent=1))
                 print(f"{backbone:<8} {loss:<15} {k:>3} {row['separate_samples_per_second']:>11.0f} "
-                      f"{row['fused_samples_per_second']:>9.0f} {row['fused_over_separate']:>9.2f}", flush=True)
+                      f"{row['fused_samples_per_second']:>9.0f} {row['fused_over_separate']:>9.2f} "
+                      f"{row['fused_tflop_per_second']:>8.3f} {row['peak_gpu_gib']:>5.1f}", flush=True)
     return 0
 
 

@@ -20,6 +20,9 @@ epochs it finished, marked ``"finished": false``.
     python benchmarks/evidence/gpu_full_protocol.py --out /tmp/office-gpu --export office-full-gpu-seed0 \
         benchmarks/results/office-full-gpu-seed0
     python -m apao_ray report --exports benchmarks/results/office-full-gpu-seed0 --out /tmp/report
+    # ten seeds of both losses as one fused cohort (training/cohort.py) in one process
+    python benchmarks/evidence/gpu_full_protocol.py --data-dir .gpu/datasets --out /tmp/office-gpu \
+        --seeds 3,4,5,6,7,8,9,10,11,12 --cohort --deadline 540
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -56,21 +60,23 @@ def trial_name(loss: str, seed: int, backbone: str, protocol: str) -> str:
                      loss, f"seed{seed}"])
 
 
-def one(loss: str, seed: int, args: argparse.Namespace) -> None:
-    import gzip
-
-    import torch
-
-    from apao_ray.names import PER_USER_FILE, PER_USER_VALID_FILE
+def member(loss: str, seed: int, args: argparse.Namespace) -> tuple[Any, Any]:
+    """One trial's config (``apao train``'s own parser) and hooks (checkpoints under ``--work/<trial name>``)."""
     from apao_ray.study.cli.train import build_parser, trial_config_from_args
     from apao_ray.training.hooks import TrainingHooks
-    from apao_ray.training.loop import run_trial
 
-    torch.set_num_threads(args.threads)
     config = trial_config_from_args(build_parser("apao train").parse_args(train_args(loss, seed, args)))
-    work = Path(args.work) / trial_name(loss, seed, args.backbone, args.protocol)
-    hooks = TrainingHooks(work, device=args.device, verbose=True)
-    final = run_trial(config, hooks)
+    return config, TrainingHooks(Path(args.work) / trial_name(loss, seed, args.backbone, args.protocol),
+                                 device=args.device, verbose=True)
+
+
+def write_result(loss: str, seed: int, config: Any, hooks: Any, final: dict, args: argparse.Namespace) -> None:
+    """The trial's JSON file in ``--out``: config, epochs, final metrics, per-user test and validation tables."""
+    import gzip
+
+    from apao_ray.names import PER_USER_FILE, PER_USER_VALID_FILE
+
+    work = hooks.output_dir
     per_user = sorted(work.glob(f"checkpoints/*_final/{PER_USER_FILE}"))
     per_user_valid = sorted(work.glob(f"checkpoints/*_final/{PER_USER_VALID_FILE}"))
     result = {"loss": loss, "seed": seed, "finished": True, "config": config.to_dict(), "final": final,
@@ -78,6 +84,30 @@ def one(loss: str, seed: int, args: argparse.Namespace) -> None:
               "per_user_test_csv": gzip.decompress(per_user[0].read_bytes()).decode() if per_user else None,
               "per_user_valid_csv": gzip.decompress(per_user_valid[0].read_bytes()).decode() if per_user_valid else None}
     (Path(args.out) / f"{trial_name(loss, seed, args.backbone, args.protocol)}.json").write_text(json.dumps(result))
+
+
+def one(loss: str, seed: int, args: argparse.Namespace) -> None:
+    """One trial alone (what each trial's subprocess runs)."""
+    import torch
+
+    from apao_ray.training.loop import run_trial
+
+    torch.set_num_threads(args.threads)
+    config, hooks = member(loss, seed, args)
+    write_result(loss, seed, config, hooks, run_trial(config, hooks), args)
+
+
+def cohort(trials: list[tuple[str, int]], args: argparse.Namespace) -> None:
+    """Every (loss, seed) of ``trials`` trained as one fused cohort (training/cohort.py), in this process."""
+    import torch
+
+    from apao_ray.training.cohort import run_cohort
+
+    torch.set_num_threads(args.threads)
+    members = [member(loss, seed, args) for loss, seed in trials]
+    finals = run_cohort([config for config, _ in members], [hooks for _, hooks in members])
+    for (loss, seed), (config, hooks), final in zip(trials, members, finals):
+        write_result(loss, seed, config, hooks, final, args)
 
 
 def partial(name: str, loss: str, seed: int, args: argparse.Namespace) -> None:
@@ -187,7 +217,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--export", nargs=2, metavar=("STUDY", "DIR"),
                         help="train nothing: write the trial files in --out as a study export named STUDY in DIR "
                              "(e.g. benchmarks/results/STUDY), which `python -m apao_ray report --exports` reads")
+    parser.add_argument("--cohort", action="store_true",
+                        help="train every (loss, seed) in one process as one fused cohort (training/cohort.py) "
+                             "instead of one process each")
     parser.add_argument("--one", nargs=2, metavar=("LOSS", "SEED"), help=argparse.SUPPRESS)
+    parser.add_argument("--cohort-members", help=argparse.SUPPRESS)  # loss:seed,... of the cohort's process
     return parser
 
 
@@ -200,34 +234,44 @@ def main() -> int:
     if args.one:
         one(args.one[0], int(args.one[1]), args)
         return 0
+    if args.cohort_members:
+        cohort([(item.split(":")[0], int(item.split(":")[1])) for item in args.cohort_members.split(",")], args)
+        return 0
     started = time.perf_counter()
-    jobs = {}
-    for loss in args.losses.split(","):
-        for seed in (int(s) for s in args.seeds.split(",")):
-            name = trial_name(loss, seed, args.backbone, args.protocol)
-            Path(args.work, name).mkdir(parents=True, exist_ok=True)
-            log = open(Path(args.work, name, "trial.log"), "w")
-            command = [sys.executable, __file__, "--one", loss, str(seed), "--out", args.out, "--work", args.work,
-                       "--dataset", args.dataset, "--data-dir", args.data_dir, "--backbone", args.backbone,
-                       "--protocol", args.protocol, "--batch-size", str(args.batch_size), "--threads", str(args.threads),
-                       "--device", args.device, f"--train-flags={args.train_flags}"]
-            jobs[name] = (loss, seed, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
-    while any(job[2].poll() is None for job in jobs.values()):
+    trials = [(loss, int(seed)) for loss in args.losses.split(",") for seed in args.seeds.split(",")]
+    common = ["--out", args.out, "--work", args.work, "--dataset", args.dataset, "--data-dir", args.data_dir,
+              "--backbone", args.backbone, "--protocol", args.protocol, "--batch-size", str(args.batch_size),
+              "--threads", str(args.threads), "--device", args.device, f"--train-flags={args.train_flags}"]
+    # each job: its trials (name, loss, seed), its process, its log; one job per trial, or one for the cohort
+    groups = [trials] if args.cohort else [[trial] for trial in trials]
+    jobs = []
+    for group in groups:
+        names = [(trial_name(loss, seed, args.backbone, args.protocol), loss, seed) for loss, seed in group]
+        log_path = Path(args.work, "cohort.log" if args.cohort else f"{names[0][0]}/trial.log")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "w")
+        what = (["--cohort-members", ",".join(f"{loss}:{seed}" for loss, seed in group)] if args.cohort
+                else ["--one", group[0][0], str(group[0][1])])
+        jobs.append((names, subprocess.Popen([sys.executable, __file__, *what, *common], stdout=log,
+                                             stderr=subprocess.STDOUT), log, log_path))
+    while any(job[1].poll() is None for job in jobs):
         if args.deadline and time.perf_counter() - started > args.deadline:
-            for job in jobs.values():
-                if job[2].poll() is None:
-                    job[2].terminate()
+            for job in jobs:
+                if job[1].poll() is None:
+                    job[1].terminate()
             break
         time.sleep(5)
     with open(Path(args.out) / "trials.log", "w") as combined:
-        for name, (loss, seed, process, log) in jobs.items():
+        for names, process, log, log_path in jobs:
             process.wait()
             log.close()
-            if not (Path(args.out) / f"{name}.json").exists():
-                partial(name, loss, seed, args)
-            line = f"{name}: exit {process.returncode} after {time.perf_counter() - started:.0f} s"
+            for name, loss, seed in names:
+                if not (Path(args.out) / f"{name}.json").exists():
+                    partial(name, loss, seed, args)
+            line = f"{', '.join(name for name, _, _ in names)}: exit {process.returncode} after " \
+                   f"{time.perf_counter() - started:.0f} s"
             print(line, flush=True)
-            combined.write(f"===== {line}\n" + Path(args.work, name, "trial.log").read_text())
+            combined.write(f"===== {line}\n" + log_path.read_text())
     return 0
 
 
