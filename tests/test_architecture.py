@@ -146,3 +146,13 @@ def test_only_its_owners_import_a_framework(library):
     wrong = sorted(module for module, names in external.items()
                    if library in names and not _in(module, THIRD_PARTY_OWNERS[library]))
     assert wrong == []
+
+
+MAX_LINES = 400  # a module or test file past this holds more than one job: split it by subject
+
+
+def test_no_module_or_test_file_is_over_400_lines():
+    files = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "tests").glob("*.py")]
+    assert len(files) > 50  # the walk found the package and the tests
+    long = {str(f.relative_to(PACKAGE.parent)): n for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines: {long}"

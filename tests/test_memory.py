@@ -126,7 +126,7 @@ _CAPPED = textwrap.dedent("""
     import json, threading
     import torch
     from apao_ray.training import memory
-    from apao_ray.training.loop import is_out_of_memory
+    from apao_ray.training.failures import is_out_of_memory
 
     GIB = 2**30
     ballast = torch.ones(GIB // 4)  # mapped and touched before the cap: not the trial's

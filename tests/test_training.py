@@ -378,7 +378,7 @@ def test_preference_loss_without_ce_stage_fails_before_training(short, tmp_path,
 
 def test_in_epoch_progress_lines_name_their_trial_and_are_shown_in_a_quiet_study_worker(tmp_path, capsys):
     from apao_ray.training.hooks import TrainingHooks
-    from apao_ray.training.loop import EpochProgress
+    from apao_ray.training.progress import EpochProgress
 
     hooks = TrainingHooks(tmp_path, verbose=False)  # a study's worker: no per-epoch lines of its own
     hooks.progress_label = "[tiger/ce] "

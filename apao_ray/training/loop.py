@@ -12,7 +12,7 @@ import copy
 import json
 import math
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,40 +26,16 @@ from ..names import DIAGNOSIS_PREFIX, PER_USER_FILE, PER_USER_VALID_FILE, PRECIS
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
 from .cost import CostMeter
+from .failures import memory_errors_named
 from .evaluation import evaluate_split, evaluate_split_per_user, select_users, tests_full_sort, write_per_user
 from .hooks import TrainingHooks
 from .precision import resolve_precision
+from .progress import EpochProgress
 from .selection import LAST, selection_score, per_user_column, selection_rules, test_by_key, validation_loss
 from .steps import EpochRunner
 
 
 CE_STAGE_PREFIX = "ce_stage/"  # a two-stage trial's CE epochs log train/ and val/ metrics under this prefix
-
-
-class TrialOutOfMemoryError(MemoryError):
-    """The trial could not allocate memory (host RAM, its memory cap, or GPU memory)."""
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """torch's CPU/GPU allocator failures and Python's MemoryError (a memory cap reached)."""
-    if isinstance(error, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text.lower())
-
-
-@contextlib.contextmanager
-def _memory_errors_named(config: TrialConfig, doing: str, epoch: int, num_negatives: int) -> Iterator[None]:
-    try:
-        yield
-    except Exception as error:  # noqa: BLE001 - re-raised unchanged unless it is an allocation failure
-        if not is_out_of_memory(error):
-            raise
-        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        raise TrialOutOfMemoryError(
-            f"out of memory while {doing} in epoch {epoch} (backbone {config.model.backbone!r}, loss "
-            f"{config.loss.name!r}, batch_size={config.train.batch_size}, num_negatives={num_negatives}): "
-            f"{first_line}; lower --batch-size or the negatives, or give the trial more memory") from None
 
 
 def _optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -83,34 +59,6 @@ def _schedule(optimizer: torch.optim.Optimizer, total_steps: int, warmup_fractio
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "module") else model
-
-
-class EpochProgress:
-    """Progress lines inside a long epoch: samples done, samples/s, ETA of the epoch and the trial.
-
-    At most one line every ``interval`` seconds (the first after ``interval``), so short epochs
-    print nothing extra and long ones are never silent for long.
-    """
-
-    def __init__(self, hooks: TrainingHooks, epoch: int, num_epochs: int, seconds_per_other_epoch: float | None,
-                 interval: float = 60.0) -> None:
-        self.hooks, self.epoch, self.num_epochs = hooks, epoch, num_epochs
-        self.seconds_per_other_epoch = seconds_per_other_epoch
-        self.interval = interval
-        self.started = self.last = time.perf_counter()
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.perf_counter()
-        if now - self.last < self.interval or done >= total:
-            return
-        self.last = now
-        rate = done / (now - self.started)
-        epoch_left = (total - done) / rate
-        # later epochs take what this one is taking (validation included once measured)
-        per_epoch = self.seconds_per_other_epoch or total / rate
-        trial_left = epoch_left + (self.num_epochs - self.epoch) * per_epoch
-        self.hooks.progress(f"epoch {self.epoch}/{self.num_epochs}: {done:,}/{total:,} samples, {rate:.0f} samples/s, "
-                       f"epoch ETA {epoch_left / 60:.1f} min, trial ETA <= {trial_left / 60:.0f} min")
 
 
 def run_trial(config: TrialConfig, hooks: TrainingHooks, dataset: Dataset | None = None) -> dict[str, Any]:
@@ -235,7 +183,7 @@ class TrialRun:
         return self.state["epoch"] + 1
 
     def memory_errors_named(self, doing: str, epoch: int, loss_fn: Any) -> contextlib.AbstractContextManager:
-        return _memory_errors_named(self.config, doing, epoch, loss_fn.num_negatives)
+        return memory_errors_named(self.config, doing, epoch, loss_fn.num_negatives)
 
     def progress(self, epoch: int) -> EpochProgress:
         times = self.epoch_times
@@ -278,7 +226,7 @@ class TrialRun:
         # lets a tracker fill what it missed
         report_history = epoch == self.resumed_after + 1 and self.resumed_after > 0
         if hooks.rank == 0:
-            with _memory_errors_named(config, "validating", epoch, loss_fn.num_negatives):
+            with memory_errors_named(config, "validating", epoch, loss_fn.num_negatives):
                 metrics.update(evaluate_split(_unwrap(model), dataset, "valid", tensors, train_cfg, device,
                                               self.valid_users, self.scoring))
                 # always: the validation-loss rule is recorded whatever the trial selects by

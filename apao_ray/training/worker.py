@@ -17,7 +17,8 @@ from torch import nn
 from ..config import TrialConfig
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
 from .hooks import TrainingHooks, append_report
-from .loop import TrialOutOfMemoryError, is_out_of_memory, run_trial
+from .failures import TrialOutOfMemoryError, is_out_of_memory
+from .loop import run_trial
 from .memory import MemoryCap, allocator_in_use
 from .steps import NonFiniteLossError
 
