@@ -206,7 +206,7 @@ def test_each_micro_batch_is_in_order_of_history_length_and_each_sample_keeps_it
     local = runner.epoch_order(2)
     batch = collate(synthetic.catalog, synthetic.splits["train"], local)
     negatives = PositionNegatives(config.train.seed, 2, len(runner.sem_tokens), config.loss.num_negatives)
-    expected, _ = runner._candidates_with(batch, negatives(np.arange(len(local)), batch.target_sem))
+    expected, _ = runner.candidates_of(batch, negatives(np.arange(len(local)), batch.target_sem))
     got = torch.cat([candidates for _, candidates in seen])
     assert sorted(map(tuple, got.flatten(1).tolist())) == sorted(map(tuple, expected.flatten(1).tolist()))
 

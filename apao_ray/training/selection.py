@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..data import Dataset, iter_batches
+from ..losses import sample_negatives
 from ..losses.base import LossInputs
 from ..models.base import label_log_probs
 from ..names import TEST_BY
@@ -81,11 +82,15 @@ def validation_loss(model: nn.Module, loss_fn: Any, runner: Any, dataset: Datase
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(runner.config.train.seed * 1_000_003 + 99_991)
-    total, count = 0.0, 0
+    total, count = torch.zeros((), dtype=torch.float64, device=runner.device), 0  # read once, at the end
+    num_negatives = loss_fn.num_negatives
     try:
         for batch in iter_batches(dataset.catalog, dataset.splits["valid"], batch_size, indices=indices):
+            # drawn from the host's targets before the batch moves: no device-to-host copy per batch
+            negatives = sample_negatives(batch.target_sem, len(runner.sem_tokens), num_negatives, generator) \
+                if num_negatives else None
             batch = batch.to(runner.device)
-            candidates, nodes = runner._candidates(batch, loss_fn.num_negatives, generator)
+            candidates, nodes = runner.candidates_of(batch, negatives)
             with torch.inference_mode(), autocast(runner.config.train.precision, runner.device):
                 logits = model(batch.history_ids, batch.history_mask, candidates)  # (B, C, T', V)
                 ref_logp = None
@@ -93,9 +98,9 @@ def validation_loss(model: nn.Module, loss_fn: Any, runner: Any, dataset: Datase
                     ref_logp = label_log_probs(reference(batch.history_ids, batch.history_mask, candidates),
                                                candidates)                            # (B, C, T')
                 output = loss_fn(LossInputs(logits, candidates, nodes, ref_logp))
-            total += float(output.loss) * len(batch)
+            total += output.loss.detach().to(torch.float64) * len(batch)
             count += len(batch)
     finally:
         loss_fn.load_state_dict(saved_state)
         model.train(was_training)
-    return total / max(count, 1)
+    return float(total) / max(count, 1)

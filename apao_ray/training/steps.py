@@ -15,7 +15,6 @@ from torch import nn
 from ..config import TrialConfig
 from ..data import PAD_TOKEN, CatalogTensors, Dataset, ResidentSplit
 from ..data.batches import group_by_length
-from ..losses import sample_negatives
 from ..losses.negatives import skip_targets
 from ..losses.base import LossInputs, LossOutput
 from .memory import MemoryReleaser
@@ -158,13 +157,7 @@ class EpochRunner:
         self.target_sem = torch.from_numpy(dataset.catalog.item_sem[split.targets])  # (S,) host, for negatives
         self.memory = MemoryReleaser()  # keeps a worker's resident memory near what it holds
 
-    def _candidates(self, batch: Any, num_negatives: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positive first, then negatives from ``generator``: see ``_candidates_with``."""
-        negatives = sample_negatives(batch.target_sem.cpu(), len(self.sem_tokens), num_negatives, generator) \
-            if num_negatives else None
-        return self._candidates_with(batch, negatives)
-
-    def _candidates_with(self, batch: Any, negatives: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def candidates_of(self, batch: Any, negatives: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Positive first, then ``negatives`` (B, N) if any: tokens (B, 1+N, T or T+1 with EOS) and prefix
         nodes (B, 1+N, T+1)."""
         sem = batch.target_sem[:, None]                                                      # (B, 1)
@@ -258,7 +251,7 @@ class _MemberEpoch:
         batch = runner.samples.batch(chunk, self.rows[self.offset:self.offset + len(chunk)])
         self.offset += len(chunk)
         negatives = self.negatives(places, runner.target_sem[chunk]) if self.member.loss_fn.num_negatives else None
-        return (batch, *runner._candidates_with(batch, negatives))
+        return (batch, *runner.candidates_of(batch, negatives))
 
     def loss(self, step_number: int, position: int, logits: torch.Tensor, candidates: torch.Tensor,
              nodes: torch.Tensor, ref_logp: torch.Tensor | None) -> torch.Tensor:
