@@ -7,7 +7,9 @@ Only the training pass is shared: at every optimizer step the members' micro-bat
 ``models.fused.FusedModels`` (one kernel per operator for all members), and each member steps on its own
 gradients (training/steps.train_members). A member that stops early leaves the cohort: the others go on
 without it and it costs no more work. Resuming a cohort resumes every member from its own latest checkpoint;
-members that had finished stay finished.
+members that had finished stay finished. A cohort interrupted between its members' checkpoints of one epoch
+resumes with the members behind training that epoch alone (their dropout draws are then their solo trial's), then
+all together again; one interrupted between epochs continues exactly as if it had not been.
 
 What differs from solo trials: dropout draws (one generator for the cohort, seeded by the epoch and the
 members' seeds, so a resumed cohort draws what the uninterrupted one did) and float rounding (batched
