@@ -74,25 +74,27 @@ def test_trial_files_export_to_what_the_report_reads(tmp_path, gpu_script, one_t
 
 @pytest.mark.e2e
 def test_cohort_flag_trains_every_trial_in_one_process_with_its_own_file(tmp_path, gpu_script):
-    """--cohort: the (loss, seed) trials as one fused cohort in one subprocess, each member's own file as a
-    trial alone writes it (the members equal their solo trials: tests/test_cohort.py)."""
+    """--cohort 3: the four (loss, seed) trials as fused cohorts of 3 and 1 in two subprocesses, each member's own
+    file as a trial alone writes it (the members equal their solo trials: tests/test_cohort.py)."""
     import subprocess
     import sys
 
     out, work = tmp_path / "out", tmp_path / "work"
     args = tiny_trial_args(gpu_script, out, work)
-    command = [sys.executable, str(ROOT / "benchmarks" / "evidence" / "gpu_full_protocol.py"), "--cohort",
+    command = [sys.executable, str(ROOT / "benchmarks" / "evidence" / "gpu_full_protocol.py"), "--cohort", "3",
                "--losses", "ce,apao_pointwise", "--seeds", "0,1", "--dataset", "synthetic", "--device", "cpu",
                "--out", str(out), "--work", str(work), "--threads", "1", f"--train-flags={args.train_flags}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("exit 0") == 1  # one process for the four trials
+    assert done.stdout.count("exit 0") == 2  # a process for each cohort
     files = {path.stem: json.loads(path.read_text()) for path in out.glob("*.json")}
     assert sorted(files) == ["apao_pointwise-seed0", "apao_pointwise-seed1", "ce-seed0", "ce-seed1"]
     for name, trial in files.items():
         assert trial["finished"] and [e["epoch"] for e in trial["epochs"]] == [1, 2]
         assert trial["config"]["train"]["seed"] == trial["seed"] and trial["config"]["loss"]["name"] == trial["loss"]
-        assert [e["perf/cohort_members"] for e in trial["epochs"]] == [4, 4]
+        # loss-major order: ce seeds 0, 1 and apao_pointwise seed 0 together, apao_pointwise seed 1 alone
+        alone = name == "apao_pointwise-seed1"
+        assert [e.get("perf/cohort_members", 1) for e in trial["epochs"]] == ([1, 1] if alone else [3, 3])
         assert trial["per_user_test_csv"].count("\n") > 1
     losses = {name: trial["final"]["test/loss_ce"] for name, trial in files.items()}
     assert len(set(losses.values())) == 4, losses  # four different models

@@ -22,7 +22,7 @@ epochs it finished, marked ``"finished": false``.
     python -m apao_ray report --exports benchmarks/results/office-full-gpu-seed0 --out /tmp/report
     # ten seeds of both losses as one fused cohort (training/cohort.py) in one process
     python benchmarks/evidence/gpu_full_protocol.py --data-dir .gpu/datasets --out /tmp/office-gpu \
-        --seeds 3,4,5,6,7,8,9,10,11,12 --cohort --deadline 540
+        --seeds 3,4,5,6,7,8,9,10,11,12 --cohort 10 --deadline 540
 """
 from __future__ import annotations
 
@@ -217,9 +217,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--export", nargs=2, metavar=("STUDY", "DIR"),
                         help="train nothing: write the trial files in --out as a study export named STUDY in DIR "
                              "(e.g. benchmarks/results/STUDY), which `python -m apao_ray report --exports` reads")
-    parser.add_argument("--cohort", action="store_true",
-                        help="train every (loss, seed) in one process as one fused cohort (training/cohort.py) "
-                             "instead of one process each")
+    parser.add_argument("--cohort", type=int, default=0, metavar="K",
+                        help="train the (loss, seed) trials as fused cohorts of up to K members (training/cohort.py), "
+                             "one process per cohort, all at once (default 0: one process per trial); a member "
+                             "needs about a trial's GPU memory (benchmarks/bench_cohort.py's GiB column)")
     parser.add_argument("--one", nargs=2, metavar=("LOSS", "SEED"), help=argparse.SUPPRESS)
     parser.add_argument("--cohort-members", help=argparse.SUPPRESS)  # loss:seed,... of the cohort's process
     return parser
@@ -242,12 +243,13 @@ def main() -> int:
     common = ["--out", args.out, "--work", args.work, "--dataset", args.dataset, "--data-dir", args.data_dir,
               "--backbone", args.backbone, "--protocol", args.protocol, "--batch-size", str(args.batch_size),
               "--threads", str(args.threads), "--device", args.device, f"--train-flags={args.train_flags}"]
-    # each job: its trials (name, loss, seed), its process, its log; one job per trial, or one for the cohort
-    groups = [trials] if args.cohort else [[trial] for trial in trials]
+    # each job: its trials (name, loss, seed), its process, its log; one job per trial, or one per cohort
+    size = max(1, args.cohort)
+    groups = [trials[first:first + size] for first in range(0, len(trials), size)]
     jobs = []
-    for group in groups:
+    for number, group in enumerate(groups):
         names = [(trial_name(loss, seed, args.backbone, args.protocol), loss, seed) for loss, seed in group]
-        log_path = Path(args.work, "cohort.log" if args.cohort else f"{names[0][0]}/trial.log")
+        log_path = Path(args.work, f"cohort{number}.log" if args.cohort else f"{names[0][0]}/trial.log")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(log_path, "w")
         what = (["--cohort-members", ",".join(f"{loss}:{seed}" for loss, seed in group)] if args.cohort
