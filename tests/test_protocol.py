@@ -178,11 +178,11 @@ def test_label_eos_puts_eos_in_the_labels_and_ce_averages_five_tokens(short):
     tensors = short.catalog.tensors()
     runner = EpochRunner(config, short, tensors, torch.device("cpu"))
     batch = collate(short.catalog, short.splits["train"], np.arange(8))
-    candidates, nodes = runner._candidates(batch, 0, torch.Generator().manual_seed(0))
+    candidates, nodes = runner.candidates_of(batch, None)
     assert candidates.shape == (8, 1, 5) and (candidates[..., -1] == EOS_TOKEN).all()
     assert torch.equal(candidates[:, 0, :4], batch.labels)
-    paper_candidates, _ = EpochRunner(tiny_config("paper"), short, tensors, torch.device("cpu"))._candidates(
-        batch, 0, torch.Generator())
+    paper_candidates, _ = EpochRunner(tiny_config("paper"), short, tensors, torch.device("cpu")).candidates_of(
+        batch, None)
     assert paper_candidates.shape == (8, 1, 4)
     model = build_model(config.model, short.catalog.vocab_size, short.catalog.num_levels)
     logits = model(batch.history_ids, batch.history_mask, candidates)                    # (B, 1, 5, V)
@@ -198,7 +198,7 @@ def test_label_eos_apao_prefixes_use_codes_only(short):
     tensors = short.catalog.tensors()
     runner = EpochRunner(config, short, tensors, torch.device("cpu"))
     batch = collate(short.catalog, short.splits["train"], np.arange(8))
-    candidates, nodes = runner._candidates(batch, 0, torch.Generator())
+    candidates, nodes = runner.candidates_of(batch, None)
     model = build_model(config.model, short.catalog.vocab_size, short.catalog.num_levels)
     output = build_loss(config.loss, tensors)(LossInputs(model(batch.history_ids, batch.history_mask, candidates),
                                                          candidates, nodes))
@@ -212,7 +212,7 @@ def test_msl_with_label_eos_trains_eos_as_the_only_valid_token(short):
     config = tiny_config("reference", loss="msl")
     tensors = short.catalog.tensors()
     batch = collate(short.catalog, short.splits["train"], np.arange(8))
-    candidates, nodes = EpochRunner(config, short, tensors, torch.device("cpu"))._candidates(batch, 0, torch.Generator())
+    candidates, nodes = EpochRunner(config, short, tensors, torch.device("cpu")).candidates_of(batch, None)
     model = build_model(config.model, short.catalog.vocab_size, short.catalog.num_levels)
     logits = model(batch.history_ids, batch.history_mask, candidates)
     with_eos = build_loss(config.loss, tensors)(LossInputs(logits, candidates, nodes)).loss
@@ -242,7 +242,7 @@ def test_grad_norm_is_of_the_summed_or_mean_gradient(short, protocol):
     order = np.random.default_rng([config.train.seed, 1]).permutation(runner.indices)
     for chunk in (order[:4], order[4:8]):
         batch = collate(short.catalog, short.splits["train"], chunk)
-        candidates, nodes = runner._candidates(batch, 0, torch.Generator())
+        candidates, nodes = runner.candidates_of(batch, None)
         logits = by_hand_model(batch.history_ids, batch.history_mask, candidates)
         loss_fn(LossInputs(logits, candidates, nodes)).loss.backward()                   # g1 + g2
     summed = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in by_hand_model.parameters()]))

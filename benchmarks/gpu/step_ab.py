@@ -76,7 +76,14 @@ def one(args: argparse.Namespace, row: str) -> dict:
     chunk = runner.epoch_order(2)[:args.batch_size]
     chunk = chunk[np.argsort(split.history_lengths[chunk], kind="stable")]
     batch = collate(dataset.catalog, split, chunk).to(device)
-    candidates, nodes = runner._candidates(batch, loss.num_negatives, torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    if hasattr(runner, "candidates_of"):  # this tree; a baseline tree before 2026-11-28 has _candidates
+        from apao_ray.losses import sample_negatives
+        negatives = sample_negatives(batch.target_sem.cpu(), len(runner.sem_tokens), loss.num_negatives,
+                                     generator) if loss.num_negatives else None
+        candidates, nodes = runner.candidates_of(batch, negatives)
+    else:
+        candidates, nodes = runner._candidates(batch, loss.num_negatives, generator)
     counter = FlopCounterMode(display=False)
     with counter:
         with autocast(config.train.precision, device):
