@@ -10,6 +10,7 @@ of this process (``--threads``). Prints a table and writes JSON.
 
     python benchmarks/bench_cohort.py                                  # TIGER and Llama, CE and APAO, K = 2, 4
     python benchmarks/bench_cohort.py --backbones tiger --losses ce --cohorts 2 --steps 1 --repeats 1  # try it
+    python benchmarks/bench_cohort.py --backbones tiger --losses ce --cohorts 2 --padded --threads 1   # where it goes
     python benchmarks/bench_cohort.py --device cuda --cohorts 1,4,10,20 --effective-batch-size 1024 --steps 5 \\
         --data-dir .gpu/datasets --json-out $OUT/cohort.json     # on a lent GPU (K = 1: the fused path alone)
 """
@@ -79,10 +80,13 @@ def measure(dataset, backbone: str, loss: str, k: int, args: argparse.Namespace,
     samples = k * args.steps * args.effective_batch_size
     rounds = []
     for epoch in range(args.repeats + 1):  # round 0 warms up both
-        order = ["separate", "fused"] if epoch % 2 == 0 else ["fused", "separate"]
+        order = ["separate", "fused"] + (["separate_padded"] if args.padded else [])
+        order = order if epoch % 2 == 0 else order[::-1]
         seconds = {}
         for arm in order:
-            if arm == "separate":
+            if arm.startswith("separate"):
+                for member in cohort:  # None: the device's default (packed on a CPU); False: padded, as fused
+                    member.model.pack_histories = False if arm == "separate_padded" else None
                 seconds[arm] = timed(lambda: [train_members(epoch + 1, [member], None) for member in cohort])
             else:
                 seconds[arm] = timed(lambda: train_members(epoch + 1, cohort, fused))
@@ -97,6 +101,8 @@ def measure(dataset, backbone: str, loss: str, k: int, args: argparse.Namespace,
             "fused_tflop_per_second": samples / fused_seconds * flop / 1e12,
             "fused_over_separate": statistics.median(r["separate"] / r["fused"] for r in rounds),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0,
+            **({"separate_padded_samples_per_second": samples / statistics.median(r["separate_padded"] for r in rounds)}
+               if args.padded else {}),
             "rounds": rounds}
 
 
@@ -112,6 +118,8 @@ def main() -> int:
     parser.add_argument("--precision", default="auto", help="auto, fp32 or bf16 (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds after the warm-up (default %(default)s)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every usable CPU)")
+    parser.add_argument("--padded", action="store_true",
+                        help="also time the separate trials with the padded history pass the fused model runs")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json-out", default=str(ROOT / "benchmarks" / "results" / "bench_cohort.json"))
     args = parser.parse_args()
@@ -139,7 +147,9 @@ def main() -> int:
                 Path(args.json_out).write_text(json.dumps(result, indent=1))
                 print(f"{backbone:<8} {loss:<15} {k:>3} {row['separate_samples_per_second']:>11.0f} "
                       f"{row['fused_samples_per_second']:>9.0f} {row['fused_over_separate']:>9.2f} "
-                      f"{row['fused_tflop_per_second']:>8.3f} {row['peak_gpu_gib']:>5.1f}", flush=True)
+                      f"{row['fused_tflop_per_second']:>8.3f} {row['peak_gpu_gib']:>5.1f}"
+                      + (f"  padded separate/s {row['separate_padded_samples_per_second']:.0f}" if args.padded else ""),
+                      flush=True)
     return 0
 
 
