@@ -342,6 +342,8 @@ def train_members(epoch: int, members: list[EpochMember], fused: Any,
         torch.manual_seed(seed_of(train.seed, epoch, first.rank))
     else:
         torch.manual_seed(seed_of(epoch, *[member.runner.config.train.seed for member in members]))
+    if fused is not None and any(member.reference is not None for member in members):
+        raise ValueError("a fused cohort cannot train a loss that reads a frozen reference model")
     size = min(chunk_size(train.batch_size, member.loss_fn.num_negatives, device) for member in members)
     states = [_MemberEpoch(member, epoch, size) for member in members]
     if len({len(state.local) for state in states}) > 1:
@@ -365,8 +367,6 @@ def train_members(epoch: int, members: list[EpochMember], fused: Any,
                     state.loss(step_number, position, logits, candidates, nodes,
                                _reference_log_probs(state.member.reference, batch, candidates, precision)).backward()
                 continue
-            if any(member.reference is not None for member in members):
-                raise ValueError("a fused cohort cannot train a loss that reads a frozen reference model")
             ids = _stacked([batch.history_ids for batch, _, _ in inputs], PAD_TOKEN)
             mask = _stacked([batch.history_mask for batch, _, _ in inputs], False)
             with precision:
