@@ -53,7 +53,6 @@ class TrainingHooks:
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         self.reports.append(dict(metrics))
-        append_report(self.output_dir, metrics)
         if checkpoint_dir is not None:
             root = self.output_dir / "checkpoints"
             root.mkdir(exist_ok=True)
@@ -63,6 +62,8 @@ class TrainingHooks:
             shutil.move(str(checkpoint_dir), target)
             for old in sorted(root.glob("epoch_*"))[:-self.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
+        # after the checkpoint is in place: whoever reads the report (a cohort's follower) finds it there
+        append_report(self.output_dir, metrics)
 
     progress_label = ""  # set in a study: progress lines name their trial among the others'
     show_progress = True  # in-epoch progress lines even when not verbose (a study's trials)

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..config import TrialConfig
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
+from .cohort import run_cohort
 from .hooks import TrainingHooks, append_report
 from .failures import TrialOutOfMemoryError, is_out_of_memory
 from .loop import run_trial
@@ -196,6 +197,74 @@ def train_in_tune_actor(loop_config: dict[str, Any]) -> dict[str, Any]:
         raise TrialFailedError(leave_failure(loop_config, error, cap)) from None
     finally:
         hooks.close()
+
+
+class CohortMemberHooks(ScratchCheckpoints, TrainingHooks):
+    """A cohort member trained by its leader's actor (training/cohort.py): checkpoints and reports into the
+    member's own run directory, the worker's facts in every report, where the member's own Tune trial (a
+    follower, study/run/cohorts.py) reads them and relays them to Tune."""
+
+    def __init__(self, output_dir: str | Path, device: torch.device, scratch_prefix: str = SCRATCH_PREFIX) -> None:
+        super().__init__(output_dir, device=device, keep_checkpoints=2, resume=True, verbose=False)
+        self._open_scratch(scratch_prefix)
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        super().report({**metrics, **worker_facts(self.node_id)}, checkpoint_dir)
+
+
+class LeaderHooks(TuneTrialHooks):
+    """The leader's own member: reports to Tune as a trial does, but its final report waits for the cohort's
+    end (``send_final``): Tune ends a trial, and kills its actor with the whole cohort, at a ``done`` report."""
+
+    final: dict[str, Any] | None = None
+
+    def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
+        if not metrics.get("done"):
+            return super().report(metrics, checkpoint_dir)
+        TrainingHooks.report(self, metrics, checkpoint_dir)
+        self.final = {**metrics, **worker_facts(self.node_id)}
+
+    def send_final(self) -> None:
+        from ray import tune
+
+        if self.final is not None:
+            tune.report(self.final)
+
+
+def train_cohort_in_tune_actor(loop_configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trains a fused cohort (training/cohort.run_cohort) in the calling Tune trial actor, its leader's: each
+    ``loop_configs`` entry is a member's, as for ``train_in_tune_actor``, the leader's first. Returns each
+    member's final metrics.
+
+    Raises TrialFailedError for a non-finite loss or running out of memory, leaving the reason to every member
+    (the followers fail with it), and at once when an earlier attempt failed so.
+    """
+    leader = loop_configs[0]
+    failure_file = Path(leader["failure_file"])
+    if failure_file.exists():
+        raise TrialFailedError(failure_file.read_text())
+    cap = setup_worker(leader)
+    configs = [TrialConfig.from_dict(loop_config["trial"]) for loop_config in loop_configs]
+    device = torch.device("cuda" if configs[0].train.use_gpu and torch.cuda.is_available() else "cpu")
+    hooks: list[TrainingHooks] = [LeaderHooks(leader["output_dir"], device, verbose=leader.get("verbose", True),
+                                              scratch_prefix=leader.get("scratch_prefix", SCRATCH_PREFIX))]
+    hooks += [CohortMemberHooks(c["output_dir"], device, c.get("scratch_prefix", SCRATCH_PREFIX))
+              for c in loop_configs[1:]]
+    hooks[0].progress_label = leader.get("progress_label", "")
+    try:
+        finals = run_cohort(configs, hooks)
+    except Exception as error:  # noqa: BLE001 - re-raised unless a restart would meet it again
+        if not stops_for_good(error):
+            raise
+        reason = leave_failure(leader, error, cap)
+        for loop_config in loop_configs[1:]:
+            leave_failure(loop_config, error, cap)
+        raise TrialFailedError(reason) from None
+    finally:
+        for member_hooks in hooks:
+            member_hooks.close()
+    hooks[0].send_final()
+    return finals
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:

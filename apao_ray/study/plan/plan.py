@@ -60,6 +60,7 @@ class Plan:
     side_by_side: float = 1.0  # the factor on probed rates for trials running side by side (SIDE_BY_SIDE_SLOWDOWN)
     search_seed: int = 0  # the seed the search runs on (seeds the fill adds follow the asked ones)
     effective_batch_size: int = 1024  # the asked optimizer batch (fit.effective_batch_size: the budget protocol's)
+    cohort_size: int = 1  # the repeats train as fused cohorts of up to this many trials (--cohort-size; 1: alone)
     # the trials' schedule as the study runs it: every trial's config (the fitted epochs, training subset,
     # optimizer batch and CE stage) and the search (trials per tuned method, start order, deferred methods)
     base: TrialConfig | None = None
@@ -190,7 +191,7 @@ class Plan:
         schedule, the budget protocol, and why each deferred method has no trials (the table's rows)."""
         return {"answers": self.answers(), "epochs": self.fit.epochs, "asked_epochs": self.asked_epochs,
                 "effective_batch_size": self.run_effective_batch_size, "budget_protocol": self.budget_protocol,
-                "budget_s": self.budget_s, "estimate_s": self.fit.estimate_s,
+                "budget_s": self.budget_s, "estimate_s": self.fit.estimate_s, "cohort_size": self.cohort_size,
                 "deferred": {f"{d.backbone}/{d.loss}": d.reason for d in self.fit.deferred}}
 
     def text(self) -> str:
@@ -212,7 +213,10 @@ class Plan:
         lines += [f"  {d.backbone}/{d.loss:<16} {d.reason}" for d in fit.deferred]
         if self.run_repeat_seeds:
             lines.append(f"  then the best configuration of each method again on seeds {list(self.run_repeat_seeds)}: "
-                         f"{len(self.fitted_methods) * len(self.run_repeat_seeds)} trials of {fit.epochs} epochs")
+                         f"{len(self.fitted_methods) * len(self.run_repeat_seeds)} trials of {fit.epochs} epochs"
+                         + (f", as fused cohorts of up to {self.cohort_size} trials of one backbone, each its own trial "
+                            "and MLflow run (the estimate counts them as separate trials)" if self.cohort_size > 1
+                            else ""))
         rungs = asha_rungs(fit.asha_grace_period, fit.epochs)
         lines.append(f"  ASHA compares each tuned method's trials at epochs {rungs}" if rungs else
                      f"  ASHA prunes nothing (grace {fit.asha_grace_period} epochs >= {fit.epochs} epochs)")
@@ -325,7 +329,7 @@ def make_plan(spec: StudySpec, setup: StudySetup, slots: int, use_cache: bool = 
                 allocator="/".join(sorted(a for a in allocators if a)), threads=threads,
                 workers=spec.workers_per_trial, machine_bytes=0 if spec.address else machine_memory_bytes(),
                 start_order=start_order, search_seed=spec.search_seed,
-                effective_batch_size=base.train.effective_batch_size,
+                effective_batch_size=base.train.effective_batch_size, cohort_size=spec.cohort_size,
                 side_by_side=side_by_side if observed < len(methods) else 1.0)
     return plan.scheduled(base, search, spec.losses, spec.pretrain_ce_epochs)
 

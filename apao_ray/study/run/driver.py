@@ -21,6 +21,7 @@ from ..search.scheduler import PerMethodASHA
 from ..setup import parent_run, parent_tags, study_state_exists
 from ..spec import space
 from ..spec.space import PAPER_KNOBS, SearchSpec, trial_choices
+from . import cohorts
 from .study import Study, invocation
 from .trial import Resources
 
@@ -49,11 +50,26 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Resources
         from ...names import train_run_name
 
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
+        label = f"[{describe(trial_choices(config))}] "
+        if cohorts.is_member(config):  # a repeat trained in a fused cohort (--cohort-size)
+            cohorts.run_member(config, base, name=name, train_root=train_root, resources=resources, label=label)
+            return
         run = run_in_ray_train if resources.num_workers > 1 else run_in_tune_actor
         run(space.trial_config(base, config), name=name, storage_path=train_root, resources=resources,
-            progress_label=f"[{describe(trial_choices(config))}] ")
+            progress_label=label)
 
     return apao_trial
+
+
+def make_trainable(base: TrialConfig, train_root: str, resources: Resources) -> Any:
+    """The Tune trainable with its reservation: a trial's (``Resources.tune_resources``), a cohort's for a cohort
+    leader, a sliver for a follower (run/cohorts.py)."""
+    from ray import tune
+    from ray.tune.execution.placement_groups import resource_dict_to_pg_factory
+
+    trial = resources.tune_resources()
+    return tune.with_resources(make_trial_function(base, train_root, resources),
+                               lambda config: resource_dict_to_pg_factory(cohorts.tune_resources(config, trial)))
 
 
 def code_version() -> str:
@@ -207,8 +223,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                           memory_bytes(spec))
     callbacks = make_callbacks(plan.search.num_trials)
     recorder = callbacks[0]
-    trainable = tune.with_resources(make_trial_function(plan.base, train_root, resources),
-                                    resources.tune_resources())
+    trainable = make_trainable(plan.base, train_root, resources)
     storage_url = setup.optuna_storage or optuna_storage.resolve_storage_url(None, setup.tracking_uri,
                                                                               setup.output_dir)
     optuna_name = optuna_storage.optuna_study_name(plan.base.data.dataset, setup.study_name)

@@ -13,6 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from ..spec.space import REPEATS_KEY, SEED_KEY, knobs_of, param_name
+from . import cohorts
 
 REPEATS_DIR = "repeats"
 
@@ -56,12 +57,17 @@ def run_repeats(study: Study, tracker: Tracker, trainable: Any, callbacks: list[
         configs = repeat_configs(best_rows(tracker, metric, setup.study_name), plan.run_repeat_seeds)
         if not configs:
             return [], False
+        configs = cohorts.assign_cohorts(configs, plan.base, plan.cohort_size, prefix="repeat")
+        fused = cohorts.cohorts_in(configs)
         print(f"repeating the best configuration of {len(configs) // len(plan.run_repeat_seeds)} method(s) on seeds "
-              f"{list(plan.run_repeat_seeds)}: {len(configs)} trials", file=sys.stderr)
+              f"{list(plan.run_repeat_seeds)}: {len(configs)} trials"
+              + (f", {sum(map(cohorts.is_member, configs))} of them in {fused} fused cohort(s)" if fused else ""),
+              file=sys.stderr)
         # exactly these configurations, once each: points to evaluate over a space of constants that only
         # names their keys (Tune fills a point in by those names); a key of another method's knob stays None
         space = {key: None for config in configs for key in config}
-        searcher = BasicVariantGenerator(points_to_evaluate=configs, max_concurrent=plan.slots)
+        # a cohort's members start side by side (its followers hold a sliver of a CPU each)
+        searcher = BasicVariantGenerator(points_to_evaluate=configs, max_concurrent=plan.slots * plan.cohort_size)
         tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=len(configs), time_budget_s=time_budget_s),
             run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=str(directory.parent),

@@ -149,6 +149,12 @@ class StudySpec:
              "whether touched yet or not; the same under every allocator (APAO_RAY_ALLOCATOR). A trial that needs "
              "more fails as 'out of memory', naming the cap and what it held, instead of the node's OOM killer taking "
              "processes; Ray reserves the cap for the trial's scheduling (default: no cap)")
+    cohort_size: int = option(1, "train the repeats of --seeds as fused cohorts of up to K trials of one backbone: "
+                              "one batched model in one trial's slot, every member still its own trial, MLflow run "
+                              "and table row (docs/parallelism.md); for a GPU, where separate trials share the card "
+                              "by time-slicing. 1 = off (default %(default)s: on 2 CPUs a cohort trained at 0.2-0.4x "
+                              "the samples/s of the same trials run separately, benchmarks/RESULTS.md)", low=1,
+                              integer=True, metavar="K")
     max_failures: int = option(1, "restarts of a failed trial from its checkpoint (default %(default)s)", low=0,
                                integer=True)
     asha_grace_period: int = option(5, "epochs before ASHA may stop a trial (default %(default)s; a quarter of the "
@@ -234,6 +240,9 @@ class StudySpec:
         if not is_dataset_path(self.dataset):
             check_plain_name("dataset", self.dataset)  # before the default study name is made from it
         check_plain_name("study", self.study_label)
+        if self.cohort_size > 1 and self.workers_per_trial > 1:
+            raise ValueError(f"--cohort-size {self.cohort_size} with --workers-per-trial {self.workers_per_trial}: a "
+                             "cohort trains on one worker; give one of them")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other; give one")
         apply_protocol(TrialConfig(), self.protocol, self.protocol_knobs)  # unknown knobs or values, named
