@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig, default_micro_batch  # noqa: E402
 from apao_ray.data import load_dataset  # noqa: E402
-from apao_ray.hardware import cpu_model  # noqa: E402
+from apao_ray.hardware import cpu_description  # noqa: E402
 from apao_ray.losses import build_loss  # noqa: E402
 from apao_ray.models import build_model  # noqa: E402
 from apao_ray.models.fused import FusedModels  # noqa: E402
@@ -127,7 +127,7 @@ def main() -> int:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dataset = load_dataset("office", args.data_dir, allow_download=False)
-    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{cpu_model()}, {torch.get_num_threads()} threads"
+    where = torch.cuda.get_device_name() if device.type == "cuda" else f"{cpu_description()}, {torch.get_num_threads()} threads"
     result = {"device": where, "torch": torch.__version__, "args": vars(args), "rows": []}
     print(f"{where}; torch {torch.__version__}; precision {resolve_precision(args.precision, device)}")
     print(f"{'backbone':<8} {'loss':<15} {'K':>3} {'separate/s':>11} {'fused/s':>9} {'fused/sep':>9} "

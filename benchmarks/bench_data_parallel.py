@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -21,13 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
+sys.path.insert(0, str(ROOT))
+from apao_ray.hardware import cpu_description  # noqa: E402
 
 
 def start(args: argparse.Namespace, directory: Path, name: str, num_workers: int, seed: int) -> subprocess.Popen:
@@ -68,7 +62,7 @@ def main() -> None:
     started = time.perf_counter()
     side_by_side = finish({f"one-worker-seed{seed}": start(args, directory, f"one-worker-seed{seed}", 1, seed)
                            for seed in (0, 1)}, directory, started)
-    result = {"cpu": cpu_model(), "cpus": os.cpu_count(), "args": vars(args),
+    result = {"cpu": cpu_description(), "cpus": os.cpu_count(), "args": vars(args),
               "one_trial_on_2_workers": data_parallel, "two_trials_on_1_worker": side_by_side,
               "machine_samples_per_s": {"one_trial_on_2_workers": data_parallel[0]["samples_per_s"],
                                         "two_trials_on_1_worker": sum(r["samples_per_s"] for r in side_by_side)}}

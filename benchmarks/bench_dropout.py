@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from apao_ray.models.dropout import Dropout, drop_mask
-from apao_ray.hardware import cpu_model
+from apao_ray.hardware import cpu_description
 
 
 class _BoolMaskDropout(torch.autograd.Function):
@@ -66,7 +66,7 @@ def main() -> None:
             x = torch.randn(args.elements // width, width, dtype=torch.bfloat16, requires_grad=True)
             for name, fn in variants if round_index % 2 == 0 else variants[::-1]:
                 times.setdefault((width, name), []).append(timed(fn, x))
-    print(f"{cpu_model()}, {args.threads} threads, load {os.getloadavg()[0]:.1f}, bf16, "
+    print(f"{cpu_description()}, {args.threads} threads, load {os.getloadavg()[0]:.1f}, bf16, "
           f"{args.elements:,} elements, p = {args.p}, medians of {args.rounds} rounds (ms)")
     print(f"{'shape':<12}{'op':<12}{'forward':>10}{'fwd+bwd':>10}")
     rows = []
@@ -76,7 +76,7 @@ def main() -> None:
         rows.append({"width": width, "op": name, "forward_ms": forward, "forward_backward_ms": both, "rounds": values})
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"cpu": cpu_model(), "threads": args.threads, "elements": args.elements, "rows": rows}, f, indent=1)
+            json.dump({"cpu": cpu_description(), "threads": args.threads, "elements": args.elements, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from apao_ray.config import ModelConfig, TrainConfig
 from apao_ray.data import load_dataset
 from apao_ray.models import build_model
 from apao_ray.training.evaluation import evaluate_split
-from apao_ray.hardware import cpu_model
+from apao_ray.hardware import cpu_description
 from apao_ray.training.precision import resolve_precision
 
 full_sort = importlib.import_module("apao_ray.decoding.full_sort")  # the module (the package exports its function)
@@ -71,12 +71,12 @@ def main() -> None:
         rss, peak = memory_gib()
         rows.append({"phase": phase, "seconds": time.perf_counter() - start, "rss_gib": rss, "peak_gib": peak})
     print(f"Office, TIGER paper size, precision {precision}, 1 thread, full-sort chunks of <= "
-          f"{args.max_logit_elements} logits, {cpu_model()}")
+          f"{args.max_logit_elements} logits, {cpu_description()}")
     print("| phase | s | RSS after GiB | peak GiB |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['phase']} | {row['seconds']:.0f} | {row['rss_gib']:.2f} | {row['peak_gib']:.2f} |")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"cpu": cpu_model(), "precision": precision, "torch": torch.__version__,
+        Path(args.json_out).write_text(json.dumps({"cpu": cpu_description(), "precision": precision, "torch": torch.__version__,
                                                    "max_logit_elements": args.max_logit_elements,
                                                    "rows": rows}, indent=1))
 

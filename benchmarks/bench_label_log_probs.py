@@ -16,7 +16,7 @@ import time
 import torch
 
 from apao_ray.models.base import label_log_probs
-from apao_ray.hardware import cpu_model
+from apao_ray.hardware import cpu_description
 
 
 def plain(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -48,7 +48,7 @@ def main() -> None:
                 for _ in range(repeats):
                     fn(x, labels).sum().backward()
                 times.setdefault((label, name), []).append((time.perf_counter() - start) / repeats * 1e3)
-    print(f"{cpu_model()}, {args.threads} threads, bf16 logits, V = {args.vocab}, medians of {args.rounds} rounds (ms)")
+    print(f"{cpu_description()}, {args.threads} threads, bf16 logits, V = {args.vocab}, medians of {args.rounds} rounds (ms)")
     print(f"{'shape':<26}{'plain':>10}{'library':>10}{'speed-up':>10}")
     rows = []
     for label in shapes:
@@ -57,7 +57,7 @@ def main() -> None:
         rows.append({"shape": label, "plain_ms": old, "library_ms": new, "rounds": {n: times[(label, n)] for n in ("plain", "library")}})
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump({"cpu": cpu_model(), "threads": args.threads, "rows": rows}, f, indent=1)
+            json.dump({"cpu": cpu_description(), "threads": args.threads, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

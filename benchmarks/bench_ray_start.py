@@ -79,7 +79,7 @@ def main() -> int:
     parser.add_argument("--idle-seconds", type=float, default=60.0)
     parser.add_argument("--json-out", type=Path)
     args = parser.parse_args()
-    from apao_ray.hardware import cpu_model
+    from apao_ray.hardware import cpu_description
     from apao_ray.study.cluster.ray_cluster import stable_free_port
 
     port = stable_free_port()  # outside the range Ray's own processes bind port 0 in
@@ -105,7 +105,7 @@ def main() -> int:
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         head.wait(timeout=60)
-    result = {"cpu": cpu_model(), "repeats": args.repeats,
+    result = {"cpu": cpu_description(), "repeats": args.repeats,
               **{kind: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for kind, runs in rows.items()},
               "cluster": {"processes": processes, "start_cpu_s": start_cpu,
                           "idle_cpu_s_per_min": (after - before) * 60 / args.idle_seconds}}

@@ -33,7 +33,7 @@ from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, Tr
 from apao_ray.data import load_dataset  # noqa: E402
 from apao_ray.losses import build_loss  # noqa: E402
 from apao_ray.models import build_model  # noqa: E402
-from apao_ray.hardware import cpu_model  # noqa: E402
+from apao_ray.hardware import cpu_description  # noqa: E402
 from apao_ray.training.loop import _optimizer, _schedule  # noqa: E402
 from apao_ray.training.precision import autocast, cpu_has_native_bf16  # noqa: E402
 from apao_ray.training.steps import EpochRunner  # noqa: E402
@@ -109,7 +109,7 @@ def main() -> int:
     precisions = ["fp32", "bf16"] if cpu_has_native_bf16() else ["fp32"]
     dataset = load_dataset(args.dataset, args.data_dir)
     backbones, losses = args.backbones.split(","), args.losses.split(",")
-    print(f"{cpu_model()}, {args.threads} threads, torch {torch.__version__}, native bf16: {cpu_has_native_bf16()}")
+    print(f"{cpu_description()}, {args.threads} threads, torch {torch.__version__}, native bf16: {cpu_has_native_bf16()}")
 
     ceilings: dict[str, dict[str, float]] = {}  # backbone -> precision -> GFLOP/s over its shapes
     shape_rates = []
@@ -144,7 +144,7 @@ def main() -> int:
                         print(f"    measured {m['label']}: {m['samples_per_second']:.1f} samples/s = {achieved:.1f} GFLOP/s, "
                               f"{100 * achieved / ceiling:.0f}% of the ceiling")
                 rows.append(row)
-    result = {"cpu": cpu_model(), "threads": args.threads, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+    result = {"cpu": cpu_description(), "threads": args.threads, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "args": vars(args), "shapes": shape_rates, "rows": rows}
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_out).write_text(json.dumps(result, indent=2))

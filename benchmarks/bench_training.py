@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from apao_ray.hardware import cpu_model
+from apao_ray.hardware import cpu_description
 from apao_ray.training.memory import ALLOCATORS, allocator_env, allocator_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +198,7 @@ def main() -> int:
     if args.profile:
         args.backbone, args.loss, args.variant = args.profile
         result = measure(args)
-        print(f"{cpu_model()}, {args.threads} threads, {args.backbone}/{args.loss} {args.variant} micro-batch "
+        print(f"{cpu_description()}, {args.threads} threads, {args.backbone}/{args.loss} {args.variant} micro-batch "
               f"{args.batch_size}: {result['samples_per_second']:.1f} samples/s under the profiler, "
               f"peak RSS {result['peak_rss_gib']:.2f} GiB")
         print(f"{'op':<44}{'self CPU %':>11}{'seconds':>9}{'calls':>8}")
@@ -210,7 +210,7 @@ def main() -> int:
         args.backbone, args.loss, args.variant = args.one
         print(json.dumps(measure(args)))
         return 0
-    header = {"cpu": cpu_model(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
+    header = {"cpu": cpu_description(), "threads": args.threads, "date": time.strftime("%Y-%m-%d"),
               "load_average_at_start": os.getloadavg()[0]}
     if args.epoch:
         result = {**header, **measure_epoch(args)}

@@ -94,7 +94,7 @@ def main() -> int:
     if args.one:  # a study in a process of its own: Ray starts fresh each time
         print(json.dumps({"seconds": run_study(args.one, args)}))
         return 0
-    from apao_ray.hardware import cpu_model
+    from apao_ray.hardware import cpu_description
 
     forwarded = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("one", "json_out", "repeats")]
     runs: dict[str, list[float]] = {kind: [] for kind in KINDS}
@@ -111,14 +111,14 @@ def main() -> int:
     rows = [{"kind": kind, "study_seconds": statistics.median(times), "runs": times,
              "overhead_per_trial_seconds": (statistics.median(times) - floor) * args.concurrent / args.trials}
             for kind, times in runs.items()]
-    print(f"{cpu_model()}, local Ray of {args.cpus} CPUs, {args.trials} trials, {args.concurrent} at a time "
+    print(f"{cpu_description()}, local Ray of {args.cpus} CPUs, {args.trials} trials, {args.concurrent} at a time "
           f"(load {load:.1f} at start)")
     print(f"{'trial runs':<34}{'study s':>9}{'per trial s':>13}  (per trial: beyond the sleeping, Ray's start included)")
     for row in rows:
         label = "a TorchTrainer (today)" if row["kind"] == "trainer" else "in Tune's trial actor"
         print(f"{label:<34}{row['study_seconds']:>9.1f}{row['overhead_per_trial_seconds']:>13.1f}")
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps({"cpu": cpu_model(), "load_average_at_start": load,
+    Path(args.json_out).write_text(json.dumps({"cpu": cpu_description(), "load_average_at_start": load,
                                                "args": {k: v for k, v in vars(args).items() if k != "one"},
                                                "rows": rows}, indent=2))
     return 0

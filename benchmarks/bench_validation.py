@@ -100,7 +100,7 @@ def main() -> int:
         print(json.dumps(measure(args)))
         return 0
     sys.path.insert(0, str(ROOT))
-    from apao_ray.hardware import cpu_model
+    from apao_ray.hardware import cpu_description
     from apao_ray.training.memory import allocator_env
 
     forwarded = ["--data-dir", args.data_dir, "--dataset", args.dataset, "--split", args.split,
@@ -158,7 +158,7 @@ def main() -> int:
     finally:
         if baseline:
             baseline.close()
-    print(f"{cpu_model()}, {args.threads} threads, {args.precision}, {args.dataset}/{args.split}, "
+    print(f"{cpu_description()}, {args.threads} threads, {args.precision}, {args.dataset}/{args.split}, "
           f"allocator {args.allocator} (load {load:.1f} at start)")
     print(f"{'backbone':<9}{'code':<16}{'median s':>10}{'users/s':>9}{'x baseline':>12}  runs s")
     for row in rows:
@@ -169,7 +169,7 @@ def main() -> int:
             print(f"  + {args.loss} validation-loss pass: {row['loss_pass_seconds']:.1f} s "
                   f"({row['loss_pass_share']:.0%} of the beam pass)")
     Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json_out).write_text(json.dumps({"cpu": cpu_model(), "load_average_at_start": load,
+    Path(args.json_out).write_text(json.dumps({"cpu": cpu_description(), "load_average_at_start": load,
                                                "args": {k: v for k, v in vars(args).items() if k != "one"},
                                                "rows": rows}, indent=2))
     return 0

@@ -151,7 +151,7 @@ def main() -> int:
     if args.one:
         print(json.dumps(measure(args)))
         return 0
-    from apao_ray.hardware import cpu_model
+    from apao_ray.hardware import cpu_description
 
     configs = [(c.strip(), int(m)) for c in args.capacities.split(",") if c.strip()
                for m in args.token_multiples.split(",")]
@@ -170,7 +170,7 @@ def main() -> int:
     first = configs[0]
     print(f"Office, paper-size TIGER CE, micro-batch 128 / effective 1024, {runs[first][0]['precision']}, "
           f"{args.threads} thread(s), {runs[first][0]['allocator']}, {args.epochs} epochs x {args.steps} steps, "
-          f"validation {args.valid_users} users, {args.repeats} rounds; {cpu_model()}")
+          f"validation {args.valid_users} users, {args.repeats} rounds; {cpu_description()}")
     print("| oneDNN cache | token multiple | epoch s | x first | validation s | x first | RSS after training GiB | peak RSS GiB | "
           "live peak training GiB | live peak validation GiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -193,7 +193,7 @@ def main() -> int:
               f"{fmt(row['rss_after_training_gib'])} | {fmt(row['peak_rss_gib'])} | {fmt(row['live_peak_training_gib'])} | "
               f"{fmt(row['live_peak_validation_gib'])} |")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"cpu": cpu_model(), "threads": args.threads, "epochs": args.epochs,
+        Path(args.json_out).write_text(json.dumps({"cpu": cpu_description(), "threads": args.threads, "epochs": args.epochs,
                                                    "steps": args.steps, "valid_users": args.valid_users,
                                                    "rows": rows, "runs": [{"capacity": c, "token_multiple": m, "runs": r}
                                                                           for (c, m), r in runs.items()]}, indent=1))

@@ -23,6 +23,15 @@ def test_probe_cache_is_read_per_hardware_and_config(tmp_path, monkeypatch):
     assert probe_key(other, 2) != key
     epochs_only = json.loads(json.dumps(TrialConfig().replace(train={"epochs": 3}).to_dict()))
     assert probe_key(epochs_only, 2) == key  # the schedule does not change a step's cost
+    # one CPU model name, two instruction sets (AVX2 alone, or native bf16): not one machine's rates
+    from apao_ray.study.plan import probe_cache
+
+    monkeypatch.setattr(probe_cache, "cpu_features", lambda: ("avx2", "avx512f", "avx512_bf16"))
+    bf16 = probe_key(config, 2)
+    monkeypatch.setattr(probe_cache, "cpu_features", lambda: ("avx2",))
+    assert bf16 != probe_key(config, 2)
+    monkeypatch.undo()
+    monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "apao_ray" / "probes.json"))
     saved = {"train_s_per_sample": 0.02, "eval_s_per_user": 0.01, "peak_bytes": 123, "precision": "fp32",
              "threads": 2, "device": "cpu"}
     (tmp_path / "apao_ray").mkdir()
@@ -130,3 +139,15 @@ def test_two_studies_writing_the_probe_cache_at_once_never_fail_or_leave_half_a_
     assert [writer.returncode for writer in writers] == [0, 0], errors
     assert list(json.loads(path.read_text()).values()) == [299]  # the last write of one of them, whole
     assert [p.name for p in tmp_path.iterdir()] == ["probes.json"]  # no temporary file left behind
+
+
+def test_cpu_features_name_the_instruction_sets_from_the_flags_line(tmp_path):
+    from apao_ray.hardware import cpu_features
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512vl\n")
+    assert cpu_features(info) == ("avx2", "avx512f", "avx512_bf16")
+    info.write_text("model name\t: Intel Xeon\nflags\t: avx2 amx_bf16 amx_tile avx512f\n")
+    assert cpu_features(info) == ("avx2", "avx512f", "amx_bf16")
+    info.write_text("model name\t: some CPU\n")
+    assert cpu_features(info) == () and cpu_features(tmp_path / "absent") == ()

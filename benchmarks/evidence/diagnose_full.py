@@ -33,7 +33,7 @@ import torch
 
 from apao_ray.analysis.stats import paired_comparison
 from apao_ray.data import load_dataset
-from apao_ray.hardware import cpu_model
+from apao_ray.hardware import cpu_description
 from apao_ray.reuse.inference import Recommender
 from apao_ray.protocol import decoding_scoring
 from apao_ray.training.checkpoint import CONFIG_FILE, FINAL_METRICS_FILE, STATE_FILE
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.study_dir is None and args.export is None:
         parser.error("give --study-dir (checkpoints to re-evaluate), --export (selection by loss) or both")
-    result = {"cpu": cpu_model(), "threads": torch.get_num_threads()}
+    result = {"cpu": cpu_description(), "threads": torch.get_num_threads()}
     if args.export:
         result["selection"] = selection_by_loss(args.export)
     if args.study_dir:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ...hardware import cpu_model
+from ...hardware import cpu_features, cpu_model
 from ...training.memory import allocator_env
 
 PROBE_STEPS = 3           # timed optimizer steps at least (after one warm-up step)
@@ -49,7 +49,9 @@ class Probe:
 
 
 def hardware_key(threads: int, use_gpu: bool) -> dict[str, Any]:
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "threads": threads, "gpu": use_gpu, "python": platform.python_version()}
+    # the instruction sets too: one model name covers machines with and without AVX-512 / native bf16
+    return {"cpu": cpu_model(), "features": list(cpu_features()), "cpus": os.cpu_count(), "threads": threads,
+            "gpu": use_gpu, "python": platform.python_version()}
 
 
 def probe_key(config_dict: dict[str, Any], threads: int) -> str:
