@@ -1,6 +1,7 @@
 """`sweep --cohort-size K` (study/run/cohorts.py): the repeat phase's trials grouped into fused cohorts, the
-reservations of leaders and followers, a follower relaying its reports, and a real study whose cohort of 3 is
-interrupted and resumed, each member one MLflow child run."""
+reservations of leaders and followers, a follower relaying its reports, and a real study interrupted (Ctrl-C) in
+its repeat phase, a cohort of 3 and a lone repeat mid-way, and resumed by re-running the command: each member
+one MLflow child run, no duplicate."""
 from __future__ import annotations
 
 import json
@@ -16,7 +17,7 @@ from apao_ray.config import TrialConfig
 from apao_ray.names import REPORTS_FILE
 from apao_ray.study.run import cohorts
 from conftest import mlflow_sqlite, run_script
-from test_sweep import SWEEP, _launch_until
+from test_sweep import SWEEP, _launch_until, _runs_state
 
 
 def _configs():
@@ -124,9 +125,10 @@ def test_a_study_trains_its_repeats_as_a_cohort_one_child_run_each_through_an_in
                "--seeds", "0,1,2", "--cohort-size", "3", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri]
     train_runs = tmp_path / "runs" / "synthetic-study" / "train_runs"
     process, _ = _launch_until(command, tmp_path, lambda state: len(_cohort_reports(train_runs)) >= 3, timeout=600)
+    searched = {trial for trial, _, _ in _runs_state(tmp_path / "mlflow.db")}
     os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=180)
-    assert process.returncode == 130, stderr[-3000:]
+    assert process.returncode == 130 and "re-run the same command" in stderr, stderr[-3000:]
     interrupted_at = {report["epoch"] for report in _cohort_reports(train_runs)}
     result = run_script(command[1:], cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -138,6 +140,7 @@ def test_a_study_trains_its_repeats_as_a_cohort_one_child_run_each_through_an_in
     assert sorted((run.data.tags["loss"], run.data.tags["apao.seed"]) for run in children) == [
         ("apao_pointwise", s) for s in "012"] + [("ce", s) for s in "012"]
     assert all(run.info.status == "FINISHED" and "test/ndcg_at_10" in run.data.metrics for run in children)
+    assert searched <= {run.data.tags["apao.trial_id"] for run in children}  # no run of before was replaced
     fused = [run for run in children if 3 in {m.value for m in tracker.client.get_metric_history(
         run.info.run_id, "perf/cohort_members")}]
     assert len(fused) == 3 and {run.data.tags["loss"] for run in fused} == {"ce", "apao_pointwise"}
