@@ -59,7 +59,11 @@ def test_the_plan_estimates_each_methods_cost_and_the_summary_sets_it_beside_the
         ("tiger", "apao_pointwise"): {"cost/wall_seconds": 4 * trial, "cost/cpu_seconds": 8 * trial,
                                       "cost/peak_rss_mb": 2048}}
     text = plan.text()
-    assert "then the best configuration of each method again on seeds [1]: 2 trials of 20 epochs" in text
+    assert "then the best configuration of each method again on seeds [1]: 2 trials of 20 epochs\n" in text
+    fused = Plan("office", "paper", "fp32", 1, [CE, POINTWISE], 20, 3, fit, repeat_seeds=(1,), threads=2,
+                 cohort_size=4)
+    assert ("seeds [1]: 2 trials of 20 epochs, as fused cohorts of up to 4 trials of one backbone" in fused.text()
+            and fused.record()["cohort_size"] == 4 and plan.record()["cohort_size"] == 1)
     assert "tiger/ce" in text and f"all its trials ~41.0 min wall, ~1h22m CPU  (baseline" in text
     summary = cost_summary(plan, {("tiger", "ce"): {"cost/wall_seconds": 1200.0, "cost/cpu_seconds": 600.0,
                                                     "cost/peak_rss_mb": 900.0, "cost/energy_kwh": 0.0123}})

@@ -37,6 +37,8 @@ import pytest
     (["--max-failures", "-1"], "argument --max-failures: '-1' must be an integer >= 0"),
     (["--pretrain-ce-epochs", "-2"], "argument --pretrain-ce-epochs: '-2' must be an integer >= 0"),
     (["--seed", "-3"], "argument --seed: '-3' must be an integer >= 0"),
+    (["--cohort-size", "0"], "argument --cohort-size: '0' must be an integer >= 1"),
+    (["--cohort-size", "3", "--workers-per-trial", "2"], "--cohort-size 3 with --workers-per-trial 2: a cohort trains on one"),
     (["--epochs", "2.5"], "argument --epochs: '2.5' is not an integer; give an integer >= 1"),
     (["--lr", "inf"], "argument --lr: 'inf' must be a number >= 0"),
     (["--lr", "nan"], "argument --lr: 'nan' must be a number >= 0"),

@@ -322,6 +322,9 @@ def make_plan(spec: StudySpec, setup: StudySetup, slots: int, use_cache: bool = 
     if "cuda" not in devices and "glibc-cached" in allocators and find_tcmalloc() is None:
         notes.append("  note: tcmalloc is not installed here; with it (Debian/Ubuntu: apt-get install "
                      "libtcmalloc-minimal4) CPU training ran ~1.1x faster than on glibc (benchmarks/RESULTS.md)")
+    if spec.cohort_size > 1 and not spec.repeat_seeds and not fit.added_seeds:
+        notes.append(f"  note: --cohort-size {spec.cohort_size} fuses the repeats of --seeds (after the first); this "
+                     "study has none, so every trial trains alone")
     plan = Plan(dataset=base.data.dataset, protocol=spec.protocol, precision="/".join(sorted(precisions)),
                 slots=slots, methods=methods, asked_epochs=base.train.epochs,
                 asked_trials_per_tuned=search.trials_per_tuned, fit=fit, budget_s=spec.budget_s, probes_cached=cached,
