@@ -98,15 +98,25 @@ def test_a_follower_relays_whole_reports_once_across_restarts_and_fails_with_its
     silent = tmp_path / "silent"
     silent.mkdir()
     beat = directory / cohorts.HEARTBEAT_FILE
-    threading.Timer(0.3, beat.touch).start()  # alive after the follower started, then silent
-    with pytest.raises(RuntimeError, match="cohort cohort .* silent"):
-        cohorts.relay(silent, directory, seen.append, silent / "failure.txt", silent_s=1.0)
-    beat.touch()
-    os.utime(beat, (time.time() - 3600, time.time() - 3600))  # from an earlier run: not a death
-    stopper = threading.Timer(2.0, lambda: _append(silent / REPORTS_FILE, '{"done": true}\n'))
-    stopper.start()
-    cohorts.relay(silent, directory, seen.append, silent / "failure.txt", silent_s=1.0)
+    # no heartbeat: the leader has not started (waiting for a slot), and the follower waits however long
+    threading.Timer(1.5, lambda: _append(silent / REPORTS_FILE, '{"done": true}\n')).start()
+    cohorts.relay(silent, directory, seen.append, silent / "failure.txt", silent_s=0.5)  # waits 1.5 s
     assert seen[-1] == {"done": True}
+    # a heartbeat from an earlier attempt: a leader started again beats within the silence allowed ...
+    again = tmp_path / "again"
+    again.mkdir()
+    beat.touch()
+    os.utime(beat, (time.time() - 3600, time.time() - 3600))
+    threading.Timer(0.5, beat.touch).start()
+    threading.Timer(1.5, lambda: _append(again / REPORTS_FILE, '{"done": true, "epoch": 9}\n')).start()
+    cohorts.relay(again, directory, seen.append, again / "failure.txt", silent_s=3.0)  # its beat at 0.5 s
+    assert seen[-1] == {"done": True, "epoch": 9}
+    # ... one that died stays silent: the follower fails, naming the cohort (also when itself was restarted)
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    os.utime(beat, (time.time() - 3600, time.time() - 3600))
+    with pytest.raises(RuntimeError, match="leader of cohort cohort .* silent"):
+        cohorts.relay(dead, directory, seen.append, dead / "failure.txt", silent_s=1.0)
 
 
 def _cohort_reports(train_runs) -> list[dict]:

@@ -13,7 +13,7 @@ taken off) and K times the per-trial memory cap.
 Failures: a failure a restart would meet again (non-finite loss, out of memory) fails every member with the
 reason; any other ends the leader's attempt, Tune retries it (``--max-failures``) and the cohort resumes every
 member from its own checkpoint while the followers wait. A follower whose leader was alive and then fell silent
-for ``LEADER_SILENT_S`` fails, naming it.
+for ``LEADER_SILENT_S`` fails, naming it (Tune retries it, and a resume runs it again).
 """
 from __future__ import annotations
 
@@ -147,7 +147,8 @@ def relay(run_dir: Path, directory: Path, report: Callable[[dict[str, Any]], Non
 
     Raises:
         TrialFailedError: the leader left this member a failure (the cohort failed for good).
-        RuntimeError: the leader was alive after this follower started, then silent for ``silent_s``.
+        RuntimeError: the leader has started once (its heartbeat exists) and nothing was heard of it for
+            ``silent_s``, counted from this follower's start (a restarted leader beats again at once).
     """
     from ...training.worker import TrialFailedError
 
@@ -167,11 +168,12 @@ def relay(run_dir: Path, directory: Path, report: Callable[[dict[str, Any]], Non
         if failure_file.exists():
             raise TrialFailedError(failure_file.read_text())
         heartbeat = directory / HEARTBEAT_FILE
-        beat = heartbeat.stat().st_mtime if heartbeat.exists() else 0.0
-        if beat >= started and time.time() - beat > silent_s:
-            raise RuntimeError(f"the leader of cohort {directory.name} (its member 0) has been silent for "
-                               f"{time.time() - beat:.0f} s: it failed or was stopped; this member waits for it again "
-                               "on a retry or a resume")
+        if heartbeat.exists():  # a leader that never started yet (waiting for a slot) has left none
+            silent = time.time() - max(heartbeat.stat().st_mtime, started)
+            if silent > silent_s:
+                raise RuntimeError(f"the leader of cohort {directory.name} (its member 0) has been silent for "
+                                   f"{silent:.0f} s since this member started or last heard it: it failed or was "
+                                   "stopped; this member waits for it again on a retry or a resume")
         time.sleep(POLL_S)
 
 
@@ -179,10 +181,7 @@ def run_member(config: dict[str, Any], base: TrialConfig, *, name: str, train_ro
                label: str) -> None:
     """A cohort member's Tune trial (``name``: its run's name under ``train_root``): registers, then the leader
     trains the whole cohort (``resources``: a solo trial's, as the driver has them) and a follower relays."""
-    from dataclasses import replace
-
-    from ...names import remove_scratch
-    from .trial import FAILURE_FILE, make_loop_config
+    from .trial import FAILURE_FILE
 
     run_dir = Path(train_root).resolve() / name
     register(config, train_root, run_dir, label)
@@ -192,9 +191,19 @@ def run_member(config: dict[str, Any], base: TrialConfig, *, name: str, train_ro
 
         relay(run_dir, directory, tune.report, run_dir / FAILURE_FILE)
         return
-    from ...training.worker import train_cohort_in_tune_actor
+    with Heartbeat(directory):  # while it waits for its members too
+        _lead(config, base, train_root, resources, wait_for_members(config, train_root))
 
-    members = wait_for_members(config, train_root)
+
+def _lead(config: dict[str, Any], base: TrialConfig, train_root: str, resources: Any,
+          members: list[dict[str, Any]]) -> None:
+    """The leader's training of its registered ``members``."""
+    from dataclasses import replace
+
+    from ...names import remove_scratch
+    from ...training.worker import train_cohort_in_tune_actor
+    from .trial import make_loop_config
+
     size = len(members)
     cohort_label = f"[cohort {config[COHORT_KEY]} of {size}: {', '.join(m['label'].strip(' []') for m in members)}] "
     loop_configs = [make_loop_config(space.trial_config(base, member["config"]), name=Path(member["run_dir"]).name,
@@ -202,9 +211,8 @@ def run_member(config: dict[str, Any], base: TrialConfig, *, name: str, train_ro
                                      resources=resources if index else replace(
                                          resources, memory_bytes=resources.memory_bytes and resources.memory_bytes * size))
                     for index, member in enumerate(members)]
-    with Heartbeat(directory):
-        try:
-            train_cohort_in_tune_actor(loop_configs)
-        finally:  # what an earlier attempt, killed mid-way, left in the system temp directory
-            for loop_config in loop_configs:
-                remove_scratch(loop_config["output_dir"])
+    try:
+        train_cohort_in_tune_actor(loop_configs)
+    finally:  # what an earlier attempt, killed mid-way, left in the system temp directory
+        for loop_config in loop_configs:
+            remove_scratch(loop_config["output_dir"])
