@@ -29,6 +29,7 @@ SUMMED = (WALL, CPU, ENERGY)
 # MLflow tags of a study's child runs that the record, the table and the report read
 SEED_TAG = "apao.seed"  # on every child run: the seed it trained on
 REPEATS_TAG = "apao.repeats"  # on a repeat: the run id of the search trial whose configuration it repeats
+COHORT_TAG = "apao.cohort"  # on a repeat trained in a fused cohort (--cohort-size): "<id>: member m of K"
 # on a finished trial: its method's convergence verdict as the study's end computed it (with the popularity check,
 # which needs the dataset): `best` and `report`, reading MLflow or an export alone, say the same
 CONVERGED_TAG = "apao.converged"

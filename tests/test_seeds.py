@@ -144,6 +144,9 @@ def test_repeat_configs_read_back_as_the_searched_choices_and_tag_their_seed_and
     repeat = trial_config(base, configs[3])
     assert (repeat.train.seed, repeat.train.epochs, repeat.loss.name, repeat.loss.num_negatives) == (2, 3, "apao_pairwise", 17)
     assert seed_tags(configs[3], repeat.train.seed) == {"apao.seed": "2", "apao.repeats": "b"}
+    member = {**configs[3], "cohort": "repeat0", "cohort_member": 2, "cohort_size": 3}
+    assert seed_tags(member, 2) == {"apao.seed": "2", "apao.repeats": "b", "apao.cohort": "repeat0: member 2 of 3"}
+    assert seed_tags({**configs[3], "cohort": None, "cohort_member": None}, 2) == seed_tags(configs[3], 2)  # alone
     search = {"backbone": "tiger", "loss": "ce"}
     assert trial_config(base, search).train.seed == 0 and seed_tags(search, 0) == {"apao.seed": "0"}
 

@@ -155,6 +155,9 @@ def test_a_study_trains_its_repeats_as_a_cohort_one_child_run_each_through_an_in
         run.info.run_id, "perf/cohort_members")}]
     assert len(fused) == 3 and {run.data.tags["loss"] for run in fused} == {"ce", "apao_pointwise"}
     assert all("apao.repeats" in run.data.tags for run in fused)
+    assert sorted(run.data.tags.get("apao.cohort", "-") for run in children) == [
+        "-", "-", "-", "repeat0: member 0 of 3", "repeat0: member 1 of 3", "repeat0: member 2 of 3"]
+    assert {run.data.tags["apao.cohort"] for run in fused} == {f"repeat0: member {m} of 3" for m in range(3)}
     for run in children:  # every epoch once, in its own run; the member's final checkpoint in its own directory
         steps = [m.step for m in tracker.client.get_metric_history(run.info.run_id, "val/ndcg_at_10")]
         assert sorted(steps) == [1, 2, 3], (run.data.tags, steps)

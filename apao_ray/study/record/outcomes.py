@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...names import REPEATS_TAG, SEED_TAG
-from ..spec.space import REPEATS_KEY, SEED_KEY, trial_choices
+from ...names import COHORT_TAG, REPEATS_TAG, SEED_TAG
+from ..spec.space import COHORT_KEY, MEMBER_KEY, REPEATS_KEY, SEED_KEY, SIZE_KEY, trial_choices
 
 TRIAL_TAG = "apao.trial_id"
 STUDY_TAG = "apao.study"
@@ -45,8 +45,12 @@ def pruned_epoch(trial_id: str) -> int | None:
 
 
 def seed_tags(config: dict[str, Any], seed: int) -> dict[str, str]:
-    """A child run's seed tags: the seed it trained on, and for a repeat the run it repeats."""
-    return {SEED_TAG: str(seed), **({REPEATS_TAG: str(config[REPEATS_KEY])} if REPEATS_KEY in config else {})}
+    """A child run's seed tags: the seed it trained on; for a repeat the run it repeats, and the cohort it trained
+    in (``--cohort-size``)."""
+    tags = {SEED_TAG: str(seed), **({REPEATS_TAG: str(config[REPEATS_KEY])} if REPEATS_KEY in config else {})}
+    if config.get(COHORT_KEY) is not None:  # which runs trained together, as one batched model
+        tags[COHORT_TAG] = f"{config[COHORT_KEY]}: member {config[MEMBER_KEY]} of {config[SIZE_KEY]}"
+    return tags
 
 
 def is_final_report(result: dict[str, Any]) -> bool:

@@ -26,9 +26,8 @@ from typing import Any, Callable
 from ...config import TrialConfig
 from ...names import REPORTS_FILE
 from ..spec import space
+from ..spec.space import COHORT_KEY, MEMBER_KEY, SIZE_KEY
 
-# keys of a cohort member's Tune config: the cohort's id, the member's place in it, the cohort's size
-COHORT_KEY, MEMBER_KEY, SIZE_KEY = "cohort", "cohort_member", "cohort_size"
 COHORTS_DIR = "cohorts"
 FOLLOWER_CPUS = 0.01  # a follower only reads a file and relays it to Tune
 HEARTBEAT_FILE, HEARTBEAT_S = "leader_alive", 5.0

@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # apao_ray.losses imports torch, which the driver's callbacks
 SEPARATOR = "__"
 # keys of a repeat trial's config (repeats.py): the seed it trains on, the MLflow run it repeats
 SEED_KEY, REPEATS_KEY = "seed", "repeats"
+# and of a repeat trained in a fused cohort (run/cohorts.py): the cohort's id, the member's place, the cohort's size
+COHORT_KEY, MEMBER_KEY, SIZE_KEY = "cohort", "cohort_member", "cohort_size"
 
 
 @dataclass(frozen=True)
