@@ -3,12 +3,13 @@
 ``--num-workers``: ``train_loop_per_worker``). Both set the worker up the same way (``setup_worker``)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import ray
 import torch
@@ -173,6 +174,37 @@ def leave_failure(loop_config: dict[str, Any], error: BaseException, cap: Memory
     return reason
 
 
+def _start_in_tune_actor(loop_config: dict[str, Any]) -> tuple[MemoryCap | None, torch.device]:
+    """Refuses a trial whose earlier attempt failed for good (its failure file), then sets the worker up;
+    returns the memory cap and the device the trial trains on."""
+    failure_file = Path(loop_config["failure_file"])
+    if failure_file.exists():
+        raise TrialFailedError(failure_file.read_text())
+    cap = setup_worker(loop_config)
+    use_gpu = TrialConfig.from_dict(loop_config["trial"]).train.use_gpu
+    return cap, torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def _failures_left(loop_configs: list[dict[str, Any]], cap: MemoryCap | None) -> Iterator[None]:
+    """Re-raises a failure a restart would meet again (``stops_for_good``) as TrialFailedError, its reason left in
+    the failure file of every trial in ``loop_configs``; any other as it is (Tune retries the trial)."""
+    try:
+        yield
+    except Exception as error:  # noqa: BLE001 - re-raised unless a restart would meet it again
+        if not stops_for_good(error):
+            raise
+        reasons = [leave_failure(loop_config, error, cap) for loop_config in loop_configs]
+        raise TrialFailedError(reasons[0]) from None
+
+
+def _tune_hooks(cls: type[TuneTrialHooks], loop_config: dict[str, Any], device: torch.device) -> TuneTrialHooks:
+    hooks = cls(loop_config["output_dir"], device, verbose=loop_config.get("verbose", True),
+                scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX))
+    hooks.progress_label = loop_config.get("progress_label", "")
+    return hooks
+
+
 def train_in_tune_actor(loop_config: dict[str, Any]) -> dict[str, Any]:
     """Trains a study's trial in the calling Ray Tune trial actor and returns its final metrics; ``loop_config``
     as for ``train_loop_per_worker`` plus ``output_dir`` (the trial's run directory).
@@ -180,21 +212,11 @@ def train_in_tune_actor(loop_config: dict[str, Any]) -> dict[str, Any]:
     Raises TrialFailedError for a non-finite loss or running out of memory, and at once when an earlier attempt
     of this trial failed so (Tune retries a failed trial from its checkpoint; these would recur).
     """
-    failure_file = Path(loop_config["failure_file"])
-    if failure_file.exists():
-        raise TrialFailedError(failure_file.read_text())
-    cap = setup_worker(loop_config)
-    config = TrialConfig.from_dict(loop_config["trial"])
-    device = torch.device("cuda" if config.train.use_gpu and torch.cuda.is_available() else "cpu")
-    hooks = TuneTrialHooks(loop_config["output_dir"], device, verbose=loop_config.get("verbose", True),
-                           scratch_prefix=loop_config.get("scratch_prefix", SCRATCH_PREFIX))
-    hooks.progress_label = loop_config.get("progress_label", "")
+    cap, device = _start_in_tune_actor(loop_config)
+    hooks = _tune_hooks(TuneTrialHooks, loop_config, device)
     try:
-        return run_trial(config, hooks)
-    except Exception as error:  # noqa: BLE001 - re-raised unless a restart would meet it again
-        if not stops_for_good(error):
-            raise
-        raise TrialFailedError(leave_failure(loop_config, error, cap)) from None
+        with _failures_left([loop_config], cap):
+            return run_trial(TrialConfig.from_dict(loop_config["trial"]), hooks)
     finally:
         hooks.close()
 
@@ -239,31 +261,17 @@ def train_cohort_in_tune_actor(loop_configs: list[dict[str, Any]]) -> list[dict[
     Raises TrialFailedError for a non-finite loss or running out of memory, leaving the reason to every member
     (the followers fail with it), and at once when an earlier attempt failed so.
     """
-    leader = loop_configs[0]
-    failure_file = Path(leader["failure_file"])
-    if failure_file.exists():
-        raise TrialFailedError(failure_file.read_text())
-    cap = setup_worker(leader)
-    configs = [TrialConfig.from_dict(loop_config["trial"]) for loop_config in loop_configs]
-    device = torch.device("cuda" if configs[0].train.use_gpu and torch.cuda.is_available() else "cpu")
-    hooks: list[TrainingHooks] = [LeaderHooks(leader["output_dir"], device, verbose=leader.get("verbose", True),
-                                              scratch_prefix=leader.get("scratch_prefix", SCRATCH_PREFIX))]
-    hooks += [CohortMemberHooks(c["output_dir"], device, c.get("scratch_prefix", SCRATCH_PREFIX))
-              for c in loop_configs[1:]]
-    hooks[0].progress_label = leader.get("progress_label", "")
+    cap, device = _start_in_tune_actor(loop_configs[0])
+    leader = _tune_hooks(LeaderHooks, loop_configs[0], device)
+    hooks = [leader, *(CohortMemberHooks(c["output_dir"], device, c.get("scratch_prefix", SCRATCH_PREFIX))
+                       for c in loop_configs[1:])]
     try:
-        finals = run_cohort(configs, hooks)
-    except Exception as error:  # noqa: BLE001 - re-raised unless a restart would meet it again
-        if not stops_for_good(error):
-            raise
-        reason = leave_failure(leader, error, cap)
-        for loop_config in loop_configs[1:]:
-            leave_failure(loop_config, error, cap)
-        raise TrialFailedError(reason) from None
+        with _failures_left(loop_configs, cap):
+            finals = run_cohort([TrialConfig.from_dict(c["trial"]) for c in loop_configs], hooks)
     finally:
         for member_hooks in hooks:
             member_hooks.close()
-    hooks[0].send_final()
+    leader.send_final()
     return finals
 
 

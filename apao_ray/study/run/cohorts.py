@@ -32,7 +32,7 @@ COHORTS_DIR = "cohorts"
 FOLLOWER_CPUS = 0.01  # a follower only reads a file and relays it to Tune
 HEARTBEAT_FILE, HEARTBEAT_S = "leader_alive", 5.0
 LEADER_SILENT_S = 600.0  # a leader silent this long after it was seen alive has died (Tune gave up on it)
-RELAYED_FILE = "relayed_reports"  # in a follower's run dir: how many reports it has passed to Tune (a restart goes on)
+RELAYED_FILE = "relayed_reports"  # in a follower's run dir: the bytes of its reports passed to Tune (a restart goes on)
 POLL_S = 0.5
 
 
@@ -55,20 +55,19 @@ def assign_cohorts(configs: list[dict[str, Any]], base: TrialConfig, size: int, 
             continue
         groups.setdefault(config["backbone"], []).append(config)
     out: list[dict[str, Any]] = []
-    for members in groups.values():
-        for start in range(0, len(members), size):
-            chunk = members[start:start + size]
-            if len(chunk) == 1:
-                out.append(chunk[0])
-                continue
-            cohort = f"{prefix}{len({c.get(COHORT_KEY) for c in out} - {None})}"
-            out += [{**config, COHORT_KEY: cohort, MEMBER_KEY: index, SIZE_KEY: len(chunk)}
-                    for index, config in enumerate(chunk)]
+    chunks = [members[start:start + size] for members in groups.values() for start in range(0, len(members), size)]
+    for chunk in chunks:
+        if len(chunk) == 1:
+            out.append(chunk[0])
+            continue
+        cohort = f"{prefix}{cohorts_in(out)}"
+        out += [{**config, COHORT_KEY: cohort, MEMBER_KEY: index, SIZE_KEY: len(chunk)}
+                for index, config in enumerate(chunk)]
     return out + alone
 
 
 def cohorts_in(configs: list[dict[str, Any]]) -> int:
-    return len({config[COHORT_KEY] for config in configs if COHORT_KEY in config})
+    return len({config[COHORT_KEY] for config in configs if is_member(config)})
 
 
 def is_member(config: dict[str, Any]) -> bool:
@@ -152,15 +151,19 @@ def relay(run_dir: Path, directory: Path, report: Callable[[dict[str, Any]], Non
     from ...training.worker import TrialFailedError
 
     cursor_path, reports = run_dir / RELAYED_FILE, run_dir / REPORTS_FILE
-    relayed = int(cursor_path.read_text()) if cursor_path.exists() else 0
+    relayed = int(cursor_path.read_text()) if cursor_path.exists() else 0  # bytes: only what is new is read
     started = time.time()
     while True:
-        text = reports.read_text() if reports.exists() else ""
-        lines = [line for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]  # whole lines only
-        for line in lines[relayed:]:
-            metrics = json.loads(line)
-            report(metrics)
-            relayed += 1
+        fresh = b""
+        if reports.exists():
+            with open(reports, "rb") as handle:
+                handle.seek(relayed)
+                fresh = handle.read()
+        for line in fresh[:fresh.rfind(b"\n") + 1].splitlines(keepends=True):  # whole lines only
+            metrics = json.loads(line) if line.strip() else {}
+            if metrics:
+                report(metrics)
+            relayed += len(line)  # after the report: one killed while reporting reports it again
             cursor_path.write_text(str(relayed))
             if metrics.get("done"):
                 return
