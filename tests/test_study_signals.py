@@ -8,6 +8,7 @@ import shlex
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -147,3 +148,29 @@ def test_beside_a_busy_ray_process_pruned_trials_free_their_cpus_and_are_tested_
         trial_id = run.data.tags["apao.trial_id"]
         assert not list(Path(tempfile.gettempdir()).glob(f"apao-worker-train-trial_id_{trial_id}-*")), trial_id
     assert "pruned at epoch" in result.stderr
+
+
+def _handler_exiting(code: int):
+    def handler(signum, frame):  # as Ray's: a SIGINT handler that exits (Ray Train's fit), a SIGTERM one (ray.init)
+        sys.exit(code)
+    return handler
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 1), (signal.SIGTERM, 15)])
+def test_a_stop_signal_ends_a_train_run_as_interrupted_whatever_handler_exits(signum, code):
+    """`train` exits 130 / 143 on SIGINT / SIGTERM although Ray's handlers end its fit with SystemExit(1 or 15)."""
+    from apao_ray.study.cluster.interrupt import RunInterrupted, stop_signals_end_the_run
+
+    previous = signal.signal(signal.SIGINT, _handler_exiting(code))  # SIGTERM: the context's own handler unwinds
+    try:
+        with pytest.raises(RunInterrupted) as stopped, stop_signals_end_the_run():
+            os.kill(os.getpid(), signum)
+            for _ in range(100):  # the handler runs between bytecodes of the main thread
+                time.sleep(0.01)
+        assert stopped.value.signum == signum and str(stopped.value) == signal.Signals(signum).name
+        with pytest.raises(SystemExit) as other, stop_signals_end_the_run():  # an exit no signal caused stays one
+            sys.exit(3)
+        assert other.value.code == 3
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert signal.getsignal(signal.SIGTERM) is not None and signal.set_wakeup_fd(-1) == -1  # both restored

@@ -146,7 +146,8 @@ def _killed_run_flags(epochs: int, num_workers: int) -> list[str]:
 
 @pytest.mark.e2e
 def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
-    """Ctrl-C the driver mid-run; `--resume` lets Ray Train restore the run by name from storage."""
+    """Ctrl-C the driver mid-run: it exits 130 saying how to continue; `--resume` lets Ray Train restore the run
+    by name from storage."""
     runs, out = tmp_path / "runs", tmp_path / "r.json"
     command = [sys.executable, TRAIN, *COMMON, "--backbone", "tiger", "--loss", "ce", "--epochs", "4",
                "--output-dir", str(runs), "--run-name", "interrupted", "--json-out", str(out)]
@@ -154,8 +155,11 @@ def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     _wait_for(runs / "interrupted" / "epoch_0002", process)  # epoch 1's checkpoint is registered by then
     os.killpg(process.pid, signal.SIGINT)
-    process.communicate(timeout=120)
+    _, stderr = process.communicate(timeout=120)
     assert not out.exists()
+    assert process.returncode == 130, stderr[-3000:]  # not 0 or 1: a script can tell a stop from an end or a failure
+    assert re.search(r"run interrupted stopped by SIGINT: its checkpoints are kept \(the newest: epoch_\d{4}\); "
+                     r"continue it with the same command and --resume", stderr), stderr[-3000:]
     # without --resume an existing run is refused with a clear message
     refused = run_script([*command[1:]], cwd=tmp_path, timeout=120)
     assert refused.returncode == 2 and "--resume" in refused.stderr

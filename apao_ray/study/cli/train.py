@@ -48,9 +48,14 @@ def apply_smoke(args: argparse.Namespace) -> None:
         args.batch_size, args.effective_batch_size = max(1, 128 // getattr(args, "num_workers", 1)), 128
 
 
+TRAIN_EPILOG = ("exit codes: 0 trained, its final metrics printed; 1 the run failed (the reason is printed); 2 input "
+                "refused before anything ran; 130 / 143 stopped by SIGINT (Ctrl-C) / SIGTERM, its checkpoints kept "
+                "for --resume")
+
+
 def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Train one trial (dataset x backbone x "
-                                     "loss) on Ray Train; prints the final metrics as JSON.")
+                                     "loss) on Ray Train; prints the final metrics as JSON.", epilog=TRAIN_EPILOG)
     add_common_arguments(parser)
     parser.add_argument("--backbone", choices=BACKBONE_NAMES, default="tiger", help="default %(default)s")
     parser.add_argument("--loss", default="ce", help="a name from apao_ray.losses.LOSSES (default %(default)s)")
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
     if not args.quiet:
         knobs = " ".join(f"{k}={v}" for k, v in resolved_knobs(config).items())
         print(f"protocol {protocol_tag(config)}: {knobs}", file=sys.stderr)
+    from ..cluster.interrupt import RunInterrupted, exit_code
     from ..run.trial import run_single_trial
 
     from ...training.worker import TrialFailedError
@@ -174,6 +180,12 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
     except TrialFailedError as error:
         print(f"trial {name} failed: {error}", file=sys.stderr)
         return 1
+    except RunInterrupted as stop:
+        kept = sorted(path.name for path in run_dir.glob("epoch_*"))
+        print(f"run {name} stopped by {stop}: " + (f"its checkpoints are kept (the newest: {kept[-1]}); "
+              if kept else "no epoch had finished; ") + "continue it with the same command and --resume",
+              file=sys.stderr)
+        return exit_code(stop.signum)
     text = json.dumps(metrics, indent=2, sort_keys=True)
     print(text)
     if args.json_out:

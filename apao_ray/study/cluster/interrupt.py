@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
-from contextlib import contextmanager
+import threading
+from contextlib import contextmanager, suppress
 from typing import Any, Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -76,3 +78,58 @@ def tune_running() -> Iterator[None]:
         yield
     finally:
         _is_tune_running = False
+
+
+class RunInterrupted(Exception):
+    """A stop signal ended a ``train`` run before its last epoch; its checkpoints stay for ``--resume``."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = int(signum)
+        super().__init__(signal.Signals(signum).name)
+
+
+@contextmanager
+def stop_signals_end_the_run() -> Iterator[None]:
+    """Around a Ray Train ``fit`` in the main thread (``train``): SIGINT and SIGTERM end it as
+    :class:`RunInterrupted`.
+
+    Ray handles both, and a stopped run would exit as if it had failed: Ray Train's ``fit`` installs its own
+    SIGINT handler, which aborts the run's workers and exits (``ray.get`` then raises ``SystemExit(1)``), and
+    ``ray.init``'s SIGTERM handler calls ``sys.exit(15)``. Ray's graceful SIGINT stays; SIGTERM unwinds the
+    driver (the run's controller and workers are its actors and end with it). Which signal came is read from
+    the wakeup file descriptor that Python writes every signal's number to, whatever handler runs.
+    """
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread alone
+        yield
+        return
+    reader, writer = socket.socketpair()
+    for end in (reader, writer):
+        end.setblocking(False)
+    previous = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+    previous_sigterm = signal.signal(signal.SIGTERM, _unwind)  # Ray's exits with 15; this unwinds as Ctrl-C does
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit) as stop:
+        came = _signals_written(reader)
+        stop_signal = next((signum for signum in (signal.SIGTERM, signal.SIGINT) if signum in came), None)
+        if stop_signal is None:
+            raise  # an exit of another cause
+        raise RunInterrupted(stop_signal) from stop
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        signal.set_wakeup_fd(previous)
+        reader.close()
+        writer.close()
+
+
+def _unwind(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _signals_written(reader: socket.socket) -> set[int]:
+    """The signal numbers written to a wakeup descriptor's other end so far."""
+    came: set[int] = set()
+    with suppress(BlockingIOError):
+        while chunk := reader.recv(256):
+            came.update(chunk)
+    return came

@@ -18,6 +18,7 @@ from ...config import TrialConfig
 from ...names import remove_scratch, scratch_prefix
 from ...training.checkpoint import FINAL_METRICS_FILE
 from ...training.worker import TrialFailedError, train_in_tune_actor, train_loop_per_worker
+from ..cluster.interrupt import stop_signals_end_the_run
 from ..cluster.ray_cluster import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV, init_ray
 
 if TYPE_CHECKING:  # Ray Train is imported where a TorchTrainer is made: a trial in Tune's actor does without it
@@ -222,10 +223,12 @@ def read_final_metrics(result: ray.train.Result) -> dict[str, Any]:
 
 def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path, address: str | None = None,
                      cpus_per_worker: int = 1, max_failures: int = 0, verbose: bool = True) -> dict[str, Any]:
-    """Runs one trial as a TorchTrainer job and returns its final metrics."""
+    """Runs one trial as a TorchTrainer job and returns its final metrics; a stop signal raises
+    ``cluster.interrupt.RunInterrupted`` (the run's checkpoints stay under ``storage_path/name``)."""
     init_ray(address)
     resources = Resources(num_workers=config.train.num_workers, cpus_per_worker=cpus_per_worker,
                           gpus_per_worker=1.0 if config.train.use_gpu else 0.0)
     trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources,
                            max_failures=max_failures, verbose=verbose)
-    return read_final_metrics(fit(trainer))
+    with stop_signals_end_the_run():  # raises RunInterrupted on SIGINT / SIGTERM
+        return read_final_metrics(fit(trainer))
