@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from apao_ray.study.plan.budget import RAY_START_S, Fit, MethodCost, asha_rungs, fit_budget, makespan, study_seconds
 from apao_ray.study.spec.duration import format_duration, parse_duration
+from apao_ray.config import LossConfig, TrialConfig
 from apao_ray.study.plan.plan import Plan, cost_summary
 from apao_ray.study.plan.probe_cache import probe_key
 
@@ -71,6 +73,17 @@ def test_the_plan_estimates_each_methods_cost_and_the_summary_sets_it_beside_the
     assert lines["tiger/ce"].split() == ["tiger/ce", "41.0", "/", "20.0", "82.0", "/", "10.0", "1024", "/", "900",
                                          "-", "/", "0.0123"]
     assert lines["tiger/apao_pointwise"].split()[1:4] == ["82.0", "/", "-"]  # estimated, nothing ran
+
+
+def test_the_plan_says_when_no_repeat_trial_can_join_a_cohort():
+    fit = fit_budget([CE, POINTWISE], 20, 3, 5, 1, None, num_repeats=1)
+    lone = Plan("office", "paper", "fp32", 1, [CE], 20, 3, fit, repeat_seeds=(1,), threads=2, cohort_size=4)
+    assert lone.cohorts_apart() == "one repeat trial per backbone forms no cohort"
+    assert "seeds [1]: 1 trial of 20 epochs, each alone (one repeat trial per backbone forms no cohort)" in lone.text()
+    two_seeds = replace(lone, repeat_seeds=(1, 2))  # two trials of one backbone: a cohort
+    assert two_seeds.cohorts_apart() is None and "2 trials of 20 epochs, as fused cohorts of up to 4" in two_seeds.text()
+    staged = replace(two_seeds, base=TrialConfig(loss=LossConfig(name="dpo", pretrain_ce_epochs=2)))
+    assert "each alone (a two-stage loss's CE stage keeps its trials apart)" in staged.text()
 
 
 def test_a_study_that_fits_is_left_as_asked():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -194,6 +195,27 @@ class Plan:
                 "budget_s": self.budget_s, "estimate_s": self.fit.estimate_s, "cohort_size": self.cohort_size,
                 "deferred": {f"{d.backbone}/{d.loss}": d.reason for d in self.fit.deferred}}
 
+    def cohorts_apart(self) -> str | None:
+        """Why no repeat trial trains in a fused cohort under --cohort-size, or None when cohorts form (the rules
+        of study/run/cohorts.assign_cohorts: two or more repeat trials of one backbone, no two-stage loss)."""
+        if self.cohort_size <= 1:
+            return "--cohort-size 1"
+        if self.base is not None and self.base.loss.pretrain_ce_epochs:
+            return "a two-stage loss's CE stage keeps its trials apart"
+        per_backbone = Counter(m.backbone for m in self.fitted_methods)
+        if max(per_backbone.values(), default=0) * len(self.run_repeat_seeds) < 2:
+            return "one repeat trial per backbone forms no cohort"
+        return None
+
+    def _cohort_words(self) -> str:
+        """How the repeat trials train under --cohort-size: as fused cohorts, or why each alone."""
+        if self.cohort_size <= 1:
+            return ""
+        if apart := self.cohorts_apart():
+            return f", each alone ({apart})"
+        return (f", as fused cohorts of up to {self.cohort_size} trials of one backbone, each its own trial and "
+                "MLflow run (the estimate counts them as separate trials)")
+
     def text(self) -> str:
         fit, gib = self.fit, 2 ** 30
         allocator = f", allocator {self.allocator}" if self.allocator else ""
@@ -212,11 +234,10 @@ class Plan:
                          f"wall, ~{format_duration(cost['cost/cpu_seconds'])} CPU  ({kind})")
         lines += [f"  {d.backbone}/{d.loss:<16} {d.reason}" for d in fit.deferred]
         if self.run_repeat_seeds:
+            repeats = len(self.fitted_methods) * len(self.run_repeat_seeds)
             lines.append(f"  then the best configuration of each method again on seeds {list(self.run_repeat_seeds)}: "
-                         f"{len(self.fitted_methods) * len(self.run_repeat_seeds)} trials of {fit.epochs} epochs"
-                         + (f", as fused cohorts of up to {self.cohort_size} trials of one backbone, each its own trial "
-                            "and MLflow run (the estimate counts them as separate trials)" if self.cohort_size > 1
-                            else ""))
+                         f"{repeats} trial{'s' if repeats > 1 else ''} of {fit.epochs} epochs"
+                         + self._cohort_words())
         rungs = asha_rungs(fit.asha_grace_period, fit.epochs)
         lines.append(f"  ASHA compares each tuned method's trials at epochs {rungs}" if rungs else
                      f"  ASHA prunes nothing (grace {fit.asha_grace_period} epochs >= {fit.epochs} epochs)")
@@ -334,7 +355,11 @@ def make_plan(spec: StudySpec, setup: StudySetup, slots: int, use_cache: bool = 
                 start_order=start_order, search_seed=spec.search_seed,
                 effective_batch_size=base.train.effective_batch_size, cohort_size=spec.cohort_size,
                 side_by_side=side_by_side if observed < len(methods) else 1.0)
-    return plan.scheduled(base, search, spec.losses, spec.pretrain_ce_epochs)
+    plan = plan.scheduled(base, search, spec.losses, spec.pretrain_ce_epochs)
+    if plan.run_repeat_seeds and plan.cohorts_apart() is None and not spec.gpus_per_trial:
+        notes.append("  note: on CPUs a fused cohort trained at 0.2-0.4x the samples/s of the same trials run apart "
+                     "(benchmarks/RESULTS.md, 2026-11-28): --cohort-size is for GPUs; here it makes the repeats slower")
+    return plan
 
 
 def cost_summary(plan: Plan, actual: dict[tuple[str, str], dict[str, float]]) -> str:
