@@ -38,7 +38,7 @@ def test_a_capped_study_trains_ce_and_fails_what_needs_more_under_every_allocato
     of memory, naming the cap and what it held, and the study exits 0 and says one failed."""
     uri = mlflow_sqlite(tmp_path)
     result = run_script([SWEEP, "--smoke", "--losses", "ce,apao_pairwise", "--negatives", "300", "--num-samples", "1",
-                         "--memory-per-trial", "2.5", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
+                         "--epochs", "1", "--memory-per-trial", "2.5", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
                         cwd=tmp_path, timeout=900, env={ALLOCATOR_ENV: allocator})
     assert result.returncode == 0, result.stderr[-4000:]
     runs = _children(uri, "synthetic")
@@ -56,15 +56,15 @@ def test_a_capped_study_trains_ce_and_fails_what_needs_more_under_every_allocato
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("allocator", ALLOCATORS)
-def test_a_study_whose_every_trial_fails_exits_1_after_its_table(tmp_path, allocator):
+def test_a_study_whose_every_trial_fails_exits_1_after_its_table(tmp_path):
     """Exit codes: 1 when no trial finished, after the table that says why (a cap far below what the trial needs
-    fails it as out of memory at its first optimizer step, under every allocator); the note under the table names
-    no schedule of trials that never ended."""
+    fails it as out of memory at its first optimizer step); the note under the table names no schedule of trials
+    that never ended. Under the allocator a worker picks by itself (tcmalloc where installed: the one under
+    which the capped study above may see APAO-pairwise fit); the exit code does not depend on it."""
     uri = mlflow_sqlite(tmp_path)
     result = run_script([SWEEP, "--smoke", "--losses", "apao_pairwise", "--negatives", "300", "--num-samples", "1",
                          "--memory-per-trial", "1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
-                        cwd=tmp_path, timeout=900, env={ALLOCATOR_ENV: allocator})
+                        cwd=tmp_path, timeout=900, env={ALLOCATOR_ENV: ""})
     assert result.returncode == 1, result.stderr[-4000:]
     assert "study synthetic-study: 1 trials (1 failed)" in result.stderr
     row = next(line for line in result.stdout.splitlines() if "| apao_pairwise |" in line)
