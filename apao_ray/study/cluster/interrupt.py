@@ -116,7 +116,8 @@ def stop_signals_end_the_run() -> Iterator[None]:
             raise  # an exit of another cause
         raise RunInterrupted(stop_signal) from stop
     finally:
-        signal.signal(signal.SIGTERM, previous_sigterm)
+        if previous_sigterm is not None:  # None: a handler set outside Python, which cannot be put back from here
+            signal.signal(signal.SIGTERM, previous_sigterm)
         signal.set_wakeup_fd(previous)
         reader.close()
         writer.close()
