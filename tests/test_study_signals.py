@@ -161,6 +161,7 @@ def test_a_stop_signal_ends_a_train_run_as_interrupted_whatever_handler_exits(si
     """`train` exits 130 / 143 on SIGINT / SIGTERM although Ray's handlers end its fit with SystemExit(1 or 15)."""
     from apao_ray.study.cluster.interrupt import RunInterrupted, stop_signals_end_the_run
 
+    sigterm_before = signal.getsignal(signal.SIGTERM)
     previous = signal.signal(signal.SIGINT, _handler_exiting(code))  # SIGTERM: the context's own handler unwinds
     try:
         with pytest.raises(RunInterrupted) as stopped, stop_signals_end_the_run():
@@ -173,4 +174,4 @@ def test_a_stop_signal_ends_a_train_run_as_interrupted_whatever_handler_exits(si
         assert other.value.code == 3
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert signal.getsignal(signal.SIGTERM) is not None and signal.set_wakeup_fd(-1) == -1  # both restored
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before and signal.set_wakeup_fd(-1) == -1  # both restored
