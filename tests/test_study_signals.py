@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
 import signal
 import sys
 import tempfile
@@ -76,6 +77,28 @@ def test_the_local_rays_workers_run_at_the_drivers_niceness_and_its_dashboard_st
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.split("\n")[-2].strip().startswith(expected), (user_value, result.stdout,
                                                                              result.stderr[-2000:])
+
+
+@pytest.mark.skipif(not os.access("/proc/self/autogroup", os.W_OK) or shutil.which("setsid") is None,
+                    reason="no Linux autogroups here (or no setsid)")
+def test_a_niced_run_gives_its_own_session_its_niceness_and_never_raises_a_groups_priority():
+    """Under autogroups `nice` alone orders processes only inside one session; the driver carries its niceness
+    to its session's group. In a session of its own (setsid), so the suite's own session keeps its weight:
+    a process at niceness 3 sets the group to 3; a group already at 5 stays 5; an un-niced one is left alone."""
+    import subprocess
+
+    from conftest import ROOT
+
+    code = ("import sys; from apao_ray.study.cluster.ray_cluster import AUTOGROUP, match_session_niceness as m; "
+            "open(AUTOGROUP, 'w').write(sys.argv[1]) if sys.argv[1] != '-' else None; "
+            "said = m(); print(said is not None, AUTOGROUP.read_text().split()[-1])")
+    if open("/proc/sys/kernel/sched_autogroup_enabled").read().strip() != "1":
+        pytest.skip("autogroup scheduling is off on this kernel")
+    for nice, preset, expected in (("3", "-", "True 3"), ("3", "5", "False 5"), ("0", "-", "False 0")):
+        result = subprocess.run(["setsid", "nice", "-n", nice, sys.executable, "-c", code, preset], cwd=ROOT,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == expected, (nice, preset, result.stdout, result.stderr)
 
 
 def test_limit_threads_caps_both_torch_pools_and_the_thread_env_of_a_fresh_worker():

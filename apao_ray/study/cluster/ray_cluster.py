@@ -25,13 +25,41 @@ PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # Ray starts its workers at niceness +15: beside any ordinary process (niceness 0) on an oversubscribed CPU a
 # trial then gets 36/1024 of the scheduler's weight, ~28x slower than the other process instead of an even
 # share (#17 saw 27x). Workers of a Ray started here keep the driver's niceness (`nice ./apao sweep` still
-# works); a cluster keeps what its nodes were started with.
+# works, across login sessions too: match_session_niceness); a cluster keeps what its nodes were started with.
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 LOCAL_RAY_ENV = {PREEMPTION_WATCHER_ENV: "0", WORKER_NICENESS_ENV: "0"}
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 RAY_TRAIN_LOG_LEVEL_ENV = "APAO_RAY_TRAIN_LOG_LEVEL"  # Ray Train's console log level (default WARNING)
 # the driver's settings that Ray's processes read too; a cluster's nodes must be able to import the plugins
 PASSED_ENV = (RAY_TRAIN_LOG_LEVEL_ENV, PLUGINS_ENV)
+
+
+AUTOGROUP_ENABLED, AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled"), Path("/proc/self/autogroup")
+
+
+def match_session_niceness() -> str | None:
+    """Gives this login session's scheduling group this process's niceness, where that lowers its priority.
+
+    Under Linux's autogroup scheduling (on in many distributions' kernels) niceness orders processes only
+    inside one session: a study started with `nice -n 10` (or `setsid nice ...` in the background) still took an
+    even share of the CPUs from a test suite run in another terminal, and on 2 vCPUs halved it (2026-11-28).
+    The group's niceness is only ever raised, never lowered, and only when this process is niced; it applies to
+    the whole session (the terminal's shell and what else runs there) until the session ends.
+
+    Returns:
+        What was changed, for the console, or None (not niced, no autogroups, already as nice, not allowed).
+    """
+    niceness = os.nice(0)
+    try:
+        if niceness <= 0 or AUTOGROUP_ENABLED.read_text().strip() != "1":
+            return None
+        group, _, current = AUTOGROUP.read_text().split()               # "/autogroup-133 nice 0"
+        if int(current) >= niceness:
+            return None
+        AUTOGROUP.write_text(str(niceness))
+    except (OSError, ValueError):
+        return None
+    return f"niceness {niceness}: this login session's scheduling group ({group[1:]}) set to niceness {niceness} too"
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
@@ -99,6 +127,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     if ray.is_initialized():
         return
     check_ray_address(address)
+    if local and (matched := match_session_niceness()):
+        print(f"{matched}, so it yields to work in other sessions as nice asks (Linux autogroups)",
+              file=sys.stderr)
     project_root = str(Path(__file__).resolve().parents[3])
     # workers import apao_ray from this checkout even when it is not installed on the cluster
     passed = [*ray_env, *(k for k in PASSED_ENV if k in os.environ)]
