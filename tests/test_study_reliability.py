@@ -204,7 +204,7 @@ def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(t
     """Against `mlflow server`, three trials at once: CE trains; APAO-pointwise with beta=1e39 overflows
     its loss to inf; APAO-pairwise with 300 negatives needs more than the 0.75 GiB memory cap already in its first
     forward pass (at 2.5 GiB its forward fits and its loss overflows first: tests/test_study_portability.py runs
-    that cap under every allocator)."""
+    that cap on the glibc fallback)."""
     port, artifacts = mlflow_server
     # credentials in the URI must reach the server but never MLflow's params or tags
     uri = f"http://apao:s3cret-token@127.0.0.1:{port}"

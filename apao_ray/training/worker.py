@@ -165,8 +165,10 @@ def leave_failure(loop_config: dict[str, Any], error: BaseException, cap: Memory
     if is_out_of_memory(error):
         message = str(error) if isinstance(error, TrialOutOfMemoryError) else \
             "out of memory outside an epoch's training and validation: " + (str(error).strip().splitlines() or [""])[0][:300]
-        # the cap first: a table shows a failure's first 200 characters
-        noted = f"out of memory ({cap.describe()})" if cap is not None else "out of memory"
+        # the cap first: a table shows a failure's first 200 characters. The allocator too: what a trial holds of
+        # the cap depends on it, and a trial that fails before its first report has no allocator tag
+        noted = (f"out of memory ({cap.describe()}; allocator {allocator_in_use()})" if cap is not None
+                 else "out of memory")
         reason = f"{TrialOutOfMemoryError.__name__}: {noted}{message.removeprefix('out of memory')}"
     failure_file = Path(loop_config["failure_file"])
     failure_file.parent.mkdir(parents=True, exist_ok=True)
