@@ -78,6 +78,12 @@ def test_vectors_from_a_parquet_file_and_errors(tmp_path):
     pd.DataFrame({"item": [f"i{i}" for i in range(12)], "embedding": list(vectors)}).to_parquet(tmp_path / "v.parquet")
     result = tokenize(str(directory), num_levels=2, num_codes=4, embeddings=str(tmp_path / "v.parquet"))
     assert result["items"] == 12 and result["embedding"].startswith("file v.parquet (16 dims)")
+    # the libraries the codes depend on, with their threads (a machine with other ones may get other codes)
+    from threadpoolctl import threadpool_info
+
+    blas = next(pool for pool in threadpool_info() if pool["user_api"] == "blas")
+    assert any(line.startswith(blas["internal_api"]) and line.endswith(f", {blas['num_threads']} threads")
+               for line in result["linear_algebra"]), result["linear_algebra"]
     assert len(load_dataset(str(directory)).user_ids) == 12  # the index loads with the table
     with pytest.raises(ValueError, match="exists; pass --overwrite"):
         tokenize(str(directory), num_levels=2, num_codes=4, embeddings=str(tmp_path / "v.parquet"))
@@ -120,21 +126,24 @@ def test_office_tokenized_from_texts_trains_beyond_popularity(tmp_path):
     dataset = load_dataset(str(directory))
     assert dataset.stats()["semantic_ids"] == meta["embedding"]
 
-    # 3 epochs at batch 64: with 2 (cosine over 2) neither these IDs nor the paper's own index got past
-    # popularity (validation Recall@10 on all users: ours 0.0098 vs 0.0143, the paper's 0.0075 vs 0.0077);
-    # with 3 ours reached 0.0096 / 0.0312 / 0.0340 (benchmarks/RESULTS.md, 2026-11-23). On a fixed 20,000 of the
-    # 38,543 training samples (half the time) 3 epochs still do, on 1,500 users: 0.0213 vs popularity 0.0147
-    # (seed 0, 1 thread as in an xdist worker), 0.0273 vs 0.0187 (seed 1), 0.0173 vs 0.0113 (seed 0, 2 threads:
-    # k-means' codes differ with the threads); on 12,000 not (0.0087 vs 0.0147). 2026-11-26, Intel Xeon (AMX).
+    # 3 epochs at batch 64 on all 38,543 training samples: with 2 (cosine over 2) neither these IDs nor the
+    # paper's own index got past popularity (validation Recall@10 on all users: ours 0.0098 vs 0.0143, the
+    # paper's 0.0075 vs 0.0077); with 3 ours reached 0.0096 / 0.0312 / 0.0340 (benchmarks/RESULTS.md,
+    # 2026-11-23). The IDs themselves differ from machine to machine (the SVD's last bits follow OpenBLAS's
+    # threads, and k-means amplifies them): on an AVX2 EPYC, 1 torch thread, the two code sets that 1 and 2
+    # BLAS threads give reached 0.0273 and 0.0267 on these 1,500 users, popularity 0.0107 and 0.0133. On a fixed
+    # 20,000 samples (as here until 2026-11-28) 3 epochs beat popularity on 1,500 users only by chance: 0.0147
+    # vs 0.0133 (1 torch thread) and 0.0107 vs 0.0133 (2) for one code set, on all users 0.0143 vs 0.0169.
     config = TrialConfig(DataConfig(dataset=str(directory)), ModelConfig(backbone="tiger", **TINY_MODEL),
                          LossConfig(name="ce"), TrainConfig(epochs=3, batch_size=64, effective_batch_size=64,
                                                             lr=3e-3, patience=3, precision="fp32",
-                                                            max_train_samples=20_000, eval_max_users=1500,
-                                                            retention_users=16))
+                                                            eval_max_users=1500, retention_users=16))
     hooks = TrainingHooks(tmp_path / "run", verbose=False)
     run_trial(config, hooks, dataset)
     recall = max(r["val/recall_at_10"] for r in hooks.reports if not r.get("done"))
     # the same 1,500 validation users the trial validated on
     baseline = popularity_recall_at_10(dataset, select_users(len(dataset.splits["valid"]), 1500, config.train.seed))
     print(f"validation recall@10 {recall:.4f}, popularity {baseline:.4f}")
-    assert recall > baseline, f"validation recall@10 {recall:.4f} <= popularity {baseline:.4f}"
+    # twice popularity or more where measured: 1.5x leaves room for another machine's IDs, not for a model that
+    # learned no more than which IDs are frequent
+    assert recall > 1.5 * baseline, f"validation recall@10 {recall:.4f} <= 1.5 x popularity {baseline:.4f}"

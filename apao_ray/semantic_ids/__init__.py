@@ -38,6 +38,16 @@ def dataset_item_ids(files, min_interactions: int) -> list[str]:
     return list(seen)
 
 
+def linear_algebra() -> list[str]:
+    """The BLAS and OpenMP libraries this process computes with and their threads, e.g. ``openblas 0.3.30
+    (Haswell), 2 threads``: the codes depend on them (see quantize), so the meta file records them."""
+    from threadpoolctl import threadpool_info  # scikit-learn's own dependency
+
+    return sorted({f"{pool['internal_api']} {pool.get('version') or ''}".rstrip()
+                   + (f" ({pool['architecture']})" if pool.get("architecture") else "")
+                   + f", {pool['num_threads']} threads" for pool in threadpool_info()})
+
+
 def tokenize(dataset: str, num_levels: int = 4, num_codes: int = 256, embeddings: str | None = None,
              encoder: str = DEFAULT_ENCODER, seed: int = 0, should_disambiguate: bool = False,
              min_interactions: int = 5, output: str | None = None, should_overwrite: bool = False) -> dict:
@@ -61,6 +71,7 @@ def tokenize(dataset: str, num_levels: int = 4, num_codes: int = 256, embeddings
     meta = {
         "method": METHOD, "embedding": describe_source(description, num_without_text), "levels": num_levels,
         "codes": num_codes, "seed": seed, "disambiguation_level": should_disambiguate, "kmeans": "scikit-learn lloyd",
+        "linear_algebra": linear_algebra(),
         "min_interactions": min_interactions if files.is_table else None, "items": len(item_ids),
         **quality.__dict__,
         "cpu_seconds": round(time.process_time() - start_cpu, 2), "wall_seconds": round(time.perf_counter() - start_wall, 2),

@@ -1,7 +1,11 @@
 """Residual k-means (RQ-KMeans, the quantizer behind the paper's semantic IDs): level m clusters
 what the levels before it left unexplained, so a semantic ID is coarse-to-fine.
 
-Deterministic: scikit-learn's Lloyd k-means with one seeded initialisation per level (seed + m).
+Deterministic on one machine: scikit-learn's Lloyd k-means with one seeded initialisation per level
+(seed + m). Not across machines: the item vectors' last bits follow the BLAS library, its CPU kernels and
+its threads (Office's TF-IDF SVD with OpenBLAS at 1 and 2 threads differed by 1e-10), and k-means amplifies
+that into other codes (2,185 vs 2,168 distinct IDs, 2026-11-28). Share the index file, not the command,
+when two machines must train on the same IDs; the meta file names the libraries (``linear_algebra``).
 Optionally the last level is not k-means but a disambiguation counter inside each group of
 items that share the first T-1 codes (TIGER's way of making every ID unique).
 """
