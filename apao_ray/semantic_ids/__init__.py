@@ -116,7 +116,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--disambiguate", action="store_true", help="make the last level a counter among items "
                         "sharing the other levels (TIGER), so that no two items share an ID (default: off; "
                         "collisions are reported)")
-    parser.add_argument("--seed", type=non_negative_int, default=0, help="k-means and SVD seed (default 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="k-means and SVD seed (default 0): the same "
+                        "IDs again on this machine; another machine's BLAS may give others (share the index file)")
     parser.add_argument("--min-interactions", type=int_at_least(3), default=5, help="k of the k-core filter on an interactions "
                         "table (default 5, the paper's five-core); recorded, and used again when the dataset loads")
     parser.add_argument("--output", help="index file to write (default <dir>/<Name>.index.rq-kmeans.json, or the "
