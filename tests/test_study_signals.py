@@ -68,15 +68,20 @@ def test_the_local_rays_workers_run_at_the_drivers_niceness_and_its_dashboard_st
             "init_ray(None, num_cpus=1, dashboard=sys.argv[1] == 'on'); "
             "print(os.nice(0), ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote()), "
             "repr(w.get_dashboard_url())); ray.shutdown()")
+    group = Path("/proc/self/autogroup")
+    ours = group.read_text().split()[-1] if group.exists() else None
     for user_value, dashboard, expected in ((None, "off", "3 3 ''"), ("5", "on", "3 8 '127.0.0.1:")):
         env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
         if user_value is not None:
             env["RAY_worker_niceness"] = user_value
+        # a session of its own: a niced run gives its session's scheduling group its niceness (autogroups), and
+        # the suite's session must keep its own
         result = subprocess.run(["nice", "-n", "3", sys.executable, "-c", code, dashboard], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=180)
+                                capture_output=True, text=True, timeout=180, start_new_session=True)
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.split("\n")[-2].strip().startswith(expected), (user_value, result.stdout,
                                                                              result.stderr[-2000:])
+    assert (group.read_text().split()[-1] if group.exists() else None) == ours  # the suite's session untouched
 
 
 @pytest.mark.skipif(not os.access("/proc/self/autogroup", os.W_OK) or shutil.which("setsid") is None,
