@@ -59,7 +59,8 @@ def match_session_niceness() -> str | None:
         AUTOGROUP.write_text(str(niceness))
     except (OSError, ValueError):
         return None
-    return f"niceness {niceness}: this login session's scheduling group ({group[1:]}) set to niceness {niceness} too"
+    return (f"niceness {niceness}: this login session's scheduling group ({group[1:]}) set to niceness {niceness} too, "
+            "for the rest of the session")
 
 
 def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
