@@ -68,8 +68,12 @@ def test_the_local_rays_workers_run_at_the_drivers_niceness_and_its_dashboard_st
             "init_ray(None, num_cpus=1, dashboard=sys.argv[1] == 'on'); "
             "print(os.nice(0), ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote()), "
             "repr(w.get_dashboard_url())); ray.shutdown()")
-    group = Path("/proc/self/autogroup")
-    ours = group.read_text().split()[-1] if group.exists() else None
+    group = Path("/proc/self/autogroup")  # "/autogroup-208 nice 0"; absent or empty where autogroups are not
+
+    def session_group():
+        return group.read_text().strip() if group.exists() else None
+
+    ours = session_group()
     for user_value, dashboard, expected in ((None, "off", "3 3 ''"), ("5", "on", "3 8 '127.0.0.1:")):
         env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
         if user_value is not None:
@@ -81,7 +85,7 @@ def test_the_local_rays_workers_run_at_the_drivers_niceness_and_its_dashboard_st
         assert result.returncode == 0, result.stderr[-3000:]
         assert result.stdout.split("\n")[-2].strip().startswith(expected), (user_value, result.stdout,
                                                                              result.stderr[-2000:])
-    assert (group.read_text().split()[-1] if group.exists() else None) == ours  # the suite's session untouched
+    assert session_group() == ours  # the suite's session untouched
 
 
 @pytest.mark.skipif(not os.access("/proc/self/autogroup", os.W_OK) or shutil.which("setsid") is None,
@@ -97,7 +101,8 @@ def test_a_niced_run_gives_its_own_session_its_niceness_and_never_raises_a_group
     code = ("import sys; from apao_ray.study.cluster.ray_cluster import AUTOGROUP, match_session_niceness as m; "
             "open(AUTOGROUP, 'w').write(sys.argv[1]) if sys.argv[1] != '-' else None; "
             "said = m(); print(said is not None, AUTOGROUP.read_text().split()[-1])")
-    if open("/proc/sys/kernel/sched_autogroup_enabled").read().strip() != "1":
+    enabled = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    if not enabled.exists() or enabled.read_text().strip() != "1" or not Path("/proc/self/autogroup").read_text().strip():
         pytest.skip("autogroup scheduling is off on this kernel")
     for nice, preset, expected in (("3", "-", "True 3"), ("3", "5", "False 5"), ("0", "-", "False 0")):
         result = subprocess.run(["setsid", "nice", "-n", nice, sys.executable, "-c", code, preset], cwd=ROOT,
