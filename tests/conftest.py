@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
+import sqlite3
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -285,3 +289,46 @@ def descendant_pids(root: int, command: str) -> list[int]:
         return pid == root
 
     return [pid for pid in args if pid != root and args[pid].startswith(command) and under_root(pid)]
+
+
+# a study run as a user runs it, in a process of its own, watched through its MLflow store
+SWEEP = str(ROOT / "studies" / "sweep.py")
+
+
+def runs_state(db: Path) -> list[tuple[str, str, int]]:
+    """(trial id, status, last validated epoch) of every child run, read straight from SQLite."""
+    query = ("select t.value, r.status, coalesce(max(m.step), 0) from runs r "
+             "join tags t on t.run_uuid = r.run_uuid and t.key = 'apao.trial_id' "
+             "left join metrics m on m.run_uuid = r.run_uuid and m.key = 'val/ndcg_at_10' group by r.run_uuid")
+    try:
+        with sqlite3.connect(db, timeout=10) as connection:
+            return connection.execute(query).fetchall()
+    except sqlite3.Error:  # not created yet, or mid-migration
+        return []
+
+
+def launch_until(command: list[str], cwd: Path, ready, timeout: float = 400) -> tuple[subprocess.Popen, list]:
+    """Starts the sweep in its own process group and waits until ``ready(state)`` holds."""
+    process = subprocess.Popen(command, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + timeout
+    while True:
+        state = runs_state(cwd / "mlflow.db")
+        if ready(state):
+            return process, state
+        if process.poll() is not None or time.time() > deadline:
+            process.kill()
+            raise AssertionError(f"state {state} never became ready: {process.communicate()[1][-3000:]}")
+        time.sleep(0.3)
+
+
+def mid_trial(state) -> bool:
+    return any(status == "RUNNING" and epoch >= 1 for _, status, epoch in state)
+
+
+def study_runs(tracker) -> dict:
+    """The parent run's (status, outcome) and each child's, as a stop left them."""
+    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+    return {"parent": (parent.info.status, parent.data.tags.get("apao.outcome", "")),
+            "children": [(run.info.status, run.data.tags.get("apao.outcome", ""))
+                         for run in tracker.child_runs(parent.info.run_id)]}

@@ -1,10 +1,10 @@
-"""Stop signals sent to the sweep driver's PID alone, as `timeout`, a supervisor or a batch scheduler
-sends them (a terminal's Ctrl-C reaches the whole process group: tests/test_sweep.py covers that).
-Real Ray, a real SQLite MLflow store, real signals, the --smoke configuration."""
+"""Signals and scheduling around a study's driver and its local Ray: a stop signal's handler, niceness and
+autogroups, thread caps, a busy second Ray. A study stopped by SIGINT to its process group and by SIGTERM to
+its driver alone, then resumed, is tests/test_sweep.py's fixture. Real Ray, a real SQLite MLflow store, real
+signals, the --smoke configuration."""
 from __future__ import annotations
 
 import os
-import shlex
 import shutil
 import signal
 import sys
@@ -14,44 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import mlflow_sqlite, run_script
-from test_sweep import SWEEP, _launch_until, _mid_trial
-
-
-@pytest.mark.e2e
-def test_stop_signals_to_the_driver_alone_are_recorded_as_interruptions_and_resumed(tmp_path):
-    """SIGINT to the driver's PID mid-trial, re-run, SIGTERM mid-trial, re-run to the end: each stop exits
-    130 / 143 naming the signal and the command that resumes, leaves the parent and the unfinished trials
-    interrupted (never pruned, none RUNNING), and the study ends with one child run per trial."""
-    uri = mlflow_sqlite(tmp_path)
-    command = [sys.executable, SWEEP, "--smoke", "--num-samples", "1", "--epochs", "3", "--output-dir",
-               str(tmp_path / "runs"), "--tracking-uri", uri]
-    from apao_ray.tracking import Tracker
-
-    tracker = Tracker(uri, "apao-synthetic")
-    for signum, exit_code in ((signal.SIGINT, 130), (signal.SIGTERM, 143)):
-        process, _ = _launch_until(command, tmp_path, _mid_trial)
-        os.kill(process.pid, signum)  # the driver only: Ray's processes and the trials' workers get nothing
-        _, stderr = process.communicate(timeout=240)
-        assert process.returncode == exit_code, stderr[-4000:]
-        assert f"stopped by {signal.Signals(signum).name}" in stderr and shlex.join(command) in stderr, stderr[-3000:]
-        (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
-        assert parent.info.status == "KILLED" and parent.data.tags["apao.outcome"].startswith("interrupted")
-        children = tracker.child_runs(parent.info.run_id)
-        assert children and all(run.info.status in ("FINISHED", "KILLED") for run in children)  # none left RUNNING
-        unfinished = [run for run in children if run.info.status == "KILLED"]
-        assert unfinished, f"{signum!r} came mid-trial, yet no trial was left unfinished"
-        for run in unfinished:  # never told as pruned: nothing pruned them
-            assert run.data.tags["apao.outcome"].startswith("interrupted"), run.data.tags["apao.outcome"]
-
-    resumed = run_script(command[1:], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-4000:]
-    (parent,) = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
-    assert parent.info.status == "FINISHED" and parent.data.tags["apao.outcome"] == "finished"
-    children = tracker.child_runs(parent.info.run_id)
-    trial_ids = [run.data.tags["apao.trial_id"] for run in children]
-    assert len(trial_ids) == len(set(trial_ids)) == int(parent.data.params["num_trials"]) == 2
-    assert all(run.info.status == "FINISHED" for run in children)
+from conftest import SWEEP, mlflow_sqlite, run_script
 
 
 @pytest.mark.e2e

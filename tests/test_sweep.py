@@ -3,78 +3,55 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
-import sqlite3
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from apao_ray.names import ENERGY, GPU_MEMORY
-from conftest import ROOT, mlflow_sqlite, run_script
+from conftest import ROOT, SWEEP, launch_until, mid_trial, mlflow_sqlite, run_script, runs_state, study_runs
 
-SWEEP, BEST = str(ROOT / "studies" / "sweep.py"), str(ROOT / "studies" / "best.py")
-
-
-def _runs_state(db: Path) -> list[tuple[str, str, int]]:
-    """(trial id, status, last validated epoch) of every child run, read straight from SQLite."""
-    query = ("select t.value, r.status, coalesce(max(m.step), 0) from runs r "
-             "join tags t on t.run_uuid = r.run_uuid and t.key = 'apao.trial_id' "
-             "left join metrics m on m.run_uuid = r.run_uuid and m.key = 'val/ndcg_at_10' group by r.run_uuid")
-    try:
-        with sqlite3.connect(db, timeout=10) as connection:
-            return connection.execute(query).fetchall()
-    except sqlite3.Error:  # not created yet, or mid-migration
-        return []
-
-
-def _launch_until(command: list[str], cwd: Path, ready, timeout: float = 400) -> tuple[subprocess.Popen, list]:
-    """Starts the sweep in its own process group and waits until ``ready(state)`` holds."""
-    process = subprocess.Popen(command, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + timeout
-    while True:
-        state = _runs_state(cwd / "mlflow.db")
-        if ready(state):
-            return process, state
-        if process.poll() is not None or time.time() > deadline:
-            process.kill()
-            raise AssertionError(f"state {state} never became ready: {process.communicate()[1][-3000:]}")
-        time.sleep(0.3)
-
-
-def _mid_trial(state) -> bool:
-    return any(status == "RUNNING" and epoch >= 1 for _, status, epoch in state)
+BEST = str(ROOT / "studies" / "best.py")
 
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
-    """One --smoke study (tiger x {ce, apao_pointwise}, 4 trials, 2 at a time, 3 epochs each), interrupted
-    twice the way it happens in practice: Ctrl-C mid-trial, resumed with --resume; then SIGKILL of the
-    whole process group once a trial has finished and another is mid-way, resumed by re-running the
-    same command. Every test of this module checks the resumed study."""
+    """One --smoke study (tiger x {ce, apao_pointwise}, 4 trials, 2 at a time, 3 epochs each), stopped three
+    times the ways it happens in practice: Ctrl-C (SIGINT to the process group) mid-trial, re-run; SIGTERM to
+    the driver alone once a trial trained on, resumed with --resume; then SIGKILL of the whole process group
+    once a trial has finished and another is mid-way, resumed by re-running the same command. Every test of
+    this module checks the resumed study."""
     workdir = tmp_path_factory.mktemp("study")
     uri = mlflow_sqlite(workdir)
     command = [sys.executable, SWEEP, "--smoke", "--epochs", "3", "--output-dir", str(workdir / "runs"),
                "--tracking-uri", uri, "--lr", "2e-3"]
-    process, at_sigint = _launch_until(command, workdir, _mid_trial)
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(uri, "apao-synthetic")
+    process, at_sigint = launch_until(command, workdir, mid_trial)
     os.killpg(process.pid, signal.SIGINT)
     _, stderr_interrupted = process.communicate(timeout=180)
     sigint = {"returncode": process.returncode, "stderr": stderr_interrupted, "before": at_sigint,
-              "after": _runs_state(workdir / "mlflow.db")}
-    process, at_sigkill = _launch_until([*command, "--resume"], workdir, lambda state: _mid_trial(state) and any(
+              "after": runs_state(workdir / "mlflow.db"), "runs": study_runs(tracker)}
+    # re-run; once a trial trained on past where it stopped, SIGTERM to the driver alone (as `kill PID` or a
+    # scheduler sends it): Ray's processes and the trials' workers get nothing
+    stopped_at = {trial: epoch for trial, _, epoch in sigint["after"]}
+    process, at_sigterm = launch_until(command, workdir, lambda state: any(
+        status == "RUNNING" and epoch > stopped_at.get(trial, 0) for trial, status, epoch in state))
+    os.kill(process.pid, signal.SIGTERM)
+    _, stderr_terminated = process.communicate(timeout=180)
+    sigterm = {"returncode": process.returncode, "stderr": stderr_terminated, "before": at_sigterm,
+               "runs": study_runs(tracker)}
+    process, at_sigkill = launch_until([*command, "--resume"], workdir, lambda state: mid_trial(state) and any(
         status == "FINISHED" for _, status, _ in state))
     os.killpg(process.pid, signal.SIGKILL)
     process.communicate(timeout=60)
     result = run_script(command[1:], cwd=workdir)
     assert result.returncode == 0, result.stderr[-4000:]
-    from apao_ray.tracking import Tracker
-
-    return {"dir": workdir, "uri": uri, "stdout": result.stdout, "stderr": result.stderr,
-            "tracker": Tracker(uri, "apao-synthetic"), "sigint": sigint, "at_sigkill": at_sigkill}
+    return {"dir": workdir, "uri": uri, "stdout": result.stdout, "stderr": result.stderr, "command": command,
+            "tracker": tracker, "sigint": sigint, "sigterm": sigterm, "at_sigkill": at_sigkill}
 
 
 def _children(study):
@@ -174,6 +151,18 @@ def test_interrupted_study_resumed_without_rerun_duplicate_or_orphan(study):
     sigint = study["sigint"]
     assert sigint["returncode"] == 130 and "re-run the same command (or add --resume)" in sigint["stderr"]
     assert sigint["after"] and all(status in ("KILLED", "FINISHED") for _, status, _ in sigint["after"])  # none RUNNING
+    # each stop exits 130 / 143 naming its signal and the command that resumes, and leaves the parent and the
+    # unfinished trials interrupted: never pruned (nothing pruned them), none RUNNING
+    for stop, name in ((sigint, "SIGINT"), (study["sigterm"], "SIGTERM")):
+        assert stop["returncode"] == {"SIGINT": 130, "SIGTERM": 143}[name], stop["stderr"][-4000:]
+        assert f"stopped by {name}" in stop["stderr"] and shlex.join(study["command"]) in stop["stderr"], \
+            stop["stderr"][-3000:]
+        status, outcome = stop["runs"]["parent"]
+        assert status == "KILLED" and outcome.startswith("interrupted"), (name, status, outcome)
+        children = stop["runs"]["children"]
+        assert children and all(status in ("FINISHED", "KILLED") for status, _ in children), (name, children)
+        unfinished = [outcome for status, outcome in children if status == "KILLED"]
+        assert unfinished and all(outcome.startswith("interrupted") for outcome in unfinished), (name, children)
     tracker = study["tracker"]
     children = {c.data.tags["apao.trial_id"]: c for c in _children(study)}
     assert len(children) == 4 and all(c.info.status == "FINISHED" for c in children.values())

@@ -16,8 +16,7 @@ import pytest
 from apao_ray.config import TrialConfig
 from apao_ray.names import REPORTS_FILE
 from apao_ray.study.run import cohorts
-from conftest import mlflow_sqlite, run_script
-from test_sweep import SWEEP, _launch_until, _runs_state
+from conftest import SWEEP, launch_until, mlflow_sqlite, run_script, runs_state
 
 
 def _configs():
@@ -134,8 +133,8 @@ def test_a_study_trains_its_repeats_as_a_cohort_one_child_run_each_through_an_in
     command = [sys.executable, SWEEP, "--smoke", "--losses", "ce,apao_pointwise", "--num-samples", "1", "--epochs", "3",
                "--seeds", "0,1,2", "--cohort-size", "3", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri]
     train_runs = tmp_path / "runs" / "synthetic-study" / "train_runs"
-    process, _ = _launch_until(command, tmp_path, lambda state: len(_cohort_reports(train_runs)) >= 3, timeout=600)
-    searched = {trial for trial, _, _ in _runs_state(tmp_path / "mlflow.db")}
+    process, _ = launch_until(command, tmp_path, lambda state: len(_cohort_reports(train_runs)) >= 3, timeout=600)
+    searched = {trial for trial, _, _ in runs_state(tmp_path / "mlflow.db")}
     os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=180)
     assert process.returncode == 130 and "re-run the same command" in stderr, stderr[-3000:]

@@ -4,12 +4,10 @@ data-parallel ranks. (A study interrupted in its repeat phase: tests/test_sweep_
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
-from conftest import mlflow_sqlite, run_script
-from test_sweep import SWEEP
+from conftest import SWEEP, mlflow_sqlite, run_script
 
 
 @pytest.mark.e2e

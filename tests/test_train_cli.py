@@ -108,24 +108,37 @@ def _wait_for(path_glob: Path, process: subprocess.Popen, timeout: float = 300) 
 
 
 @pytest.mark.e2e
-def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
+def test_a_run_whose_worker_is_killed_and_whose_driver_is_interrupted_resumes_to_the_same_metrics(tmp_path):
     """SIGKILL one of a run's 2 Ray Train workers mid-run: Ray restarts the worker group from its last
-    checkpoint (FailureConfig), and the run ends as 2 uninterrupted ranks on half-size batches do. A one-worker
-    run restarts by the same path (its group of one); a study's trial whose process is killed is retried by Tune
-    instead (test_study_reliability.py)."""
-    epochs, out, num_workers = 4, tmp_path / "r.json", 2
+    checkpoint (FailureConfig). Then Ctrl-C (SIGINT to the process group): the driver exits 130 saying how to
+    continue, a re-run without `--resume` is refused, and `--resume` lets Ray Train restore the run by name from
+    storage without training epoch 1 again. The run ends as 2 uninterrupted ranks on half-size batches do. A
+    one-worker run restarts by the same paths (its group of one); a study's trial whose process is killed is
+    retried by Tune instead (test_study_reliability.py)."""
+    epochs, out, num_workers, runs = 4, tmp_path / "r.json", 2, tmp_path / "runs"
     command = [sys.executable, TRAIN, *_killed_run_flags(epochs, num_workers), "--max-failures", "2",
-               "--output-dir", str(tmp_path / "runs"), "--run-name", "killed", "--json-out", str(out)]
+               "--output-dir", str(runs), "--run-name", "killed", "--json-out", str(out)]
     process = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     # once epoch 2's checkpoint directory appears, epoch 1's is surely registered with Ray
-    _wait_for(tmp_path / "runs" / "killed" / "epoch_0002", process)
+    _wait_for(runs / "killed" / "epoch_0002", process)
     pids = descendant_pids(process.pid, "ray::RayTrainWorker")
     assert len(pids) == num_workers, f"found Ray Train workers {pids}, expected {num_workers}"
     os.kill(pids[-1], signal.SIGKILL)  # one rank: the others are stopped and restarted with it
-    _, stderr = process.communicate(timeout=600)
-    assert process.returncode == 0, stderr[-3000:]
+    _wait_for(runs / "killed" / "epoch_0003", process)  # trained on past the kill; epoch 2's checkpoint registered
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
     assert "resumed from" in stderr, "the restarted worker did not restore the checkpoint"
+    assert not out.exists()
+    assert process.returncode == 130, stderr[-3000:]  # not 0 or 1: a script can tell a stop from an end or a failure
+    assert re.search(r"run killed stopped by SIGINT: its checkpoints are kept \(the newest: epoch_\d{4}\); "
+                     r"continue it with the same command and --resume", stderr), stderr[-3000:]
+    # without --resume an existing run is refused with a clear message
+    refused = run_script([*command[1:]], cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+    result = run_script([*command[1:], "--resume"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stderr and "epoch 1/4" not in result.stderr  # epoch 1 was not trained again
     resumed = _metrics(out)
     reference = _uninterrupted_reference(tmp_path, epochs, num_workers)
     test_keys = sorted(k for k in reference if k.startswith("test/"))
@@ -135,7 +148,7 @@ def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
     for m in range(1, 5):  # the adaptive weights were restored, not restarted from uniform
         assert resumed[f"train/apao_weight_m{m}"] == pytest.approx(reference[f"train/apao_weight_m{m}"], abs=1e-9)
     # the final checkpoint is rank 0's unwrapped model: it loads into a model built without DDP
-    final = next((tmp_path / "runs" / "killed").glob("epoch_*_final"))
+    final = next((runs / "killed").glob("epoch_*_final"))
     weights = torch.load(final / "best_model.pt", weights_only=True)
     assert weights and not any(key.startswith("module.") for key in weights)
 
@@ -143,33 +156,6 @@ def test_worker_killed_mid_run_resumes_to_the_same_metrics(tmp_path):
 def _killed_run_flags(epochs: int, num_workers: int) -> list[str]:
     return [*COMMON, "--backbone", "tiger", "--loss", "apao_pointwise", "--eta", "0.01", "--epochs", str(epochs),
             "--num-workers", str(num_workers), "--batch-size", str(128 // num_workers)]
-
-
-@pytest.mark.e2e
-def test_driver_interrupted_then_resume_flag_continues_the_run(tmp_path):
-    """Ctrl-C the driver mid-run: it exits 130 saying how to continue; `--resume` lets Ray Train restore the run
-    by name from storage."""
-    runs, out = tmp_path / "runs", tmp_path / "r.json"
-    command = [sys.executable, TRAIN, *COMMON, "--backbone", "tiger", "--loss", "ce", "--epochs", "4",
-               "--output-dir", str(runs), "--run-name", "interrupted", "--json-out", str(out)]
-    process = subprocess.Popen(command, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _wait_for(runs / "interrupted" / "epoch_0002", process)  # epoch 1's checkpoint is registered by then
-    os.killpg(process.pid, signal.SIGINT)
-    _, stderr = process.communicate(timeout=120)
-    assert not out.exists()
-    assert process.returncode == 130, stderr[-3000:]  # not 0 or 1: a script can tell a stop from an end or a failure
-    assert re.search(r"run interrupted stopped by SIGINT: its checkpoints are kept \(the newest: epoch_\d{4}\); "
-                     r"continue it with the same command and --resume", stderr), stderr[-3000:]
-    # without --resume an existing run is refused with a clear message
-    refused = run_script([*command[1:]], cwd=tmp_path, timeout=120)
-    assert refused.returncode == 2 and "--resume" in refused.stderr
-    resumed = run_script([*command[1:], "--resume"], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stderr
-    metrics = _metrics(out)
-    assert metrics["epochs_trained"] == 4
-    assert "epoch 1/4" not in resumed.stderr  # epoch 1 was not trained again
 
 
 @pytest.mark.e2e
