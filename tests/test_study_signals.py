@@ -4,8 +4,10 @@ its driver alone, then resumed, is tests/test_sweep.py's fixture. Real Ray, a re
 signals, the --smoke configuration."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import socket
 import signal
 import sys
 import tempfile
@@ -22,7 +24,9 @@ def test_the_local_rays_workers_run_at_the_drivers_niceness_and_its_dashboard_st
     """Ray starts workers at niceness +15, which beside an ordinary process on a busy CPU leaves a trial
     ~1/28 of a core instead of an even share; the product's local Ray keeps the driver's niceness. Run under
     `nice -n 3`: workers must be at 3 (relative to the driver), and at 3 + 5 when the user sets Ray's own variable.
-    The same two Rays: a study's (no dashboard, ~1.1 GiB saved) and `apao train`'s (a dashboard on loopback)."""
+    The same two Rays: a study's (no dashboard, ~1.1 GiB saved) and `apao train`'s (a dashboard on loopback).
+    Both start while another process holds Ray's fixed dashboard-agent port, as a second Ray on the machine
+    does: their agents must serve on a port of their own, not wait ~3.3 s for that one and run without it."""
     import subprocess
 
     from conftest import ROOT
@@ -30,24 +34,30 @@ def test_the_local_rays_workers_run_at_the_drivers_niceness_and_its_dashboard_st
     code = ("import os, sys, ray, ray._private.worker as w; from apao_ray.study.cluster.ray_cluster import init_ray; "
             "init_ray(None, num_cpus=1, dashboard=sys.argv[1] == 'on'); "
             "print(os.nice(0), ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote()), "
-            "repr(w.get_dashboard_url())); ray.shutdown()")
+            "repr(w.get_dashboard_url()), w.global_worker.node.dashboard_agent_listen_port); ray.shutdown()")
     group = Path("/proc/self/autogroup")  # "/autogroup-208 nice 0"; absent or empty where autogroups are not
 
     def session_group():
         return group.read_text().strip() if group.exists() else None
 
     ours = session_group()
-    for user_value, dashboard, expected in ((None, "off", "3 3 ''"), ("5", "on", "3 8 '127.0.0.1:")):
-        env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
-        if user_value is not None:
-            env["RAY_worker_niceness"] = user_value
-        # a session of its own: a niced run gives its session's scheduling group its niceness (autogroups), and
-        # the suite's session must keep its own
-        result = subprocess.run(["nice", "-n", "3", sys.executable, "-c", code, dashboard], cwd=ROOT, env=env,
-                                capture_output=True, text=True, timeout=180, start_new_session=True)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert result.stdout.split("\n")[-2].strip().startswith(expected), (user_value, result.stdout,
-                                                                             result.stderr[-2000:])
+    with socket.socket() as another_ray:
+        with contextlib.suppress(OSError):  # already held where another Ray runs here: the same situation
+            another_ray.bind(("0.0.0.0", 52365))  # Ray's DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+            another_ray.listen()
+        for user_value, dashboard, expected in ((None, "off", "3 3 ''"), ("5", "on", "3 8 '127.0.0.1:")):
+            env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+            if user_value is not None:
+                env["RAY_worker_niceness"] = user_value
+            # a session of its own: a niced run gives its session's scheduling group its niceness (autogroups),
+            # and the suite's session must keep its own
+            result = subprocess.run(["nice", "-n", "3", sys.executable, "-c", code, dashboard], cwd=ROOT, env=env,
+                                    capture_output=True, text=True, timeout=180, start_new_session=True)
+            assert result.returncode == 0, result.stderr[-3000:]
+            line = result.stdout.split("\n")[-2].strip()
+            assert line.startswith(expected), (user_value, result.stdout, result.stderr[-2000:])
+            agent_port = int(line.split()[-1])
+            assert agent_port > 0 and agent_port != 52365, (line, "the agent has no HTTP port of its own")
     assert session_group() == ours  # the suite's session untouched
 
 

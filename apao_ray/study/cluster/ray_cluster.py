@@ -1,10 +1,13 @@
 """Starting Ray (local or an existing cluster) with the environment its processes need."""
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
 import random
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 from ...names import PLUGINS_ENV
@@ -112,6 +115,34 @@ def stable_free_port(attempts: int = 64) -> int:
     return free_port()
 
 
+@contextlib.contextmanager
+def agent_port_chosen_by_the_os() -> Iterator[None]:
+    """While it lasts, a local Ray's dashboard agent serves HTTP on a port the OS picks, not on Ray's fixed 52365.
+
+    ``ray.init`` offers no argument for that port (``ray start --dashboard-agent-listen-port`` does), and with a
+    second Ray on the machine (two studies, a study beside `apao train`, a test suite's parallel workers) the
+    agent of the later one found 52365 taken, retried for ~3.3 s while its raylet waited to register, then ran
+    without its HTTP server (its port recorded as -1): 7.3 s to start instead of 4.2-5.7 (AVX2 EPYC, 2 vCPUs,
+    2026-11-28). Ray's own multi-node test cluster leaves the port unset for its added nodes, which its start-up
+    turns into 0 (any free port); this leaves it unset the same way, by RayParams' default."""
+    from ray._private.parameter import RayParams
+
+    init = RayParams.__init__
+    with_defaults = [name for name, parameter in inspect.signature(init).parameters.items()
+                     if parameter.default is not inspect.Parameter.empty]
+    defaults = init.__defaults__
+    if "dashboard_agent_listen_port" not in with_defaults or len(with_defaults) != len(defaults or ()):
+        yield  # another Ray's signature: its own default
+        return
+    changed = list(defaults)
+    changed[with_defaults.index("dashboard_agent_listen_port")] = None
+    init.__defaults__ = tuple(changed)
+    try:
+        yield
+    finally:
+        init.__defaults__ = defaults
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard: bool = True) -> None:
     """Joins ``address`` (a running cluster) or starts a local Ray, once per process.
 
@@ -142,8 +173,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
         if not local:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         elif not dashboard:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
-                     log_to_driver=True)
+            with agent_port_chosen_by_the_os():
+                ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
+                         log_to_driver=True)
         else:
             # the dashboard (bound to 127.0.0.1) serves the State API, which Ray Train's placement-group
             # cleaner needs to free the workers of a stopped run (and without which it waits 12 s per run). With
@@ -155,8 +187,10 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
             # address "local": a new Ray of our own. ray.init() with no address joins the newest cluster
             # that `ray start` recorded in /tmp/ray/ray_current_cluster (another user's study, or a dead
             # one whose GCS it then waits on for minutes)
-            context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=True, dashboard_host="127.0.0.1",
-                               dashboard_port=port, runtime_env=runtime_env, log_to_driver=True)
+            with agent_port_chosen_by_the_os():
+                context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
+                                   dashboard_host="127.0.0.1", dashboard_port=port, runtime_env=runtime_env,
+                                   log_to_driver=True)
             if context.dashboard_url and not context.dashboard_url.endswith(f":{port}"):
                 print(f"warning: Ray's dashboard took {context.dashboard_url}, not port {port} (taken meanwhile); "
                       "with another Ray on this machine, pruned trials may not free their CPUs", file=sys.stderr)
