@@ -250,30 +250,6 @@ def _smoke_study(tmp_path, probe_cache, monkeypatch, **changes):
 
 
 @pytest.mark.e2e
-def test_notebook_runs_a_study_and_reads_its_table(tmp_path, probe_cache, monkeypatch, capsys):
-    result = _smoke_study(tmp_path, probe_cache, monkeypatch)
-    assert "plan: 2 trials on synthetic" in capsys.readouterr().err  # printed before the first trial
-    table = result.table
-    assert [tuple(pair) for pair in table[["backbone", "loss"]].values] == [("tiger", "apao_pointwise"), ("tiger", "ce")]
-    assert list(table["status"]) == ["finished", "finished"]
-    assert table["test/ndcg_at_10"].between(0, 1).all() and table["best/val/ndcg_at_10"].notna().all()
-    assert table.loc[table["loss"] == "apao_pointwise", "beta"].item() == 0.3  # the paper's point goes first
-    assert len(result.trials) == 2 and set(result.trials["status"]) == {"finished"}
-    from apao_ray.tracking import Tracker
-
-    children = Tracker(result.tracking_uri, "apao-synthetic").child_runs()
-    assert {run.data.tags["mlflow.parentRunId"] for run in children} == {result.parent_run_id}
-    assert set(table["run_id"]) == {run.info.run_id for run in children}
-    # the trials' measured rates went into this machine's probe cache: the next plan starts from them
-    observed = [entry["observed"] for entry in json.loads((probe_cache / "probes.json").read_text()).values()
-                if "observed" in entry]
-    assert len(observed) >= 2 and all(o["trials"] == 1 and o["train_s_per_sample"] > 0 for o in observed), observed
-    import apao_ray
-
-    assert "methods from finished trials" in apao_ray.plan_study(_smoke_spec(tmp_path)).text()
-
-
-@pytest.mark.e2e
 def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_path, monkeypatch, capsys):
     """Probe rates injected through the cache: APAO-pointwise ~1,000x slower than CE, so its one epoch does not
     fit 5 minutes; CE runs, APAO-pointwise is a row without trials that says what it needs."""
@@ -311,16 +287,32 @@ def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_p
 
 
 @pytest.mark.e2e
-def test_a_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread_significance_and_cost(
+def test_a_notebook_study_with_two_seeds_repeats_each_methods_best_and_tables_mean_spread_significance_and_cost(
         tmp_path, probe_cache, monkeypatch, capsys):
+    """A study run from Python (a notebook's way) and its table read back; with seeds 0 and 1 each method's best
+    trial is repeated on seed 1, and the table gives the mean, the spread, the seed-aware interval and the cost."""
     result = _smoke_study(tmp_path, probe_cache, monkeypatch, seeds=(0, 1))
     plan = capsys.readouterr().err
     assert "plan: 4 trials on synthetic" in plan and "again on seeds [1]: 2 trials of 1 epochs" in plan, plan
     assert not result.interrupted and sorted(result.trials["seed"]) == [0, 0, 1, 1]
+    assert set(result.trials["status"]) == {"finished"}
     from apao_ray.tracking import Tracker
 
     children = {run.info.run_id: run for run in Tracker(result.tracking_uri, "apao-synthetic").child_runs()}
+    assert {run.data.tags["mlflow.parentRunId"] for run in children.values()} == {result.parent_run_id}
+    assert [tuple(pair) for pair in result.table[["backbone", "loss"]].values] == [("tiger", "apao_pointwise"),
+                                                                                  ("tiger", "ce")]
+    assert list(result.table["status"]) == ["finished", "finished"]
+    assert result.table["test/ndcg_at_10"].between(0, 1).all() and result.table["best/val/ndcg_at_10"].notna().all()
     table = result.table.set_index("loss")
+    assert table.loc["apao_pointwise", "beta"] == 0.3  # the paper's point goes first
+    # the trials' measured rates went into this machine's probe cache: the next plan starts from them
+    observed = [entry["observed"] for entry in json.loads((probe_cache / "probes.json").read_text()).values()
+                if "observed" in entry]
+    assert len(observed) >= 2 and all(o["trials"] >= 1 and o["train_s_per_sample"] > 0 for o in observed), observed
+    import apao_ray
+
+    assert "methods from finished trials" in apao_ray.plan_study(_smoke_spec(tmp_path)).text()
     for run in children.values():  # every selection rule's test metrics reach MLflow (the trial's own = test/*)
         assert {f"test_by/{rule}/{key}" for rule in ("val_ndcg_at_10", "val_loss", "last")
                 for key in ("epoch", "ndcg_at_10")} <= set(run.data.metrics), sorted(run.data.metrics)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from apao_ray.study.cluster.ray_cluster import stable_free_port
+from apao_ray.training.memory import ALLOCATOR_ENV
 from conftest import ROOT, descendant_pids, mlflow_sqlite, run_script
 
 SWEEP = str(ROOT / "studies" / "sweep.py")
@@ -203,24 +204,33 @@ def mlflow_server(tmp_path):
 def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(tmp_path, mlflow_server):
     """Against `mlflow server`, three trials at once: CE trains; APAO-pointwise with beta=1e39 overflows
     its loss to inf; APAO-pairwise with 300 negatives needs more than the 0.75 GiB memory cap already in its first
-    forward pass (at 2.5 GiB its forward fits and its loss overflows first: tests/test_study_portability.py runs
-    that cap on the glibc fallback)."""
+    forward pass (at 2.5 GiB its forward fits and its loss overflows first). On the allocator a machine without
+    tcmalloc gets (glibc keeping its large blocks, which maps the most): the cap counts what a trial allocates,
+    not the 1.5-2.5 GiB its worker maps with torch and Ray loaded, so CE finishes under it. That the cap counts
+    the same under every allocator is test_memory.py's; a study on the allocator auto picks is
+    test_study_portability.py's."""
     port, artifacts = mlflow_server
     # credentials in the URI must reach the server but never MLflow's params or tags
     uri = f"http://apao:s3cret-token@127.0.0.1:{port}"
+    allocator = {ALLOCATOR_ENV: "glibc-cached"}
     result = run_script([SWEEP, "--smoke", "--losses", "ce,apao_pointwise,apao_pairwise", "--num-samples", "1",
                          "--beta", "1e39", "--negatives", "300", "--memory-per-trial", "0.75", "--max-concurrent", "3",
                          "--cpus-per-trial", "0.5", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri,
                          # fp32: the point here is which trials fail and how they are recorded, on any CPU
                          "--precision", "fp32"],
-                        cwd=tmp_path, timeout=900)  # three plan probes first, one of them pairwise with 300 negatives
+                        cwd=tmp_path, timeout=900, env=allocator)  # three plan probes first, one pairwise, 300 negatives
     assert result.returncode == 0, result.stderr[-4000:]
     assert "study synthetic-study: 3 trials (2 failed)" in result.stderr
+    # each failed trial and why, on the console
+    lines = result.stderr.splitlines()
+    listed = lines[lines.index("failed trials (2):") + 1:][:2]
+    assert sorted(line.split()[0].rstrip(":") for line in listed) == ["tiger/apao_pairwise", "tiger/apao_pointwise"]
     from apao_ray.tracking import Tracker
 
     tracker = Tracker(f"http://127.0.0.1:{port}", "apao-synthetic")
     runs = {c.data.tags["loss"]: c for c in _children(tracker).values()}
     assert runs["ce"].info.status == "FINISHED" and runs["ce"].data.tags["apao.model_uri"]
+    assert runs["ce"].data.tags["apao.allocator"] == "glibc-cached"
     assert len(list(artifacts.rglob("best_model.pt"))) == 1  # the model went through the server to its root
     pointwise, pairwise = runs["apao_pointwise"], runs["apao_pairwise"]
     assert pointwise.info.status == "FAILED" and pointwise.data.tags["apao.outcome"] == "non-finite loss"
@@ -231,6 +241,8 @@ def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(t
     assert "TrialFailedError: TrialOutOfMemoryError: out of memory (memory cap 0.75 GiB: " in pairwise.data.tags["apao.error"]
     assert "while training in epoch 1" in pairwise.data.tags["apao.error"]
     assert "batch_size=128, num_negatives=300" in pairwise.data.tags["apao.error"]
+    assert "resident peak +" in pairwise.data.tags["apao.error"]
+    assert "; allocator glibc-cached) " in pairwise.data.tags["apao.error"]  # what the cap's count depends on
     parent = _parent(tracker)
     assert "--tracking-uri http://apao:***@127.0.0.1" in parent.data.tags["command_line"]
     for run in [parent, *runs.values()]:
@@ -241,7 +253,7 @@ def test_failing_trials_are_recorded_on_an_mlflow_server_and_the_study_goes_on(t
     retried = run_script([SWEEP, "--smoke", "--losses", "ce,apao_pointwise,apao_pairwise", "--num-samples", "1",
                           "--beta", "1e39", "--negatives", "300", "--memory-per-trial", "8", "--max-concurrent", "3",
                           "--cpus-per-trial", "0.5", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri,
-                          "--precision", "fp32", "--retry-failed"], cwd=tmp_path, timeout=900)
+                          "--precision", "fp32", "--retry-failed"], cwd=tmp_path, timeout=900, env=allocator)
     assert retried.returncode == 0, retried.stderr[-4000:]
     after = {c.data.tags["loss"]: c for c in _children(tracker).values()}
     assert len(after) == 3 and {k: r.info.run_id for k, r in after.items()} == {k: r.info.run_id for k, r in runs.items()}
