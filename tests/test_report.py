@@ -89,7 +89,7 @@ def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_
     assert f"| {reason} |" in table and "| converged |" in table
 
 
-def test_a_method_within_noise_of_the_popularity_baseline_is_not_converged():
+def test_a_method_within_noise_of_or_below_the_popularity_baseline_is_not_converged():
     import numpy as np
     import pandas as pd
 
@@ -108,6 +108,8 @@ def test_a_method_within_noise_of_the_popularity_baseline_is_not_converged():
     assert re.fullmatch(r"not converged: test ndcg_at_10 0\.0\d{3} within noise of popularity's 0\.0\d{3}",
                         popularity_check(method(0.011), popularity))
     assert popularity_check(method(0.05), popularity) == ""  # well above it
+    assert re.fullmatch(r"not converged: test ndcg_at_10 0\.00\d{2} below popularity's 0\.0\d{3}",
+                        popularity_check(method(0.002), popularity))  # well below it: not "within noise"
 
 
 def test_failed_trials_are_listed_by_their_method_and_knobs_not_by_the_rows_other_columns(capsys):

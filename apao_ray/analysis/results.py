@@ -67,16 +67,18 @@ def popularity_ndcg(dataset: Any, split: str = "test") -> np.ndarray:
 
 def popularity_check(method: "Method", popularity: np.ndarray, metric: str = "ndcg_at_10") -> str:
     """``not converged: ...`` when the method's per-user test ``metric`` (its seeds pooled) is above the popularity
-    baseline's by less than two standard errors of the difference, else ``""`` (also without per-user tables)."""
+    baseline's by less than two standard errors of the difference ("within noise of" it, or "below" it by more
+    than two), else ``""`` (also without per-user tables)."""
     tables = [trial.per_user() for trial in method.trials]
     values = np.concatenate([t[metric].to_numpy(float) for t in tables if t is not None and metric in t]) \
         if any(t is not None for t in tables) else np.array([])
     if values.size < 2 or popularity.size < 2:
         return ""
     error = math.sqrt(values.var(ddof=1) / values.size + popularity.var(ddof=1) / popularity.size)
-    if values.mean() - popularity.mean() < 2 * error:
-        return (f"not converged: test {metric} {values.mean():.4f} within noise of popularity's "
-                f"{popularity.mean():.4f}")
+    gap = values.mean() - popularity.mean()
+    if gap < 2 * error:
+        where = "below" if gap < -2 * error else "within noise of"
+        return f"not converged: test {metric} {values.mean():.4f} {where} popularity's {popularity.mean():.4f}"
     return ""
 
 
