@@ -15,6 +15,15 @@ model:
   APAO - CE test NDCG@10 per third of the users by their test target's training count (head, middle, tail),
   per seed and averaged over seeds.
 
+* where an export holds the kept models' per-user validation tables (trials since aceadec): APAO - CE
+  validation NDCG@10 in the same popularity bands (the test split's edges), each split's share of users per
+  band, and the validation difference re-weighted to the test split's band shares: if the validation lead
+  shrinks to the test difference once validation has test's mix of popular targets, the drift explains it;
+* where an export's trials logged test after every epoch (``sweep --test-every-epoch``, diagnosis only): the
+  per-epoch APAO - CE difference on validation and on test side by side, how often each is positive, and the
+  correlation of the two across epochs (does the test gap follow the validation gap, and from which epoch on
+  do they part?). A study still running can be exported and read: its curves so far.
+
     python benchmarks/evidence/val_test_drift.py --exports benchmarks/results/office-full-tiger-seed{0,1,2,4} \\
         --json benchmarks/results/val_test_drift_office.json
 """
@@ -33,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from apao_ray.analysis.export import load_export  # noqa: E402
-from apao_ray.analysis.results import finished_trials, group_methods, popularity_ndcg  # noqa: E402
+from apao_ray.analysis.results import finished_trials, group_methods, popularity_ndcg, unfinished_trials  # noqa: E402
+from apao_ray.names import DIAGNOSIS_PREFIX  # noqa: E402
 from apao_ray.data import load_dataset  # noqa: E402
 
 BANDS = ("head", "middle", "tail")
@@ -62,34 +72,93 @@ def split_popularity(dataset) -> dict:
     return out
 
 
-def by_band(dataset, exports: list[str], metric: str = "ndcg_at_10") -> dict:
-    """APAO - CE per-user test ``metric`` by third of users (test target's training count), per seed."""
+def _bands(dataset, split: str, edges: np.ndarray | None = None) -> tuple[dict[str, int], np.ndarray]:
+    """Per user of ``split`` (by external id): its band, 0 (tail) .. 2 (head), by its target's training count
+    against ``edges`` (default: the thirds of this split's users); and the edges."""
     counts = np.bincount(dataset.splits["train"].targets, minlength=dataset.catalog.num_items)
-    test = dataset.splits["test"]
-    target_count = counts[test.targets]                         # (users,) in test order = user index order
-    edges = np.quantile(target_count, [1 / 3, 2 / 3])
-    band = np.digitize(target_count, edges, right=True)         # 0: the lowest counts (tail), 2: head
-    methods = group_methods(finished_trials([load_export(e) for e in exports]))
-    ce = next(m for m in methods if m.loss == "ce")
-    apao = next(m for m in methods if m.loss == "apao_pointwise")
+    part = dataset.splits[split]
+    target_count = counts[part.targets]
+    edges = np.quantile(target_count, [1 / 3, 2 / 3]) if edges is None else edges
+    bands = np.digitize(target_count, edges, right=True)
+    return {dataset.user_ids[u]: int(b) for u, b in zip(part.users, bands)}, edges
+
+
+def _pairs(trials: list) -> list[tuple]:
+    """(seed, APAO-pointwise trial, CE trial) for every seed where both methods have a trial."""
+    methods = group_methods(trials)
+    ce = next((m for m in methods if m.loss == "ce"), None)
+    apao = next((m for m in methods if m.loss == "apao_pointwise"), None)
+    if ce is None or apao is None:
+        return []
+    return [(a.seed, a, c) for a in apao.trials for c in [next((t for t in ce.trials if t.seed == a.seed), None)]
+            if c is not None]
+
+
+def _band_differences(dataset, exports: list[str], split: str, edges: np.ndarray, metric: str) -> list[dict]:
+    """APAO - CE per-user ``metric`` on ``split`` per band (``edges``: training counts), per seed."""
+    band, _ = _bands(dataset, split, edges)
     rows = []
-    for a in apao.trials:
-        c = next((t for t in ce.trials if t.seed == a.seed), None)
-        if c is None or a.per_user() is None or c.per_user() is None:
+    for seed, a, c in _pairs(finished_trials([load_export(e) for e in exports])):
+        ta, tc = a.per_user(split), c.per_user(split)
+        if ta is None or tc is None:
             continue
-        ta, tc = a.per_user().set_index("user"), c.per_user().set_index("user")
+        ta, tc = ta.set_index("user"), tc.set_index("user")
         users = ta.index.intersection(tc.index)
         diff = ta.loc[users, metric].to_numpy(float) - tc.loc[users, metric].to_numpy(float)
-        user_band = band[users.to_numpy().astype(np.int64)]
-        row = {"seed": a.seed, "all": float(diff.mean())}
+        user_band = np.array([band[u] for u in users])
+        row = {"seed": seed, "all": float(diff.mean())}
         for index, name in zip((2, 1, 0), BANDS):               # highest counts = head
             part = diff[user_band == index]
             row[name] = float(part.mean())
             row[f"{name}_se"] = float(part.std(ddof=1) / math.sqrt(len(part)))
             row[f"{name}_users"] = int(len(part))
         rows.append(row)
+    return rows
+
+
+def by_band(dataset, exports: list[str], metric: str = "ndcg_at_10") -> dict:
+    """APAO - CE per-user test ``metric`` by third of users (test target's training count), per seed; where the
+    exports hold per-user validation tables, the same on validation in the test split's bands, and validation
+    re-weighted to test's band shares."""
+    band, edges = _bands(dataset, "test")
+    rows = _band_differences(dataset, exports, "test", edges, metric)
     mean = {name: float(np.mean([r[name] for r in rows])) for name in ("all", *BANDS)} if rows else {}
-    return {"metric": metric, "band_edges_train_count": edges.tolist(), "per_seed": rows, "mean_over_seeds": mean}
+    result = {"metric": metric, "band_edges_train_count": edges.tolist(), "per_seed": rows, "mean_over_seeds": mean}
+    valid_rows = _band_differences(dataset, exports, "valid", edges, metric)
+    if valid_rows:
+        valid_band, _ = _bands(dataset, "valid", edges)
+        shares = {split: {name: float(np.mean([b == index for b in bands.values()]))
+                          for index, name in zip((2, 1, 0), BANDS)}
+                  for split, bands in (("valid", valid_band), ("test", band))}
+        for row in valid_rows:
+            row["reweighted_to_test"] = float(sum(row[name] * shares["test"][name] for name in BANDS))
+        result["valid"] = {"band_shares": shares, "per_seed": valid_rows}
+    return result
+
+
+def per_epoch(exports: list[str], metric: str = "ndcg_at_10", tail: int = 20) -> list[dict]:
+    """Per seed whose trials logged test every epoch: APAO - CE on validation and on test at each common epoch,
+    the epochs each is positive, their correlation over all epochs and over the last ``tail``."""
+    trials = [t for e in exports for t in (lambda x: finished_trials([x], "all") + unfinished_trials([x]))(
+        load_export(e))]
+    out = []
+    for seed, a, c in _pairs(trials):
+        curves = {}
+        for split, key in (("valid", f"val/{metric}"), ("test", f"{DIAGNOSIS_PREFIX}test/{metric}")):
+            ha, hc = a.history(key), c.history(key)
+            curves[split] = (ha - hc).dropna()
+        epochs = curves["valid"].index.intersection(curves["test"].index)
+        if len(epochs) < 3:
+            continue
+        dv, dt = curves["valid"].loc[epochs].to_numpy(float), curves["test"].loc[epochs].to_numpy(float)
+        last = slice(-min(tail, len(epochs)), None)
+        out.append({"seed": seed, "epochs": [int(e) for e in epochs], "valid": dv.tolist(), "test": dt.tolist(),
+                    "valid_positive": int((dv > 0).sum()), "test_positive": int((dt > 0).sum()),
+                    "correlation": float(np.corrcoef(dv, dt)[0, 1]),
+                    f"correlation_last_{tail}": float(np.corrcoef(dv[last], dt[last])[0, 1]),
+                    f"mean_last_{tail}": {"valid": float(dv[last].mean()), "test": float(dt[last].mean())},
+                    "finished": a.record["status"] == "FINISHED" and c.record["status"] == "FINISHED"})
+    return out
 
 
 def main() -> int:
@@ -118,6 +187,26 @@ def main() -> int:
                 f"{row[name]:>+10.4f} ±{row[name + '_se']:.4f}" for name in BANDS))
         print(f"{'mean':<6}{bands['mean_over_seeds']['all']:>+9.4f}" + "".join(
             f"{bands['mean_over_seeds'][name]:>+18.4f}" for name in BANDS))
+        if "valid" in bands:
+            shares = bands["valid"]["band_shares"]
+            print("users per band, valid / test: " + ", ".join(
+                f"{name} {shares['valid'][name]:.1%} / {shares['test'][name]:.1%}" for name in BANDS))
+            print(f"APAO - CE validation {bands['metric']} in the same bands, and re-weighted to test's shares:")
+            print(f"{'seed':<6}{'all':>9}" + "".join(f"{name:>18}" for name in BANDS) + f"{'reweighted':>12}")
+            for row in bands["valid"]["per_seed"]:
+                print(f"{row['seed']:<6}{row['all']:>+9.4f}" + "".join(
+                    f"{row[name]:>+10.4f} ±{row[name + '_se']:.4f}" for name in BANDS)
+                    + f"{row['reweighted_to_test']:>+12.4f}")
+        result["per_epoch"] = curves = per_epoch(args.exports)
+        for curve in curves:
+            state = "finished" if curve["finished"] else "still running"
+            print(f"seed {curve['seed']} ({state}), APAO - CE per epoch, validation / test:")
+            for epoch, v, t in zip(curve["epochs"], curve["valid"], curve["test"]):
+                print(f"  {epoch:>4} {v:>+8.4f} {t:>+8.4f}")
+            n = len(curve["epochs"])
+            print(f"  positive at {curve['valid_positive']}/{n} epochs on validation, {curve['test_positive']}/{n} "
+                  f"on test; correlation {curve['correlation']:+.2f} over all, {curve['correlation_last_20']:+.2f} "
+                  f"over the last 20 (means {curve['mean_last_20']['valid']:+.4f} / {curve['mean_last_20']['test']:+.4f})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

@@ -1,0 +1,97 @@
+"""benchmarks/evidence/val_test_drift.py, the diagnosis of why validation and test disagree, on fabricated exports
+of the synthetic dataset: the validation difference re-weighted to test's popularity mix, and the per-epoch
+validation and test differences of a study that tested every epoch."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from apao_ray.data import load_dataset
+from apao_ray.training.evaluation import write_per_user
+from test_gpu_evidence import evidence_script
+
+
+@pytest.fixture(scope="module")
+def drift():
+    return evidence_script("val_test_drift")
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return load_dataset("synthetic")
+
+
+def _table(users: list[str], ndcg: np.ndarray) -> dict[str, np.ndarray]:
+    hit = (ndcg > 0).astype(float)
+    return {"user": np.array(users, dtype=object), "rank": np.where(hit > 0, 1, -1), "recall_at_10": hit,
+            "ndcg_at_10": ndcg, "recall_at_20": hit, "ndcg_at_20": ndcg}
+
+
+def _export(root, dataset, drift, head_gain: float, valid_gaps: list[float], test_gaps: list[float]):
+    """One seed of CE and APAO-pointwise: APAO's NDCG@10 is CE's plus ``head_gain`` for the users whose target
+    is in the head band (test's edges), on both splits; per epoch, validation and test differences as given."""
+    _, edges = drift._bands(dataset, "test")
+    directory = root / "study-s0"
+    for name in ("per_user", "per_user_valid"):
+        (directory / name).mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    trials, rows = [], []
+    tables = {}
+    for split in ("test", "valid"):
+        band, _ = drift._bands(dataset, split, edges)
+        users = [dataset.user_ids[u] for u in dataset.splits[split].users]
+        ce = (rng.random(len(users)) < 0.1) * 0.5
+        tables[split] = {"ce": ce, "apao_pointwise": ce + head_gain * np.array([band[u] == 2 for u in users])}
+        tables[f"{split}_users"] = users
+    for run_id, loss, gaps in (("c0", "ce", None), ("a0", "apao_pointwise", (valid_gaps, test_gaps))):
+        record = {"run_id": run_id, "name": f"tiger/{loss}", "status": "FINISHED",
+                  "tags": {"backbone": "tiger", "loss": loss}, "params": {"base.train.seed": "0", "loss": loss,
+                                                                         "backbone": "tiger",
+                                                                         "base.data.dataset": "synthetic"},
+                  "metrics": {"test/ndcg_at_10": float(tables["test"][loss].mean()), "best/val/ndcg_at_10": 0.1},
+                  "per_user": f"per_user/{run_id}.csv.gz", "per_user_valid": f"per_user_valid/{run_id}.csv.gz"}
+        write_per_user(directory / record["per_user"], _table(tables["test_users"], tables["test"][loss]))
+        write_per_user(directory / record["per_user_valid"], _table(tables["valid_users"], tables["valid"][loss]))
+        trials.append(record)
+        for epoch in range(1, len(valid_gaps) + 1):
+            base = 0.01 * epoch
+            rows.append((run_id, "val/ndcg_at_10", epoch, base + (gaps[0][epoch - 1] if gaps else 0.0)))
+            rows.append((run_id, "diagnosis/test/ndcg_at_10", epoch, base + (gaps[1][epoch - 1] if gaps else 0.0)))
+    (directory / "study.json").write_text(json.dumps({"format_version": 1, "study": "study-s0", "parents": [],
+                                                      "experiment": "apao-synthetic", "trials": trials}))
+    with gzip.open(directory / "epochs.csv.gz", "wt") as handle:
+        pd.DataFrame(rows, columns=["run_id", "key", "step", "value"]).to_csv(handle, index=False)
+    return directory
+
+
+def test_the_validation_lead_is_reweighted_to_tests_popularity_mix(tmp_path, dataset, drift):
+    """A lead that sits in the head band alone: per band it shows there only, on both splits, and re-weighted
+    it is the head lead times the test split's head share, which is what the test split shows overall."""
+    export = _export(tmp_path, dataset, drift, 0.2, [0.0] * 3, [0.0] * 3)
+    result = drift.by_band(dataset, [str(export)])
+    (test,), (valid,) = result["per_seed"], result["valid"]["per_seed"]
+    shares = result["valid"]["band_shares"]
+    for row in (test, valid):
+        assert row["head"] == pytest.approx(0.2) and row["middle"] == 0 and row["tail"] == 0
+    assert valid["reweighted_to_test"] == pytest.approx(0.2 * shares["test"]["head"])
+    assert valid["reweighted_to_test"] == pytest.approx(test["all"])
+    assert valid["all"] == pytest.approx(0.2 * shares["valid"]["head"])
+    assert sum(shares["valid"].values()) == pytest.approx(1) and 0.2 < shares["test"]["head"] < 0.5
+
+
+def test_per_epoch_differences_say_whether_test_follows_validation(tmp_path, dataset, drift):
+    """Test's difference following validation's, then parting from it: counted and correlated per epoch."""
+    valid = [0.001, 0.002, 0.003, 0.004, 0.003, 0.004]
+    follows = _export(tmp_path / "a", dataset, drift, 0.0, valid, [2 * v for v in valid])
+    (curve,) = drift.per_epoch([str(follows)])
+    assert curve["epochs"] == [1, 2, 3, 4, 5, 6] and curve["finished"]
+    assert curve["valid"] == pytest.approx(valid) and curve["test"] == pytest.approx([2 * v for v in valid])
+    assert curve["correlation"] == pytest.approx(1) and curve["valid_positive"] == curve["test_positive"] == 6
+    parts = _export(tmp_path / "b", dataset, drift, 0.0, valid, [0.001, 0.002, 0.003, -0.001, -0.002, -0.003])
+    (curve,) = drift.per_epoch([str(parts)])
+    assert curve["test_positive"] == 3 and curve["correlation"] < 0.5
+    assert curve["mean_last_20"]["test"] == pytest.approx(0.0)
