@@ -316,3 +316,36 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
     assert lone.methods[0].epoch_s == pytest.approx(ce_alone.epoch_s) and "(1 trial at once)" in lone.text()
     # the study runs that order: the plan's searcher allocates the slow method's trial first
     assert [a[1] for a in side_by_side.search.allocation()] == ["apao_pointwise", "ce"]
+
+
+def test_a_method_whose_knobs_are_all_fixed_runs_once_and_the_plan_says_where_each_methods_knobs_come_from():
+    """Fixed ranges leave a method nothing to search: one trial (not --num-samples copies of one setting),
+    counted once in the estimate; every tuned method's line names its knobs' source and values."""
+    from apao_ray.study.spec.space import SearchSpec
+
+    fixed = SearchSpec(("tiger",), ("ce", "apao_pointwise", "apao_pairwise"), trials_per_tuned=3,
+                       knob_ranges={"beta": (0.3, 0.3), "eta": (1e-4, 1e-4)}, dataset="grocery")
+    # pairwise still searches its negatives and takes its turns; pointwise has nothing left to search
+    assert [a[1] for a in fixed.allocation()] == ["ce", "apao_pointwise", "apao_pairwise", "apao_pairwise",
+                                                  "apao_pairwise"]
+    pointwise, pairwise = replace(POINTWISE, fixed=True), replace(POINTWISE, loss="apao_pairwise")
+    assert study_seconds([CE, pointwise], 20, 3, 1) == RAY_START_S + 2 * (30 + 20 * 60)
+    fit = fit_budget([CE, pointwise, pairwise], 20, 3, 5, 1, 10**9)
+    plan = Plan("grocery", "paper", "fp32", 1, [CE, pointwise, pairwise], 20, 3, fit, search=fixed)
+    lines = plan.text().splitlines()
+    assert plan.num_trials == 5 and lines[0].startswith("plan: 5 trials on grocery")
+    assert lines[2].startswith("  tiger/apao_pointwise   1 trial ")
+    assert lines[2].endswith("(knobs fixed: beta 0.3, eta 0.0001; one trial, --seeds repeats it)")
+    negatives = fixed.paper_knobs("tiger", "apao_pairwise")["num_negatives"]
+    assert lines[3].endswith(f"(first trial the paper's Grocery setting, beta 0.3, eta 0.0001, num_negatives "
+                             f"{negatives:g}; then Optuna TPE + ASHA)")
+    # one trial of a searched method is its paper setting alone (Grocery's Table 5 for TIGER: 0.1, 5e-5)
+    one = SearchSpec(("tiger",), ("ce", "apao_pointwise"), trials_per_tuned=1, dataset="grocery")
+    alone = Plan("grocery", "paper", "fp32", 1, [CE, POINTWISE], 20, 1, fit_budget([CE, POINTWISE], 20, 1, 5, 1, 10**9),
+                 search=one)
+    assert alone.text().splitlines()[2].endswith("(the paper's Grocery setting, beta 0.1, eta 5e-05: 1 trial, no search)")
+    assert alone.to_dict()["methods"][1]["reason"] == "the paper's Grocery setting, beta 0.1, eta 5e-05: 1 trial, no search"
+    unpaired = replace(alone, paper_setting_first=False, search=replace(one, dataset="mydata"))
+    assert unpaired.text().splitlines()[2].endswith("(Optuna TPE + ASHA, no paper setting enqueued)")
+    assert replace(alone, dataset="mydata", search=replace(one, dataset="mydata")).text().splitlines()[2].endswith(
+        "(the paper's Office setting (none for mydata), beta 0.3, eta 0.0001: 1 trial, no search)")

@@ -29,6 +29,15 @@ class MethodCost:
     train_samples: int = 0
     train_epoch_s: float = 0.0
     energy_kwh_per_cpu_s: float | None = None  # measured by earlier trials of this method here (plan.record_observed)
+    fixed: bool = False  # a tuned loss whose every knob the study fixes (a range of one value): nothing to search
+
+    @property
+    def searched(self) -> bool:
+        """Whether the method's knobs are searched (it takes the trials per tuned method; else one trial)."""
+        return not (self.is_baseline or self.fixed)
+
+    def trials(self, trials_per_tuned: int) -> int:
+        return trials_per_tuned if self.searched else 1
 
     def trial_s(self, epochs: int) -> float:
         return self.fixed_s + epochs * self.epoch_s
@@ -52,7 +61,7 @@ def makespan(durations: list[float], slots: int) -> float:
 
 
 def trial_durations(methods: list[MethodCost], epochs: int, trials_per_tuned: int) -> list[float]:
-    return [m.trial_s(epochs) for m in methods for _ in range(1 if m.is_baseline else trials_per_tuned)]
+    return [m.trial_s(epochs) for m in methods for _ in range(m.trials(trials_per_tuned))]
 
 
 def study_seconds(methods: list[MethodCost], epochs: int, trials_per_tuned: int, slots: int,
@@ -201,7 +210,7 @@ def _fill(methods: list[MethodCost], epochs: int, trials: int, asked_trials: int
           num_repeats: int) -> tuple[int, int]:
     """(trials per tuned method, seeds added) once the time a slot would sit idle is used: more Optuna trials
     up to the asked number answer the asked search, then seeds the comparison's spread, then more search."""
-    has_tuned, added = any(not m.is_baseline for m in methods), 0
+    has_tuned, added = any(m.searched for m in methods), 0
     while True:
         options = []
         if has_tuned and trials < asked_trials:

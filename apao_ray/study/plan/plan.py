@@ -62,6 +62,7 @@ class Plan:
     search_seed: int = 0  # the seed the search runs on (seeds the fill adds follow the asked ones)
     effective_batch_size: int = 1024  # the asked optimizer batch (fit.effective_batch_size: the budget protocol's)
     cohort_size: int = 1  # the repeats train as fused cohorts of up to this many trials (--cohort-size; 1: alone)
+    paper_setting_first: bool = True  # a tuned method's first trial is its paper setting (--enqueue-paper-setting)
     # the trials' schedule as the study runs it: every trial's config (the fitted epochs, training subset,
     # optimizer batch and CE stage) and the search (trials per tuned method, start order, deferred methods)
     base: TrialConfig | None = None
@@ -106,7 +107,14 @@ class Plan:
             len(self.fitted_methods) * len(self.run_repeat_seeds)
 
     def _search_trials(self, method: MethodCost) -> int:
-        return 1 if method.is_baseline else self.fit.trials_per_tuned
+        return method.trials(self.fit.trials_per_tuned)
+
+    def knob_source(self, method: MethodCost) -> str:
+        """Where a tuned method's trials take their knobs from (``SearchSpec.knob_source``)."""
+        if self.search is None:  # a plan not scheduled yet
+            return "Optuna TPE + ASHA"
+        return self.search.knob_source(method.backbone, method.loss, self._search_trials(method),
+                                       self.paper_setting_first)
 
     def cost_estimates(self) -> dict[tuple[str, str], dict[str, float]]:
         """Per (backbone, loss) that runs, the figures each trial records (``training/cost.py``), summed over the
@@ -170,7 +178,7 @@ class Plan:
                             "train_samples": m.train_samples or None, "epoch_s": m.epoch_s,
                             "estimate_s": estimates[(m.backbone, m.loss)]["cost/wall_seconds"],
                             "peak_bytes": m.peak_bytes,
-                            "reason": "baseline, runs once" if m.is_baseline else "Optuna TPE + ASHA"})
+                            "reason": "baseline, runs once" if m.is_baseline else self.knob_source(m)})
         by_key = {(m.backbone, m.loss): m for m in self.methods}
         for d in fit.deferred:
             methods.append({"backbone": d.backbone, "loss": d.loss, "status": "deferred", "trials": 0,
@@ -226,7 +234,7 @@ class Plan:
         estimates = self.cost_estimates()
         for m in self.fitted_methods:
             count = self._search_trials(m)
-            kind = "baseline, runs to the end" if m.is_baseline else "Optuna TPE + ASHA"
+            kind = "baseline, runs to the end" if m.is_baseline else self.knob_source(m)
             cost = estimates[(m.backbone, m.loss)]
             lines.append(f"  {m.backbone}/{m.loss:<16} {count} trial{'s' if count > 1 else ' '}  {fit.epochs} epoch{'s' if fit.epochs > 1 else ' '}  "
                          f"epoch ~{format_duration(m.epoch_s)}  trial ~{format_duration(m.trial_s(fit.epochs))}  "
@@ -323,7 +331,8 @@ def make_plan(spec: StudySpec, setup: StudySetup, slots: int, use_cache: bool = 
         slowdown = 1.0 if measured.observed_trials else side_by_side
         train_s, eval_s_per_user = train_samples * measured.train_s_per_sample * slowdown, measured.eval_s_per_user * slowdown
         methods.append(MethodCost(
-            backbone, loss, is_baseline(loss), epoch_s=train_s + valid_users * eval_s_per_user,
+            backbone, loss, is_baseline(loss), fixed=not (is_baseline(loss) or search.searches(loss)),
+            epoch_s=train_s + valid_users * eval_s_per_user,
             fixed_s=TRIAL_START_S + len(splits["test"]) * eval_s_per_user, peak_bytes=measured.peak_bytes,
             train_samples=train_samples, train_epoch_s=train_s, energy_kwh_per_cpu_s=measured.energy_kwh_per_cpu_s))
     fit = fit_budget(methods, base.train.epochs, search.trials_per_tuned, spec.asha_grace_period, slots,
@@ -354,6 +363,7 @@ def make_plan(spec: StudySpec, setup: StudySetup, slots: int, use_cache: bool = 
                 workers=spec.workers_per_trial, machine_bytes=0 if spec.address else machine_memory_bytes(),
                 start_order=start_order, search_seed=spec.search_seed,
                 effective_batch_size=base.train.effective_batch_size, cohort_size=spec.cohort_size,
+                paper_setting_first=spec.enqueue_paper_setting,
                 side_by_side=side_by_side if observed < len(methods) else 1.0)
     plan = plan.scheduled(base, search, spec.losses, spec.pretrain_ce_epochs)
     if plan.run_repeat_seeds and plan.cohorts_apart() is None and not spec.gpus_per_trial:

@@ -54,12 +54,13 @@ class SearchSpec:
 
     def allocation(self) -> list[tuple[str, str, bool]]:
         """(backbone, loss, is_paper_point) for every trial number, in order: one trial of every method
-        (a tuned method's first is its paper point), then the tuned methods take turns."""
+        (a tuned method's first is its paper point), then the methods whose knobs are searched take turns (a
+        method whose every knob is fixed runs once, as a baseline does)."""
         methods = [(b, l) for b in self.backbones for l in self.losses if (b, l) not in self.deferred]
         order = {method: i for i, method in enumerate(self.first)}
         methods.sort(key=lambda m: (order.get(m, len(order)), bool(knobs_of(m[1]))))  # stable: as given otherwise
-        tuned = [(b, l) for b, l in methods if knobs_of(l)]
-        rest = [(b, l, False) for _ in range(self.trials_per_tuned - 1) for b, l in tuned]
+        searched = [(b, l) for b, l in methods if self.searches(l)]  # fixed knobs: one trial, as a baseline
+        rest = [(b, l, False) for _ in range(self.trials_per_tuned - 1) for b, l in searched]
         return [(b, l, bool(knobs_of(l))) for b, l in methods] + rest
 
     def searches(self, loss: str) -> bool:
@@ -95,9 +96,31 @@ class SearchSpec:
                   if point or not knobs_of(loss)]
         return points[:max(needed, default=0)]
 
-    def _paper_point(self, backbone: str, loss: str) -> dict[str, Any]:
+    def paper_knobs(self, backbone: str, loss: str) -> dict[str, float]:
+        """A tuned method's paper setting for the study's dataset (Table 5; Office's where the paper has none),
+        by knob name, clipped to the ranges searched: what its enqueued first trial runs."""
         setting = loss_class(loss).paper_point(backbone, self.dataset)
-        return {param_name(backbone, loss, k.name): k.clip(setting[k.name], *self.range_of(k)) for k in knobs_of(loss)}
+        return {k.name: k.clip(setting[k.name], *self.range_of(k)) for k in knobs_of(loss)}
+
+    def knob_source(self, backbone: str, loss: str, trials: int, paper_first: bool = True) -> str:
+        """Where a tuned method's ``trials`` take their knobs from, with the values known before the study: fixed
+        ranges, the paper's setting (the enqueued first trial, ``paper_first``) and from the second trial on
+        Optuna TPE (ASHA stopping weak trials)."""
+        from ...data.files import DATASETS  # lazy: this module stays free of the data layer at import
+
+        values = ", ".join(f"{name} {value:g}" for name, value in self.paper_knobs(backbone, loss).items())
+        if not self.searches(loss):
+            return f"knobs fixed: {values}; one trial, --seeds repeats it"
+        if not paper_first:
+            return "Optuna TPE + ASHA, no paper setting enqueued"
+        source = (f"the paper's {DATASETS[self.dataset.lower()]} setting" if self.dataset.lower() in DATASETS
+                  else f"the paper's Office setting (none for {self.dataset})")
+        if trials == 1:
+            return f"{source}, {values}: 1 trial, no search"
+        return f"first trial {source}, {values}; then Optuna TPE + ASHA"
+
+    def _paper_point(self, backbone: str, loss: str) -> dict[str, Any]:
+        return {param_name(backbone, loss, name): value for name, value in self.paper_knobs(backbone, loss).items()}
 
     def define_by_run(self) -> "DefineByRun":
         return DefineByRun(self)

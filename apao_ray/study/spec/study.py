@@ -88,7 +88,9 @@ class StudySpec:
     losses: tuple[str, ...] = option(DEFAULT_LOSSES, "comma list from apao_ray.losses.LOSSES (default "
                                      "ce,apao_pointwise,apao_pairwise); losses with nothing to tune are baselines and "
                                      "run once per backbone", kind="names")
-    num_samples: int = option(3, "Optuna trials per tuned (backbone, loss) (default %(default)s)", low=1, integer=True)
+    num_samples: int = option(3, "Optuna trials per tuned (backbone, loss) (default %(default)s); one whose knobs "
+                              "are all fixed (e.g. --beta 0.3 --eta 1e-4) runs once: --seeds repeats it",
+                              low=1, integer=True)
     beta: tuple[float, float] | None = option(None, "LOW:HIGH, the same as --knob beta=LOW:HIGH (default: the "
                                               "knob's range, 0.05:0.4, the paper grid)", kind="range")
     eta: tuple[float, float] | None = option(None, "LOW:HIGH, log scale, the same as --knob eta=LOW:HIGH (default: "
