@@ -92,6 +92,16 @@ def test_best_prints_a_row_for_a_method_whose_trials_were_all_pruned_or_failed(t
     assert set(rows) == {"ce", "apao_pointwise", "apao_pairwise"}
     assert rows["ce"].endswith(",finished") and rows["apao_pointwise"].endswith(",all 2 trials pruned")
     assert "failed: TrialOutOfMemoryError: out of memory while training in epoch 1" in rows["apao_pairwise"]
+    # without --dataset: the store's only study experiment; with two, the error names them
+    assert best_main(["--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--no-register", "--format", "csv"]) == 0
+    assert capsys.readouterr().out == out
+    import mlflow
+
+    mlflow.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db").create_experiment("apao-other")
+    with pytest.raises(SystemExit):
+        best_main(["--tracking-uri", f"sqlite:///{tmp_path}/mlflow.db", "--no-register"])
+    error = capsys.readouterr().err
+    assert "--dataset is needed: " in error and "holds 2 study experiments ['apao-other', 'apao-tiny']" in error
 
 
 def test_every_study_field_is_one_table_entry_that_builds_its_flags_and_checks():

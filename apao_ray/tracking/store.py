@@ -81,9 +81,12 @@ def default_artifact_location(tracking_uri: str, experiment: str) -> str | None:
     return None
 
 
+EXPERIMENT_PREFIX = "apao-"  # a study's MLflow experiment is this and its dataset's label
+
+
 def experiment_name(dataset: str) -> str:
     """``apao-<dataset>``; a dataset directory path gives its folder name (``data.dataset_label``)."""
-    return f"apao-{dataset_label(dataset)}"
+    return f"{EXPERIMENT_PREFIX}{dataset_label(dataset)}"
 
 
 def flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -211,7 +211,8 @@ def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
                                      "dataset's studies, chosen by validation, read from MLflow alone (no Ray); with "
                                      "--seeds studies, mean and std over its seeds and the paired significance against "
                                      "the baseline.")
-    parser.add_argument("--dataset", required=True, help="dataset whose experiment (apao-<dataset>) to read")
+    parser.add_argument("--dataset", help="dataset whose experiment (apao-<dataset>) to read (default: the store's "
+                        "only one; required where it holds several)")
     parser.add_argument("--study-name", help="only this study (default: every study of the dataset)")
     parser.add_argument("--metric", default="best/val/ndcg_at_10", help="validation metric that picks the best trial (default %(default)s)")
     parser.add_argument("--baseline", default="ce", help="loss every method is compared with, per user on the test "
@@ -235,11 +236,17 @@ def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> i
         check_tracking_uri(uri)
         if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///"):]).exists():
             raise ValueError(f"no MLflow database at {uri}; run a study first or pass --tracking-uri")
+        from ...tracking import experiment_names
+        from ...tracking.store import EXPERIMENT_PREFIX
+
+        if args.dataset is None:  # the store's only study experiment
+            studies = [name for name in experiment_names(uri) if name.startswith(EXPERIMENT_PREFIX)]
+            if len(studies) != 1:
+                raise ValueError(f"--dataset is needed: {uri} holds {len(studies)} study experiments {studies}")
+            args.dataset = studies[0][len(EXPERIMENT_PREFIX):]
         experiment = experiment_name(args.dataset.lower())
         tracker = Tracker.existing(uri, experiment)  # never creates the experiment it reads
         if tracker is None:
-            from ...tracking import experiment_names
-
             raise ValueError(f"--dataset {args.dataset}: no experiment {experiment!r} in {uri}; experiments there: "
                              f"{experiment_names(uri)}")
     except (ValueError, ConnectionError) as error:
