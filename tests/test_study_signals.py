@@ -84,6 +84,26 @@ def test_a_niced_run_gives_its_own_session_its_niceness_and_never_raises_a_group
         assert result.stdout.strip() == expected, (nice, preset, result.stdout, result.stderr)
 
 
+def test_a_study_raises_tunes_slow_step_warning_threshold_unless_the_user_set_one():
+    """Tune warns of any controller step over 0.5 s (every step, where all CPUs train) and reads its variable when
+    ray.tune is imported, which in a study comes before Ray starts: the threshold is raised where Tune keeps it; a
+    user's TUNE_WARN_THRESHOLD_S wins."""
+    import os
+    import subprocess
+
+    from conftest import ROOT
+
+    code = ("import os, ray.tune; from ray.tune.utils.util import warn_if_slow as w; "
+            "from apao_ray.study.cluster.ray_cluster import quiet_slow_step_warnings as q; "
+            "print(w.DEFAULT_THRESHOLD, q(), w('step').threshold, os.environ['TUNE_WARN_THRESHOLD_S'])")
+    env = {k: v for k, v in os.environ.items() if k != "TUNE_WARN_THRESHOLD_S"}
+    for user, expected in ((None, "0.5 5.0 5.0 5.0"), ("0.25", "0.25 0.25 0.25 0.25")):
+        result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                                env={**env, **({"TUNE_WARN_THRESHOLD_S": user} if user else {})})
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == expected, (user, result.stdout)
+
+
 def test_limit_threads_caps_both_torch_pools_and_the_thread_env_of_a_fresh_worker():
     """In a fresh process, as a Ray Train worker starts: torch's intra-op and inter-op pools and the
     OpenMP/MKL/OpenBLAS variables all take the reserved CPU count (torch defaults to every core)."""
