@@ -61,8 +61,9 @@ def study_description(study: str, rows: list[dict[str, Any]]) -> str:
     whether the test columns compare with paper Table 1."""
     from ...analysis.stats import INTERVALS_NOTE
 
-    tail = f"\n\n{paper_comparability(rows)}\n\n{INTERVALS_NOTE}"
-    table = format_rows(rows, "markdown")
+    note = paper_comparability(rows)
+    tail = f"\n\n{note}\n\n{INTERVALS_NOTE}"
+    table = format_rows(rows, "markdown").removesuffix(f"\n\n{note}")  # it ends with the note: said once, in the tail
     text = f"**{study}**: best trial per (backbone, loss) by validation\n\n{table}{tail}"
     if len(text) > DESCRIPTION_LIMIT:
         cut = f"\n\n(table cut: `python -m apao_ray best --study-name {study}` prints it whole)"
