@@ -61,6 +61,14 @@ def test_an_unknown_model_fails_naming_its_uri(registered):
                        registered["tracking_uri"]], cwd=registered["dir"], timeout=120)
     assert done.returncode == 2, done.stderr
     assert "models:/no-such-model@best" in done.stderr and MODEL_NAME in done.stderr, done.stderr
+    # from code alike: the URI, what the store holds and how a best model gets registered, not MLflow's traceback
+    from apao_ray import load_recommender
+
+    with pytest.raises(ValueError, match=r"model 'models:/no-such-model@best' not found in sqlite:///.*Registered "
+                                         rf"models: \['{MODEL_NAME}'\].*`python -m apao_ray best` registers"):
+        load_recommender("models:/no-such-model@best", tracking_uri=registered["tracking_uri"])
+    with pytest.raises(ValueError, match="model 'no-such-dir': no such directory"):
+        load_recommender("no-such-dir", tracking_uri=registered["tracking_uri"])
 
 
 def test_a_body_over_the_limit_is_a_413_naming_it_and_nothing_is_echoed(server):

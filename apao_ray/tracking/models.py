@@ -65,8 +65,11 @@ def require_model(model_uri: str, tracking_uri: str) -> None:
         except (MlflowException, OSError) as error:
             names = [m.name for m in MlflowClient(tracking_uri).search_registered_models()] if is_tracked else []
             reason = str(getattr(error, "message", error)).splitlines()[0]
+            hint = ("; `python -m apao_ray best` registers each method's best trial as "
+                    "models:/apao-<dataset>-<backbone>-<loss>@best" if model_uri.startswith("models:/") else "")
             raise ValueError(f"model {model_uri!r} not found in {redact(tracking_uri)}: {reason}. Registered models: "
-                             f"{sorted(names)} (models:/<name>@best, runs:/<run id>/model or a model directory)") from None
+                             f"{sorted(names)} (models:/<name>@best, runs:/<run id>/model or a model directory){hint}") \
+                from None
 
 
 def download_model(model_uri: str, tracking_uri: str) -> str:
