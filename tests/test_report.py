@@ -128,3 +128,13 @@ def test_failed_trials_are_listed_by_their_method_and_knobs_not_by_the_rows_othe
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["failed trials (1):", "  tiger/apao_pointwise b=0.2 eta=3e-05: failed: out of memory (memory cap "
                                           "1.00 GiB)"]
+
+
+def test_a_command_given_no_study_reads_the_stores_only_one_and_names_them_where_there_are_several(tmp_path):
+    from apao_ray.analysis.export import sole_study
+
+    tracker, _ = _study(tmp_path)
+    assert sole_study(tracker.tracking_uri) == "s"
+    tracker.start_run("study t", {"apao.study": "t", "apao.role": "study"}, {})
+    with pytest.raises(ValueError, match=r"--study NAME is needed: sqlite:///.* holds 2 studies \['s', 't'\]"):
+        sole_study(tracker.tracking_uri)

@@ -63,6 +63,17 @@ def snapshot(tracking_uri: str) -> Iterator[str]:
         yield f"sqlite:///{copy}"
 
 
+def sole_study(tracking_uri: str | None) -> str:
+    """The store's one study, for a command given no --study; where it holds none or several, an error naming them."""
+    from ..tracking import redact, studies_in  # lazy: mlflow, as in snapshot
+
+    with snapshot(tracking_uri) as uri:
+        names = studies_in(uri)
+    if len(names) != 1:
+        raise ValueError(f"--study NAME is needed: {redact(tracking_uri or uri)} holds {len(names)} studies {names}")
+    return names[0]
+
+
 def _tags(tags: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in sorted(tags.items()) if not k.startswith(_SKIPPED_TAGS)}
 

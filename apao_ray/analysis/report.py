@@ -18,7 +18,7 @@ from typing import Any
 from ..cli.types import positive_int
 from ..names import PLAN_TAG, PLUGINS_ENV
 from ..paths import add_tracking_uri_argument
-from .export import STUDY_FILE, StudyExport, export_study, load_export
+from .export import STUDY_FILE, StudyExport, export_study, load_export, sole_study
 from .grid import build_grid, load_queue, queue_path_default
 from .heuristics import baseline_sections, recorded_datasets
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
@@ -291,8 +291,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.exports:
         exports = find_exports(args.exports, args.study)
     else:
-        if not args.study:
-            raise ValueError("--study NAME is required when reading MLflow (--tracking-uri)")
+        args.study = args.study or [sole_study(args.tracking_uri)]  # the store's only one, else an error naming them
         exports = []
         for study in args.study:
             directory = Path(args.out) / "exports" / study
@@ -308,7 +307,8 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("report", help="markdown report with figures and significance from studies",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--study", action="extend", nargs="+", metavar="NAME",
-                        help="study names, one per seed (--study A B or --study A --study B)")
+                        help="study names, one per seed (--study A B or --study A --study B; default: the MLflow "
+                             "store's only study)")
     source = parser.add_mutually_exclusive_group()
     add_tracking_uri_argument(source, "MLflow store to read when --exports is absent")
     source.add_argument("--exports", action="extend", nargs="+", metavar="DIR",
