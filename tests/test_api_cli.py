@@ -24,6 +24,15 @@ def test_smoke_settings_yield_to_options_written_in_any_form():
     cli_sweep.apply_quick(args, given)
     assert (args.epochs, args.patience) == (7, 3)
     assert args.asha_grace_period == 8  # not written: --smoke's grace past the last epoch
+    # a --knob range of the negatives is the one searched, not --smoke's (which would give it twice)
+    knobbed = ["--smoke", "--losses", "ce,apao_pairwise", "--knob", "num_negatives=5:50"]
+    args = parser.parse_args(knobbed)
+    cli_sweep.apply_quick(args, cli_sweep.given_flags(parser, knobbed))
+    assert args.negatives is None and cli_sweep.spec_from_args(args).search.range_named("num_negatives") == (5, 50)
+    from apao_ray.study.spec.study import StudySpec
+
+    quick = StudySpec.quick(losses=("ce", "apao_pairwise"), knob_ranges={"num_negatives": (5, 50)})
+    assert quick.search.range_named("num_negatives") == (5, 50)
     plain = parser.parse_args(["--smoke"])
     cli_sweep.apply_quick(plain, cli_sweep.given_flags(parser, ["--smoke"]))
     assert plain.epochs == cli_sweep.QUICK_SETTINGS["epochs"] and plain.patience == plain.epochs

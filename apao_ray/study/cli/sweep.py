@@ -100,7 +100,7 @@ def apply_quick(args: argparse.Namespace, given: set[str]) -> None:
             args.patience = args.epochs
         if "asha_grace_period" not in given:
             args.asha_grace_period = args.epochs + 1
-        if "negatives" not in given:
+        if "negatives" not in given and "num_negatives" not in dict(args.knob_ranges or []):  # --knob's range wins
             args.negatives = quick_negatives(args.losses)
     if args.smoke:
         args.dataset = "synthetic"

@@ -183,7 +183,8 @@ class StudySpec:
     def quick(cls, **changes: Any) -> "StudySpec":
         """A plumbing check (tiny model, data subset, 2 epochs, no ASHA stopping); ``changes`` win."""
         values: dict[str, Any] = {**QUICK_SETTINGS, "num_samples": 2, **changes}
-        values.setdefault("negatives", quick_negatives(tuple(values["losses"])))
+        if "num_negatives" not in values.get("knob_ranges", {}):  # a --knob range of them is the one to search
+            values.setdefault("negatives", quick_negatives(tuple(values["losses"])))
         values.setdefault("patience", values["epochs"])
         values.setdefault("asha_grace_period", values["epochs"] + 1)  # 2 epochs leave ASHA nothing to compare
         return cls(**values)
