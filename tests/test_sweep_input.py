@@ -27,6 +27,7 @@ import pytest
     (["--address", "headnode"], "Ray address 'headnode' must be HOST:PORT"),
     (["--resume"], "--resume: no study 'synthetic-study' to resume"),
     (["--resume", "--overwrite"], "--resume and --overwrite contradict each other"),
+    (["--smoke", "--dataset", "office"], "--smoke runs on the built-in synthetic dataset, not --dataset office"),
     (["--memory-per-trial", "0"], "'0' must be a number > 0"),
     (["--cpus-per-trial", "-1"], "'-1' must be a number > 0"),
     (["--gpus-per-trial", "-1"], "argument --gpus-per-trial: '-1' must be a number >= 0"),  # was a C++ stack trace

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
                      "alone (the search runs on its first seed) or --seed alone")
     if args.json and not args.dry_run:
         parser.error("--json prints the plan: give it with --dry-run")
+    if args.smoke and "dataset" in given and args.dataset.lower() != "synthetic":
+        parser.error(f"--smoke runs on the built-in synthetic dataset, not --dataset {args.dataset}; a small study of "
+                     f"it: --quick --dataset {args.dataset}")
     apply_quick(args, given)
     from ..api import plan_study, prepare, run_study
     from ..record.report import format_rows
