@@ -31,7 +31,8 @@ def _table(users: list[str], ndcg: np.ndarray) -> dict[str, np.ndarray]:
             "ndcg_at_10": ndcg, "recall_at_20": hit, "ndcg_at_20": ndcg}
 
 
-def _export(root, dataset, drift, head_gain: float, valid_gaps: list[float], test_gaps: list[float]):
+def _export(root, dataset, drift, head_gain: float, valid_gaps: list[float], test_gaps: list[float],
+            running: bool = False):
     """One seed of CE and APAO-pointwise: APAO's NDCG@10 is CE's plus ``head_gain`` for the users whose target
     is in the head band (test's edges), on both splits; per epoch, validation and test differences as given."""
     _, edges = drift._bands(dataset, "test")
@@ -48,14 +49,19 @@ def _export(root, dataset, drift, head_gain: float, valid_gaps: list[float], tes
         tables[split] = {"ce": ce, "apao_pointwise": ce + head_gain * np.array([band[u] == 2 for u in users])}
         tables[f"{split}_users"] = users
     for run_id, loss, gaps in (("c0", "ce", None), ("a0", "apao_pointwise", (valid_gaps, test_gaps))):
-        record = {"run_id": run_id, "name": f"tiger/{loss}", "status": "FINISHED",
+        record = {"run_id": run_id, "name": f"tiger/{loss}", "status": "RUNNING" if running else "FINISHED",
                   "tags": {"backbone": "tiger", "loss": loss}, "params": {"base.train.seed": "0", "loss": loss,
                                                                          "backbone": "tiger",
                                                                          "base.data.dataset": "synthetic"},
-                  "metrics": {"test/ndcg_at_10": float(tables["test"][loss].mean()), "best/val/ndcg_at_10": 0.1},
+                  "metrics": {"test/ndcg_at_10": float(tables["test"][loss].mean()), "best/val/ndcg_at_10": 0.1,
+                              "val/ndcg_at_10": 0.1},
                   "per_user": f"per_user/{run_id}.csv.gz", "per_user_valid": f"per_user_valid/{run_id}.csv.gz"}
-        write_per_user(directory / record["per_user"], _table(tables["test_users"], tables["test"][loss]))
-        write_per_user(directory / record["per_user_valid"], _table(tables["valid_users"], tables["valid"][loss]))
+        if running:  # still training: no test metrics, no tables yet
+            record.update(per_user=None, per_user_valid=None)
+            del record["metrics"]["test/ndcg_at_10"]
+        else:
+            write_per_user(directory / record["per_user"], _table(tables["test_users"], tables["test"][loss]))
+            write_per_user(directory / record["per_user_valid"], _table(tables["valid_users"], tables["valid"][loss]))
         trials.append(record)
         for epoch in range(1, len(valid_gaps) + 1):
             base = 0.01 * epoch
@@ -95,3 +101,15 @@ def test_per_epoch_differences_say_whether_test_follows_validation(tmp_path, dat
     (curve,) = drift.per_epoch([str(parts)])
     assert curve["test_positive"] == 3 and curve["correlation"] < 0.5
     assert curve["mean_last_20"]["test"] == pytest.approx(0.0)
+
+
+def test_a_running_studys_export_prints_its_curves_so_far_and_no_band_table(tmp_path, dataset, drift, capsys,
+                                                                            monkeypatch):
+    """A study still training has per-epoch curves and no per-user tables: the script prints the curves."""
+    export = _export(tmp_path, dataset, drift, 0.0, [0.001, 0.002, -0.001], [0.002, 0.001, 0.001], running=True)
+    monkeypatch.setattr("sys.argv", ["val_test_drift.py", "--dataset", "synthetic", "--exports", str(export)])
+    assert drift.main() == 0
+    out = capsys.readouterr().out
+    assert "no seed with both methods' per-user test tables" in out
+    assert "seed 0 (still running), APAO - CE per epoch, validation / test:" in out
+    assert "positive at 2/3 epochs on validation, 3/3 on test" in out

@@ -179,14 +179,17 @@ def main() -> int:
           f"bits; test target = valid target for {result['splits']['share_test_target_equals_valid_target']:.1%} of users")
     if args.exports:
         result["apao_minus_ce_by_band"] = bands = by_band(dataset, args.exports)
-        print(f"APAO - CE test {bands['metric']} by the test target's training count "
-              f"(thirds of users, edges {bands['band_edges_train_count']}):")
-        print(f"{'seed':<6}{'all':>9}" + "".join(f"{name:>18}" for name in BANDS))
-        for row in bands["per_seed"]:
-            print(f"{row['seed']:<6}{row['all']:>+9.4f}" + "".join(
-                f"{row[name]:>+10.4f} ±{row[name + '_se']:.4f}" for name in BANDS))
-        print(f"{'mean':<6}{bands['mean_over_seeds']['all']:>+9.4f}" + "".join(
-            f"{bands['mean_over_seeds'][name]:>+18.4f}" for name in BANDS))
+        if not bands["per_seed"]:
+            print("no seed with both methods' per-user test tables (a study still running has none yet)")
+        else:
+            print(f"APAO - CE test {bands['metric']} by the test target's training count "
+                  f"(thirds of users, edges {bands['band_edges_train_count']}):")
+            print(f"{'seed':<6}{'all':>9}" + "".join(f"{name:>18}" for name in BANDS))
+            for row in bands["per_seed"]:
+                print(f"{row['seed']:<6}{row['all']:>+9.4f}" + "".join(
+                    f"{row[name]:>+10.4f} ±{row[name + '_se']:.4f}" for name in BANDS))
+            print(f"{'mean':<6}{bands['mean_over_seeds']['all']:>+9.4f}" + "".join(
+                f"{bands['mean_over_seeds'][name]:>+18.4f}" for name in BANDS))
         if "valid" in bands:
             shares = bands["valid"]["band_shares"]
             print("users per band, valid / test: " + ", ".join(
