@@ -31,12 +31,8 @@ def load_recommender(model_uri: str, device: str = "cpu", precision: str | None 
 
     if Path(model_uri).is_dir():
         return load_local(model_uri, device, precision)
-    import mlflow  # lazy, as below: only for a models:/ or runs:/ URI
+    from .tracking import load_checkpoint_dir_from_model  # lazy: mlflow, only for a models:/ or runs:/ URI
 
-    from .tracking import load_checkpoint_dir_from_model, require_model
-
-    tracking_uri = tracking_uri or mlflow.get_tracking_uri()  # MLflow's: $MLFLOW_TRACKING_URI, set_tracking_uri, ...
-    require_model(model_uri, tracking_uri)  # a missing model or store is named, with what is there, not a traceback
     return Recommender.from_checkpoint(load_checkpoint_dir_from_model(model_uri, tracking_uri), device, precision)
 
 

@@ -86,7 +86,11 @@ def scoring_app(model_directory: str) -> Any:
 
 
 def load_checkpoint_dir_from_model(model_uri: str, tracking_uri: str | None = None) -> str:
-    """Downloads a logged model (from ``tracking_uri``, default MLflow's) and returns its local checkpoint directory."""
+    """Downloads a logged model (from ``tracking_uri``, default MLflow's current one: its variable,
+    ``set_tracking_uri`` or default) and returns its local checkpoint directory; a model that is not there fails
+    naming the URI and the store's registered models (``require_model``), not with MLflow's traceback."""
+    tracking_uri = tracking_uri or mlflow.get_tracking_uri()
+    require_model(model_uri, tracking_uri)
     with tracking_at(tracking_uri):
         return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().checkpoint_dir
 
