@@ -65,12 +65,13 @@ def snapshot(tracking_uri: str) -> Iterator[str]:
 
 def sole_study(tracking_uri: str | None) -> str:
     """The store's one study, for a command given no --study; where it holds none or several, an error naming them."""
-    from ..tracking import redact, studies_in  # lazy: mlflow, as in snapshot
+    from ..tracking import redact, resolve_tracking_uri, studies_in  # lazy: mlflow, as in snapshot
 
-    with snapshot(tracking_uri) as uri:
+    with snapshot(tracking_uri) as uri:  # a copy of a SQLite store: its name is not the one to print
         names = studies_in(uri)
     if len(names) != 1:
-        raise ValueError(f"--study NAME is needed: {redact(tracking_uri or uri)} holds {len(names)} studies {names}")
+        raise ValueError(f"--study NAME is needed: {redact(resolve_tracking_uri(tracking_uri))} holds {len(names)} "
+                         f"studies {names}")
     return names[0]
 
 
