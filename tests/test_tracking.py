@@ -111,3 +111,20 @@ def test_a_model_left_half_logged_by_a_killed_driver_is_marked_failed_and_logged
     statuses = [tracker.client.get_logged_model(o.model_id).status
                 for o in tracker.client.get_run(run_id).outputs.model_outputs]
     assert sorted(map(str, statuses)) == ["FAILED", "FAILED", "READY"], statuses
+
+
+def test_a_kept_models_metrics_are_linked_again_idempotently(tmp_path):
+    """A driver killed between logging a model and linking the run's metrics to it left the model's page without
+    them (a resumed study keeps that model): linking again adds them there, and twice adds nothing to the run."""
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
+    run_id = tracker.start_run("tiger/ce", {})
+    tracker.log_metrics(run_id, {"test/ndcg_at_10": 0.25, "best/val/ndcg_at_10": 0.3, "train/loss": 1.5}, 1)
+    model = tracker.client.create_logged_model(tracker.experiment_id, source_run_id=run_id)
+    assert not tracker.client.get_logged_model(model.model_id).metrics  # as the kill left it
+    for _ in range(2):
+        tracker.link_model_metrics(run_id, f"models:/{model.model_id}", ("test/", "best/val/"))
+    linked = tracker.client.get_logged_model(model.model_id).metrics
+    assert sorted((m.key, m.value) for m in linked) == [("best/val/ndcg_at_10", 0.3), ("test/ndcg_at_10", 0.25)]
+    assert [m.value for m in tracker.client.get_metric_history(run_id, "test/ndcg_at_10")] == [0.25]

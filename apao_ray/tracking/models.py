@@ -122,13 +122,19 @@ class ModelLogging:
                     input_example=(pd.DataFrame({"history": [example_history]}), dict(SERVED_PARAMS)))
         finally:
             self.reopen(run_id)  # start_run's context closed the run; its owner ends it
-        # the same points again, now naming the model: the run keeps one copy (an identical point is not
-        # added twice), and the model's page shows them
-        linked = [Metric(m.key, m.value, m.timestamp, m.step, model_id=info.model_id)
+        self.link_model_metrics(run_id, info.model_uri, metric_prefixes)
+        return info.model_uri
+
+    def link_model_metrics(self, run_id: str, model_uri: str, metric_prefixes: tuple[str, ...]) -> None:
+        """The run's latest metrics whose names start with one of ``metric_prefixes`` again, now naming the model
+        (``models:/<model id>``): the run keeps one copy (an identical point is not added twice) and the model's
+        page shows them. Idempotent: a resumed study calls it again for a model a killed driver logged but had not
+        linked yet."""
+        model_id = model_uri.removeprefix("models:/")
+        linked = [Metric(m.key, m.value, m.timestamp, m.step, model_id=model_id)
                   for m in self.client.get_run(run_id).data._metric_objs if m.key.startswith(metric_prefixes)]
         if metric_prefixes and linked:
             self.client.log_batch(run_id, metrics=linked)
-        return info.model_uri
 
     def logged_model_uri(self, run_id: str) -> str | None:
         """The URI of the last model the run logged completely (``models:/<model id>``), if any.

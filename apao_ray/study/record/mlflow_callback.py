@@ -156,7 +156,9 @@ class MlflowStudyCallback(tune.Callback):
                 self.tracker.log_artifact(run_id, checkpoint / table)
         # a trial completed again after a resume (the driver was killed before Tune saved its end) keeps its model
         model_uri = self.tracker.logged_model_uri(run_id)
-        if model_uri is None:
+        if model_uri is not None:  # its metrics too: the kill may have come between logging and linking them
+            self.tracker.link_model_metrics(run_id, model_uri, MODEL_METRICS)
+        else:
             config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
             model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history,
                                                      child_params(config, trial_choices(trial.config)), MODEL_METRICS)
