@@ -94,11 +94,11 @@ def _pairs(trials: list) -> list[tuple]:
             if c is not None]
 
 
-def _band_differences(dataset, exports: list[str], split: str, edges: np.ndarray, metric: str) -> list[dict]:
+def _band_differences(dataset, trials: list, split: str, edges: np.ndarray, metric: str) -> list[dict]:
     """APAO - CE per-user ``metric`` on ``split`` per band (``edges``: training counts), per seed."""
     band, _ = _bands(dataset, split, edges)
     rows = []
-    for seed, a, c in _pairs(finished_trials([load_export(e) for e in exports])):
+    for seed, a, c in _pairs(trials):
         ta, tc = a.per_user(split), c.per_user(split)
         if ta is None or tc is None:
             continue
@@ -121,10 +121,11 @@ def by_band(dataset, exports: list[str], metric: str = "ndcg_at_10") -> dict:
     exports hold per-user validation tables, the same on validation in the test split's bands, and validation
     re-weighted to test's band shares."""
     band, edges = _bands(dataset, "test")
-    rows = _band_differences(dataset, exports, "test", edges, metric)
+    trials = finished_trials([load_export(e) for e in exports])  # read once for both splits
+    rows = _band_differences(dataset, trials, "test", edges, metric)
     mean = {name: float(np.mean([r[name] for r in rows])) for name in ("all", *BANDS)} if rows else {}
     result = {"metric": metric, "band_edges_train_count": edges.tolist(), "per_seed": rows, "mean_over_seeds": mean}
-    valid_rows = _band_differences(dataset, exports, "valid", edges, metric)
+    valid_rows = _band_differences(dataset, trials, "valid", edges, metric)
     if valid_rows:
         valid_band, _ = _bands(dataset, "valid", edges)
         shares = {split: {name: float(np.mean([b == index for b in bands.values()]))
@@ -139,8 +140,8 @@ def by_band(dataset, exports: list[str], metric: str = "ndcg_at_10") -> dict:
 def per_epoch(exports: list[str], metric: str = "ndcg_at_10", tail: int = 20) -> list[dict]:
     """Per seed whose trials logged test every epoch: APAO - CE on validation and on test at each common epoch,
     the epochs each is positive, their correlation over all epochs and over the last ``tail``."""
-    trials = [t for e in exports for t in (lambda x: finished_trials([x], "all") + unfinished_trials([x]))(
-        load_export(e))]
+    loaded = [load_export(e) for e in exports]
+    trials = finished_trials(loaded, "all") + unfinished_trials(loaded)
     out = []
     for seed, a, c in _pairs(trials):
         curves = {}
