@@ -32,11 +32,12 @@ def _table(users: list[str], ndcg: np.ndarray) -> dict[str, np.ndarray]:
 
 
 def _export(root, dataset, drift, head_gain: float, valid_gaps: list[float], test_gaps: list[float],
-            running: bool = False):
+            running: bool = False, seed: int = 0):
     """One seed of CE and APAO-pointwise: APAO's NDCG@10 is CE's plus ``head_gain`` for the users whose target
-    is in the head band (test's edges), on both splits; per epoch, validation and test differences as given."""
+    is in the head band (test's edges), on both splits; per epoch, validation and test differences as given,
+    both trials keeping the last epoch."""
     _, edges = drift._bands(dataset, "test")
-    directory = root / "study-s0"
+    directory = root / f"study-s{seed}"
     for name in ("per_user", "per_user_valid"):
         (directory / name).mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -50,11 +51,12 @@ def _export(root, dataset, drift, head_gain: float, valid_gaps: list[float], tes
         tables[f"{split}_users"] = users
     for run_id, loss, gaps in (("c0", "ce", None), ("a0", "apao_pointwise", (valid_gaps, test_gaps))):
         record = {"run_id": run_id, "name": f"tiger/{loss}", "status": "RUNNING" if running else "FINISHED",
-                  "tags": {"backbone": "tiger", "loss": loss}, "params": {"base.train.seed": "0", "loss": loss,
+                  "tags": {"backbone": "tiger", "loss": loss}, "params": {"base.train.seed": str(seed), "loss": loss,
                                                                          "backbone": "tiger",
                                                                          "base.data.dataset": "synthetic"},
-                  "metrics": {"test/ndcg_at_10": float(tables["test"][loss].mean()), "best/val/ndcg_at_10": 0.1,
-                              "val/ndcg_at_10": 0.1},
+                  "metrics": {"test/ndcg_at_10": float(tables["test"][loss].mean()),
+                              "best/val/ndcg_at_10": 0.01 * len(valid_gaps) + (valid_gaps[-1] if gaps else 0.0),
+                              "best/epoch": float(len(valid_gaps)), "val/ndcg_at_10": 0.1},
                   "per_user": f"per_user/{run_id}.csv.gz", "per_user_valid": f"per_user_valid/{run_id}.csv.gz"}
         if running:  # still training: no test metrics, no tables yet
             record.update(per_user=None, per_user_valid=None)
@@ -67,7 +69,7 @@ def _export(root, dataset, drift, head_gain: float, valid_gaps: list[float], tes
             base = 0.01 * epoch
             rows.append((run_id, "val/ndcg_at_10", epoch, base + (gaps[0][epoch - 1] if gaps else 0.0)))
             rows.append((run_id, "diagnosis/test/ndcg_at_10", epoch, base + (gaps[1][epoch - 1] if gaps else 0.0)))
-    (directory / "study.json").write_text(json.dumps({"format_version": 1, "study": "study-s0", "parents": [],
+    (directory / "study.json").write_text(json.dumps({"format_version": 1, "study": f"study-s{seed}", "parents": [],
                                                       "experiment": "apao-synthetic", "trials": trials}))
     with gzip.open(directory / "epochs.csv.gz", "wt") as handle:
         pd.DataFrame(rows, columns=["run_id", "key", "step", "value"]).to_csv(handle, index=False)
@@ -101,6 +103,29 @@ def test_per_epoch_differences_say_whether_test_follows_validation(tmp_path, dat
     (curve,) = drift.per_epoch([str(parts)])
     assert curve["test_positive"] == 3 and curve["correlation"] < 0.5
     assert curve["mean_last_20"]["test"] == pytest.approx(0.0)
+
+
+def test_seeds_that_disagree_on_test_cannot_tell_test_from_validation(tmp_path, dataset, drift):
+    """Validation ahead by 0.01 at every seed. Test ahead at one seed and behind at the other: the paired
+    validation - test interval over seeds holds zero. Test behind validation by the same amount at both: it
+    excludes zero."""
+    def exports(root, gains):
+        return [str(_export(root, dataset, drift, gain, [0.01] * 4, [0.0] * 4, seed=seed))
+                for seed, gain in enumerate(gains)]
+
+    level = drift.seed_level(exports(tmp_path / "a", [0.2, -0.2]), window=1)
+    head = drift._bands(dataset, "test")[0]
+    share = np.mean([b == 2 for b in head.values()])
+    assert [r["test"] for r in level["per_seed"]] == pytest.approx([0.2 * share, -0.2 * share])
+    assert [r["valid_kept"] for r in level["per_seed"]] == pytest.approx([0.01, 0.01])
+    assert [r["valid_around_epochs"] for r in level["per_seed"]] == [2, 2]    # epochs 3, 4 of kept 4 +/- 1
+    assert level["test"]["sd_over_seeds"] > 10 * level["valid_around"]["sd_over_seeds"]
+    low, high = level["valid_around_minus_test"]["ci95"]
+    assert low < 0 < high and level["valid_around_minus_test"]["p"] > 0.5
+    level = drift.seed_level(exports(tmp_path / "b", [0.002, 0.0021]), window=1)
+    low, high = level["valid_kept_minus_test"]["ci95"]
+    assert 0 < low < 0.01 - 0.002 * share < high and level["valid_kept_minus_test"]["p"] < 0.05
+    assert "test" not in drift.seed_level(exports(tmp_path / "c", [0.1]))    # one seed: no spread, no interval
 
 
 def test_a_running_studys_export_prints_its_curves_so_far_and_no_band_table(tmp_path, dataset, drift, capsys,

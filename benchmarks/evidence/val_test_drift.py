@@ -19,12 +19,17 @@ model:
   validation NDCG@10 in the same popularity bands (the test split's edges), each split's share of users per
   band, and the validation difference re-weighted to the test split's band shares: if the validation lead
   shrinks to the test difference once validation has test's mix of popular targets, the drift explains it;
+* over the seeds with both methods' per-user test tables: is the validation difference different from the test
+  difference at all, beyond training randomness? Per seed, APAO - CE on validation at the kept epochs (each
+  trial's ``best/val/<metric>``) and averaged over the epochs around them (both kept epochs +/- ``--window``),
+  against test at the kept epochs; their spread over seeds, and the paired validation - test difference with a
+  t interval over the seeds (the seed is the unit: four seeds give 3 degrees of freedom);
 * where an export's trials logged test after every epoch (``sweep --test-every-epoch``, diagnosis only): the
   per-epoch APAO - CE difference on validation and on test side by side, how often each is positive, and the
   correlation of the two across epochs (does the test gap follow the validation gap, and from which epoch on
   do they part?). A study still running can be exported and read: its curves so far.
 
-    python benchmarks/evidence/val_test_drift.py --exports benchmarks/results/office-full-tiger-seed{0,1,2,4} \\
+    python benchmarks/evidence/val_test_drift.py --exports benchmarks/results/office-full-tiger-seed{0,1,2,3,4} \\
         --json benchmarks/results/val_test_drift_office.json
 """
 from __future__ import annotations
@@ -37,6 +42,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import t as student_t
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -137,6 +143,39 @@ def by_band(dataset, exports: list[str], metric: str = "ndcg_at_10") -> dict:
     return result
 
 
+def seed_level(exports: list[str], metric: str = "ndcg_at_10", window: int = 10) -> dict:
+    """Per seed: APAO - CE on validation at the kept epochs and over the epochs around them, and on test at the
+    kept epochs (per-user mean); over seeds: each one's mean and sd, and validation - test with a t interval."""
+    rows = []
+    for seed, a, c in _pairs(finished_trials([load_export(e) for e in exports])):
+        ta, tc = a.per_user("test"), c.per_user("test")
+        if ta is None or tc is None:
+            continue
+        ta, tc = ta.set_index("user"), tc.set_index("user")
+        users = ta.index.intersection(tc.index)
+        test = float((ta.loc[users, metric].to_numpy(float) - tc.loc[users, metric].to_numpy(float)).mean())
+        kept = sorted(int(t.metrics["best/epoch"]) for t in (a, c))
+        gap = (a.history(f"val/{metric}") - c.history(f"val/{metric}")).dropna()
+        around = gap[(gap.index >= kept[0] - window) & (gap.index <= kept[1] + window)]
+        rows.append({"seed": seed, "kept_epochs": {"apao_pointwise": int(a.metrics["best/epoch"]),
+                                                   "ce": int(c.metrics["best/epoch"])},
+                     "valid_kept": float(a.metrics[f"best/val/{metric}"] - c.metrics[f"best/val/{metric}"]),
+                     "valid_around": float(around.mean()), "valid_around_epochs": int(len(around)), "test": test})
+    result = {"metric": metric, "window": window, "per_seed": rows}
+    if len(rows) < 2:
+        return result
+    for key in ("valid_kept", "valid_around", "test"):
+        values = np.array([r[key] for r in rows])
+        result[key] = {"mean": float(values.mean()), "sd_over_seeds": float(values.std(ddof=1))}
+    for key in ("valid_kept", "valid_around"):
+        d = np.array([r[key] - r["test"] for r in rows])
+        se = d.std(ddof=1) / math.sqrt(len(d))
+        low, high = student_t.interval(0.95, len(d) - 1, loc=d.mean(), scale=se)
+        result[f"{key}_minus_test"] = {"mean": float(d.mean()), "ci95": [float(low), float(high)],
+                                       "p": float(2 * student_t.sf(abs(d.mean() / se), len(d) - 1)), "seeds": len(d)}
+    return result
+
+
 def per_epoch(exports: list[str], metric: str = "ndcg_at_10", tail: int = 20) -> list[dict]:
     """Per seed whose trials logged test every epoch: APAO - CE on validation and on test at each common epoch,
     the epochs each is positive, their correlation over all epochs and over the last ``tail``."""
@@ -167,6 +206,8 @@ def main() -> int:
     parser.add_argument("--dataset", default="office", help="(default %(default)s)")
     parser.add_argument("--data-dir", default=os.environ.get("APAO_DATA_DIR", str(ROOT.parent / "shared" / "datasets")))
     parser.add_argument("--exports", nargs="*", default=[], help="study exports with per-user test tables")
+    parser.add_argument("--window", type=int, default=10,
+                        help="validation averaged over the kept epochs +/- this many (default %(default)s)")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
     dataset = load_dataset(args.dataset, args.data_dir, allow_download=False)
@@ -201,6 +242,18 @@ def main() -> int:
                 print(f"{row['seed']:<6}{row['all']:>+9.4f}" + "".join(
                     f"{row[name]:>+10.4f} ±{row[name + '_se']:.4f}" for name in BANDS)
                     + f"{row['reweighted_to_test']:>+12.4f}")
+        result["seed_level"] = level = seed_level(args.exports, window=args.window)
+        if "test" in level:
+            print(f"APAO - CE {level['metric']} per seed at the kept epochs: validation, validation over the kept "
+                  f"epochs +/- {level['window']}, test")
+            for row in level["per_seed"]:
+                print(f"  seed {row['seed']:<3}{row['valid_kept']:>+9.4f}{row['valid_around']:>+9.4f}{row['test']:>+9.4f}")
+            print("  mean    " + "".join(f"{level[k]['mean']:>+9.4f}" for k in ("valid_kept", "valid_around", "test")))
+            print("  sd      " + "".join(f"{level[k]['sd_over_seeds']:>9.4f}" for k in ("valid_kept", "valid_around", "test")))
+            for key, name in (("valid_kept", "kept epochs"), ("valid_around", "around them")):
+                d = level[f"{key}_minus_test"]
+                print(f"  validation ({name}) - test: {d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}], "
+                      f"p {d['p']:.2f} (t over {d['seeds']} seeds)")
         result["per_epoch"] = curves = per_epoch(args.exports)
         for curve in curves:
             state = "finished" if curve["finished"] else "still running"
