@@ -59,8 +59,9 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
 
 
 _URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@/\s]+@")
-_SECRET_FLAG = re.compile(r"(?P<flag>--?[\w-]*(?:token|password|passwd|secret|api[-_]?key)[\w-]*(?:=|\s+))\S+",
-                          re.IGNORECASE)
+# a flag starts a word: a value that holds such a word (``--study-name bear_token_weighted-seed0``) is no flag
+_SECRET_FLAG = re.compile(
+    r"(?P<flag>(?<!\S)--?[\w-]*(?:token|password|passwd|secret|api[-_]?key)[\w-]*(?:=|\s+))\S+", re.IGNORECASE)
 
 
 def redact(text: str) -> str:
