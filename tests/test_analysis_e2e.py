@@ -143,7 +143,7 @@ def test_report_from_mlflow_equals_the_report_from_the_exports(studies, tmp_path
 
     rows = tables(from_mlflow)
     assert rows == tables(from_exports)
-    ce = next(r for r in rows if "| ce | 0,1 |" in r)
+    ce = next(r for r in rows if "| ce | 0,1 (2 seeds) |" in r)
     assert "2 epochs / patience 2" in ce and "| - |" in ce  # synthetic: no paper numbers
     runs = [r for r in studies["tracker"].child_runs() if r.data.tags["loss"] == "ce"]
     values = sorted(r.data.metrics["test/ndcg_at_10"] for r in runs)
@@ -160,7 +160,7 @@ def test_report_from_mlflow_equals_the_report_from_the_exports(studies, tmp_path
     assert sorted(r.split("|")[4].strip() for r in compared if r not in paired) == sorted(
         f"{metric}_by_{rule}" for metric in ("recall_at_10", "ndcg_at_10") for rule in ("last", "val_loss",
                                                                                           "val_ndcg_at_10"))
-    cost = next(r for r in rows if "| ce | 0,1 |" in r and r.count("|") == 11)  # the cost table's row
+    cost = next(r for r in rows if "| ce | 0,1 (2 seeds) |" in r and r.count("|") == 11)  # the cost table's row
     assert cost.split("|")[6].strip() != "-"  # CPU minutes summed over both seeds
     for name in ("prefix_recall.png", "beam_retention.png", "adaptive_weights.png", "val_ndcg_at_10.png"):
         assert (from_exports / name).stat().st_size > 5000

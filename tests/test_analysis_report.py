@@ -86,7 +86,7 @@ def test_report_finds_a_known_effect_and_shows_paper_numbers(tmp_path):
     apao = next(line for line in metrics if "apao_pointwise b=0.3 eta=0.0001" in line)
     expected = [exports[s].trials[0]["metrics"]["test/recall_at_10"] for s in (0, 1)]
     assert f"{np.mean(expected):.4f} ± {np.std(expected, ddof=1):.4f}" in ce
-    assert "| 0,1 |" in ce and "| 0.0608 / 0.0292 |" in ce and "| 0.0667 / 0.0337 |" in apao  # paper schedule: comparable
+    assert "| 0,1 (2 seeds) |" in ce and "| 0.0608 / 0.0292 |" in ce and "| 0.0667 / 0.0337 |" in apao  # paper schedule: comparable
     assert "- `office-s0` answers: tiger/ce vs tiger/apao_pointwise at 3 epochs each" in report
     assert "  - `tiger/apao_pairwise`: deferred: needs ~9h here" in report  # a method without trials, said why
     assert ce.endswith("| 40.0 | converged |")  # the median epoch: one slow epoch beside other work does not pull it up
@@ -129,7 +129,11 @@ def test_a_one_seed_comparison_has_no_verdict_and_says_the_seeds_its_cell_needs(
 
     exports = [load_export(_fabricate(tmp_path / "exports", seed, effect)) for seed, effect in ((0, 0.02), (1, 0.01))]
     exports.append(load_export(_fabricate(tmp_path / "exports", 2, 0.005, beta="0.2")))
-    rows = _section(build_report(exports, tmp_path / "out", num_resamples=500).read_text(), "Paired differences")
+    report = build_report(exports, tmp_path / "out", num_resamples=500).read_text()
+    # which seeds and how many: a bare "2" would read as two seeds
+    assert any("apao_pointwise b=0.2 eta=0.0001 | 2 (1 seed) |" in line for line in _section(report, "Test metrics"))
+    assert any("apao_pointwise b=0.2 eta=0.0001 | 2 (1 seed) |" in line for line in _section(report, "Cost per method"))
+    rows = _section(report, "Paired differences")
     ndcg = {cells[2]: cells for cells in ([c.strip() for c in line.strip("|").split("|")] for line in rows)
             if cells[3] == "ndcg_at_10"}
     measured = ndcg["apao_pointwise b=0.3 eta=0.0001 - ce"][4]
@@ -212,10 +216,10 @@ def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
     assert main(["report", "--exports", str(tmp_path / "results"), "--study", "office-s1", "--out",
                  str(tmp_path / "out"), "--resamples", "200"]) == 0
     report = (tmp_path / "out" / "report.md").read_text()
-    assert "office-s1" in report and "office-s0" not in report and "| 1 |" in _section(report, "Test metrics")[2]
+    assert "office-s1" in report and "office-s0" not in report and "| 1 (1 seed) |" in _section(report, "Test metrics")[2]
     assert main(["report", "--exports", str(tmp_path / "results" / "office-s0"), str(tmp_path / "results" / "office-s1"),
                  "--out", str(tmp_path / "both"), "--resamples", "200"]) == 0  # one flag, several directories
-    assert "| 0,1 |" in _section((tmp_path / "both" / "report.md").read_text(), "Test metrics")[2]
+    assert "| 0,1 (2 seeds) |" in _section((tmp_path / "both" / "report.md").read_text(), "Test metrics")[2]
     assert main(["report", "--exports", str(tmp_path / "results"), "--study", "nope", "--out", str(tmp_path / "o")]) == 2
     assert "studies ['nope'] are not in the exports given; found ['office-s0', 'office-s1']" in capsys.readouterr().err
     assert main(["report", "--exports", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
@@ -261,4 +265,4 @@ def test_seeds_from_a_cpu_and_a_gpu_show_their_epoch_times_and_epochs_per_seed(t
     ce = next(line for line in _section(report, "Test metrics") if "| ce |" in line)
     assert ce.endswith("| 3,5 | 40.0 / 0.4 | converged |"), ce
     cost = next(line for line in _section(report, "Cost per method") if "| ce |" in line)
-    assert "| 0,1 | 2.0 / 2.0 | - / - |" in cost, cost  # wall minutes per seed (perf/total_seconds), no CPU recorded
+    assert "| 0,1 (2 seeds) | 2.0 / 2.0 | - / - |" in cost, cost  # wall minutes per seed (perf/total_seconds), no CPU recorded

@@ -68,7 +68,7 @@ def test_trial_files_export_to_what_the_report_reads(tmp_path, gpu_script, one_t
     assert np.allclose(curve.values, [e["val/ndcg_at_10"] for e in finished["epochs"]], atol=1e-6)
 
     report = build_report([export], tmp_path / "report").read_text()
-    assert "| synthetic | tiger | ce | 0 |" in report  # the finished trial's test metrics
+    assert "| synthetic | tiger | ce | 0 (1 seed) |" in report  # the finished trial's test metrics
     assert "stopped at the GPU call's deadline | 2 |" in report  # the stopped one among the unfinished
 
 

@@ -23,7 +23,7 @@ from .grid import build_grid, load_queue, queue_path_default
 from .heuristics import baseline_sections, recorded_datasets
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
                       Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials,
-                      unknown_knobs)
+                      seeds_text, unknown_knobs)
 from .stats import INTERVALS_NOTE
 
 REPORT_FILE = "report.md"
@@ -53,7 +53,7 @@ def _metrics_table(methods: list[Method]) -> list[str]:
               "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)", "converged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
-        cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
+        cells = [method.dataset, method.backbone, method.label, seeds_text(method.seeds),
                  *(_mean_std(method, key) for key in TEST_METRICS), _paper_cell(method),
                  method.tag_values("apao.protocol", "paper"), method.tag_values("apao.schedule"),
                  method.tag_values("apao.precision"), _mean_std(method, "best/epoch", 1),
@@ -111,7 +111,7 @@ def _cost_table(methods: list[Method]) -> list[str]:
     for method in methods:
         energy = method.values("cost/energy_kwh")
         rss, gpu = method.values("cost/peak_rss_mb"), method.values("cost/peak_gpu_memory_mb")
-        cells = [method.dataset, method.backbone, method.label, ",".join(map(str, method.seeds)),
+        cells = [method.dataset, method.backbone, method.label, seeds_text(method.seeds),
                  _minutes(method, "cost/wall_seconds", "perf/total_seconds"),  # perf/: runs before cost/ existed
                  _minutes(method, "cost/cpu_seconds"),
                  _number(max(rss), 0) if rss else "-", _number(max(gpu), 0) if gpu else "-",

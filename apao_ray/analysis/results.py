@@ -187,6 +187,16 @@ class Method:
         return table1(self.dataset, self.backbone, self.loss)
 
 
+def seeds_text(seeds: str | Iterable[int], count: int | None = None) -> str:
+    """``7 (1 seed)``, ``0,1,2 (3 seeds)``: which seeds and how many (a bare ``7`` reads as a count); ``count``
+    where it differs from the seeds listed (a seed trained twice), ``-`` for none."""
+    listed = seeds if isinstance(seeds, str) else ",".join(map(str, seeds))
+    if not listed:
+        return "-"
+    count = count or len(listed.split(","))
+    return f"{listed} ({count} seed{'s' if count != 1 else ''})"
+
+
 def best_of(candidates: Iterable[T], value: Callable[[T], float | None], started: Callable[[T], float]) -> T | None:
     """The candidate with the highest validation ``value`` (None: not a candidate); a tie goes to the one that
     started first (a tuned method's enqueued paper setting before the searcher's draws). The one rule by which

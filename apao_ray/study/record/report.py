@@ -6,7 +6,8 @@ import io
 import json
 from typing import Any
 
-from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check, recorded_knobs
+from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check, recorded_knobs, \
+    seeds_text
 from ...names import PLAN_TAG, REPEATS_TAG
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
@@ -237,11 +238,7 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
 
 
 def _seeds_cell(row: dict[str, Any]) -> str:
-    """``7 (1 seed)``, ``0,1,2 (3 seeds)``: which seeds and how many (a bare ``7`` reads as a count)."""
-    if not row.get("seeds"):
-        return "-"
-    count = row.get("n_seeds") or len(str(row["seeds"]).split(","))
-    return f"{row['seeds']} ({count} seed{'s' if count != 1 else ''})"
+    return seeds_text(str(row.get("seeds") or ""), row.get("n_seeds"))
 
 
 def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
