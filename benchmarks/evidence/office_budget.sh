@@ -13,6 +13,8 @@
 #   LOSSES=apao_pairwise KNOBS="--beta 0.2 --eta 3e-5 --negatives 100" CPUS=2 bash benchmarks/evidence/office_budget.sh 0
 #       APAO-pairwise (paper Table 5) in its own study, office-budget4-b256-apao_pairwise-seed0; the report
 #       pairs it with CE of the same seed from the seed's main study (~8 h per trial on a 2-vCPU CPU)
+#   LOSSES=msl KNOBS=" " CPUS=2 TAG=-bf16 SWEEP_FLAGS="--precision bf16" bash benchmarks/evidence/office_budget.sh 0
+#       a rerun under other settings, in a study of its own name (office-budget4-b256-msl-bf16-seed0)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-$HOME/apao_evidence}
@@ -22,6 +24,7 @@ KNOBS=${KNOBS:---beta 0.3 --eta 1e-4}
 CPUS=${CPUS:-1}  # per trial; a lone trial (pairwise) can take both of a 2-vCPU machine's
 # the main studies keep their names; any other set of losses is a study of its own
 [ "$LOSSES" = "ce,apao_pointwise" ] && suffix="" || suffix="-${LOSSES//,/_}"
+suffix="$suffix${TAG:-}"
 export APAO_DATA_DIR=${APAO_DATA_DIR:-$(cd .. && pwd)/shared/datasets}
 mkdir -p "$OUT"
 for seed in "${@:-0}"; do
