@@ -51,6 +51,11 @@ PER_USER_VALID_FILE = "per_user_valid.csv.gz"
 SCRATCH_PREFIX = "apao-worker-"  # + the run's name and directory (scratch_prefix): a worker's scratch in the system temp dir
 
 
+def counted(number: int, noun: str) -> str:
+    """``1 trial``, ``2 trials``: a count with its noun in the number it needs (every layer's messages)."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def train_run_name(trial_id: str) -> str:
     """A trial's Train run name, from the Tune trial id and no timestamp: a restored trial finds its checkpoints."""
     return f"train-trial_id={trial_id}"

@@ -293,7 +293,7 @@ def test_a_notebook_study_with_two_seeds_repeats_each_methods_best_and_tables_me
     trial is repeated on seed 1, and the table gives the mean, the spread, the seed-aware interval and the cost."""
     result = _smoke_study(tmp_path, probe_cache, monkeypatch, seeds=(0, 1))
     plan = capsys.readouterr().err
-    assert "plan: 4 trials on synthetic" in plan and "again on seeds [1]: 2 trials of 1 epochs" in plan, plan
+    assert "plan: 4 trials on synthetic" in plan and "again on seeds [1]: 2 trials of 1 epoch" in plan, plan
     assert not result.interrupted and sorted(result.trials["seed"]) == [0, 0, 1, 1]
     assert set(result.trials["status"]) == {"finished"}
     from apao_ray.tracking import Tracker

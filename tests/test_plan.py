@@ -257,6 +257,8 @@ def test_plan_text_names_methods_costs_and_the_fit():
     assert "plan: 4 trials on office, protocol paper, precision fp32, 1 at a time" in text
     named = Plan("office", "paper", "fp32", 1, [CE, POINTWISE], 20, 3, fit, allocator="tcmalloc").text()
     assert "plan: 4 trials on office, protocol paper, precision fp32, allocator tcmalloc, 1 at a time" in named
+    single = Plan("office", "paper", "bf16", 1, [CE], 4, 1, fit_budget([CE], 4, 1, 4, 1, None), threads=2).text()
+    assert single.startswith("plan: 1 trial on office, protocol paper, precision bf16, 1 at a time, 2 threads each")
     assert "tiger/ce" in text and "1 trial " in text and "3 trials  11 epochs  epoch ~1.0 min  trial ~11.5 min" in text
     assert "budget 50.0 min: the study as asked (~1h22m) exceeds it; fitted: epochs 20 -> 11, ASHA grace period " \
            "5 -> 2 (~46.2 min)" in text

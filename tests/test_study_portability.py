@@ -37,7 +37,7 @@ def test_a_study_whose_every_trial_fails_exits_1_after_its_table(tmp_path):
                          "--memory-per-trial", "1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
                         cwd=tmp_path, timeout=900, env={ALLOCATOR_ENV: ""})
     assert result.returncode == 1, result.stderr[-4000:]
-    assert "study synthetic-study: 1 trials (1 failed)" in result.stderr
+    assert "study synthetic-study: 1 trial (1 failed)" in result.stderr
     row = next(line for line in result.stdout.splitlines() if "| apao_pairwise |" in line)
     assert "failed: TrialOutOfMemoryError: out of memory (memory cap 1.00 GiB: " in row
     assert "'None'" not in result.stdout + result.stderr and "test columns: none, no trial finished" in result.stdout
@@ -88,7 +88,7 @@ def test_a_study_started_elsewhere_with_a_relative_data_dir_trains_on_the_users_
     result = run_script([SWEEP, *OFFICE_TINY, "--losses", "ce", "--num-samples", "1", "--output-dir", "runs",
                          "--tracking-uri", uri], cwd=workdir, timeout=900, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "study office-study: 1 trials (0 failed)" in result.stderr
+    assert "study office-study: 1 trial (0 failed)" in result.stderr
     ce = _children(uri, "office")["ce"]
     assert ce.info.status == "FINISHED" and ce.data.params["base.data.data_dir"] == str(SHARED_DATASETS)
     assert (workdir / "runs" / "office-study").is_dir() and not (tmp_path / "cache" / "apao_ray").exists()

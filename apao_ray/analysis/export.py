@@ -30,7 +30,7 @@ import pandas as pd
 
 from ..cli.types import positive_int
 from ..paths import add_tracking_uri_argument
-from ..names import PER_USER_VALID_FILE
+from ..names import PER_USER_VALID_FILE, counted
 from .per_user import PER_USER_FILE, read_per_user, recompute_per_user
 
 STUDY_FILE = "study.json"
@@ -243,8 +243,8 @@ def _main(args: argparse.Namespace) -> int:
     record = export_study(args.tracking_uri, args.study, args.to, args.recompute_per_user, args.threads)
     sizes = sum(path.stat().st_size for path in Path(args.to).rglob("*") if path.is_file())
     with_table = sum(1 for trial in record["trials"] if trial.get("per_user"))
-    print(f"exported study {args.study!r}: {len(record['trials'])} trials ({with_table} with a per-user test table) "
-          f"to {args.to} ({sizes / 1024:.0f} KB)")
+    print(f"exported study {args.study!r}: {counted(len(record['trials']), 'trial')} ({with_table} with a per-user test "
+          f"table) to {args.to} ({sizes / 1024:.0f} KB)")
     for trial in record["trials"]:
         if trial.get("per_user_source", "").startswith(("recomputed", "no per-user")):
             print(f"  {trial['name']}: {trial['per_user_source']}")

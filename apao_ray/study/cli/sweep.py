@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ...names import counted
 from ...paths import absolute_data_dir_env, add_tracking_uri_argument
 from ...protocol import KNOBS
 from ..spec.study import QUICK_SETTINGS, StudySpec, quick_negatives
@@ -151,7 +152,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
     if result.interrupted:
         return report_interrupted(result, argv)
     failed = sum(str(status).startswith("failed") for status in result.trials.get("status", []))
-    print(f"study {result.study_name}: {len(result.trials)} trials ({failed} failed); best per (backbone, loss) "
+    print(f"study {result.study_name}: {counted(len(result.trials), 'trial')} ({failed} failed); best per (backbone, loss) "
           "by validation:", file=sys.stderr)
     none_finished = failed == len(result.trials)  # every trial failed (or none ran)
     print(format_rows(table_records(result.table), "markdown"))

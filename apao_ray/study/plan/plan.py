@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from ...training.memory import find_tcmalloc
+from ...names import counted
 from ..spec.duration import format_duration
 from ..spec.study import with_pretrain
 from .budget import TRIAL_START_S, Fit, MethodCost, asha_rungs, fit_budget, study_seconds
@@ -142,10 +143,10 @@ class Plan:
         """One line: what the study can answer, e.g. ``tiger/ce vs tiger/apao_pointwise at 10 epochs ...``."""
         running = self.fitted_methods
         names = " vs ".join(f"{m.backbone}/{m.loss}" for m in running)
-        trials = ", ".join(f"{m.loss} {self._search_trials(m)} trial{'s' if self._search_trials(m) > 1 else ''}"
+        trials = ", ".join(f"{m.loss} {counted(self._search_trials(m), 'trial')}"
                            for m in running)
         seeds = len(self.run_repeat_seeds) + 1
-        line = (f"{names} at {self.fit.epochs} epoch{'s' if self.fit.epochs > 1 else ''} each ({trials}"
+        line = (f"{names} at {counted(self.fit.epochs, 'epoch')} each ({trials}"
                 f"{f'; best of each on {seeds} seeds' if seeds > 1 else ''})")
         if len(running) < 2:
             line = f"{names} alone at {self.fit.epochs} epochs (no comparison)"
@@ -228,9 +229,9 @@ class Plan:
         fit, gib = self.fit, 2 ** 30
         allocator = f", allocator {self.allocator}" if self.allocator else ""
         workers = f"{self.workers} data-parallel workers x " if self.workers > 1 else ""
-        lines = [f"plan: {self.num_trials} trials on {self.dataset}, protocol {self.protocol}, precision "
-                 f"{self.precision}{allocator}, {self.slots} at a time, {workers}{self.threads} thread"
-                 f"{'s' if self.threads > 1 else ''} each"]
+        lines = [f"plan: {counted(self.num_trials, 'trial')} on {self.dataset}, protocol {self.protocol}, precision "
+                 f"{self.precision}{allocator}, {self.slots} at a time, {workers}"
+                 f"{counted(self.threads, 'thread')} each"]
         estimates = self.cost_estimates()
         for m in self.fitted_methods:
             count = self._search_trials(m)
@@ -244,7 +245,7 @@ class Plan:
         if self.run_repeat_seeds:
             repeats = len(self.fitted_methods) * len(self.run_repeat_seeds)
             lines.append(f"  then the best configuration of each method again on seeds {list(self.run_repeat_seeds)}: "
-                         f"{repeats} trial{'s' if repeats > 1 else ''} of {fit.epochs} epochs"
+                         f"{counted(repeats, 'trial')} of {counted(fit.epochs, 'epoch')}"
                          + self._cohort_words())
         rungs = asha_rungs(fit.asha_grace_period, fit.epochs)
         lines.append(f"  ASHA compares each tuned method's trials at epochs {rungs}" if rungs else
