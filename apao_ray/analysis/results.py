@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import numpy as np
 import pandas as pd
 
-from ..names import CONVERGED_TAG, REPEATS_TAG
+from ..names import CONVERGED_TAG, REPEATS_TAG, counted
 from .export import StudyExport
 from .paper import table1
 from .per_user import PER_USER_METRICS
@@ -194,7 +194,7 @@ def seeds_text(seeds: str | Iterable[int], count: int | None = None) -> str:
     if not listed:
         return "-"
     count = count or len(listed.split(","))
-    return f"{listed} ({count} seed{'s' if count != 1 else ''})"
+    return f"{listed} ({counted(count, 'seed')})"
 
 
 def best_of(candidates: Iterable[T], value: Callable[[T], float | None], started: Callable[[T], float]) -> T | None:

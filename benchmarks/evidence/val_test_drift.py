@@ -35,6 +35,7 @@ model:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -42,17 +43,18 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import t as student_t
+from scipy.stats import f as fisher_f, t as student_t
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from apao_ray.analysis.export import load_export  # noqa: E402
+from apao_ray.analysis.export import load_export as _load_export  # noqa: E402
 from apao_ray.analysis.results import finished_trials, group_methods, popularity_ndcg, unfinished_trials  # noqa: E402
 from apao_ray.names import DIAGNOSIS_PREFIX  # noqa: E402
 from apao_ray.data import load_dataset  # noqa: E402
 
 BANDS = ("head", "middle", "tail")
+load_export = functools.lru_cache(maxsize=None)(_load_export)  # each export read once, whichever analysis asks
 
 
 def split_popularity(dataset) -> dict:
@@ -127,7 +129,7 @@ def by_band(dataset, exports: list[str], metric: str = "ndcg_at_10") -> dict:
     exports hold per-user validation tables, the same on validation in the test split's bands, and validation
     re-weighted to test's band shares."""
     band, edges = _bands(dataset, "test")
-    trials = finished_trials([load_export(e) for e in exports])  # read once for both splits
+    trials = finished_trials([load_export(e) for e in exports])
     rows = _band_differences(dataset, trials, "test", edges, metric)
     mean = {name: float(np.mean([r[name] for r in rows])) for name in ("all", *BANDS)} if rows else {}
     result = {"metric": metric, "band_edges_train_count": edges.tolist(), "per_seed": rows, "mean_over_seeds": mean}
@@ -167,6 +169,10 @@ def seed_level(exports: list[str], metric: str = "ndcg_at_10", window: int = 10)
     for key in ("valid_kept", "valid_around", "test"):
         values = np.array([r[key] for r in rows])
         result[key] = {"mean": float(values.mean()), "sd_over_seeds": float(values.std(ddof=1))}
+    if result["valid_kept"]["sd_over_seeds"] > 0:  # does test spread over seeds more than validation does?
+        ratio = (result["test"]["sd_over_seeds"] / result["valid_kept"]["sd_over_seeds"]) ** 2
+        result["test_over_valid_kept_variance"] = {
+            "ratio": ratio, "p_one_sided": float(fisher_f.sf(ratio, len(rows) - 1, len(rows) - 1))}
     for key in ("valid_kept", "valid_around"):
         d = np.array([r[key] - r["test"] for r in rows])
         se = d.std(ddof=1) / math.sqrt(len(d))
@@ -250,6 +256,10 @@ def main() -> int:
                 print(f"  seed {row['seed']:<3}{row['valid_kept']:>+9.4f}{row['valid_around']:>+9.4f}{row['test']:>+9.4f}")
             print("  mean    " + "".join(f"{level[k]['mean']:>+9.4f}" for k in ("valid_kept", "valid_around", "test")))
             print("  sd      " + "".join(f"{level[k]['sd_over_seeds']:>9.4f}" for k in ("valid_kept", "valid_around", "test")))
+            spread = level.get("test_over_valid_kept_variance")
+            if spread:
+                print(f"  test's variance over seeds / validation's at the kept epochs: {spread['ratio']:.1f} "
+                      f"(F({len(level['per_seed']) - 1}, {len(level['per_seed']) - 1}) one-sided p {spread['p_one_sided']:.2f})")
             for key, name in (("valid_kept", "kept epochs"), ("valid_around", "around them")):
                 d = level[f"{key}_minus_test"]
                 print(f"  validation ({name}) - test: {d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}], "
