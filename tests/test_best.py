@@ -61,7 +61,7 @@ def test_best_prints_uris_registers_once_per_run_and_names_its_seeds(synthetic, 
     header, row = out.splitlines()[:2]
     assert dict(zip(header.split(","), row.split(",")))["n_seeds"] == "1"
 
-    # a tie on the selection metric goes to the trial that started first, on every surface (issue #47 item 7)
+    # a tie on the selection metric goes to the trial that started first, on every surface
     tied = _trial(tracker, parent, checkpoint, example, 0.5, seed=7)
     out, err = _best(tracker.tracking_uri, capsys, "--format", "json")
     assert json.loads(out)[0]["run_id"] == better != tied and f"models:/{NAME}@best: version 2 unchanged" in err, err

@@ -75,7 +75,7 @@ def test_unknown_dataset_exits_2_with_one_line(cli_runs):
 
 @pytest.mark.parametrize("name", ["../x", "a/b", "/etc"])
 def test_escaping_name_exits_2_with_one_line(isolated, capsys, name):
-    # with --data-dir a name must stay inside it; without, a path is a dataset directory (#14) and a
+    # with --data-dir a name must stay inside it; without, a path is a dataset directory and a
     # missing or empty one is the error
     assert cli.main(["data", "stats", "--dataset", name, "--data-dir", str(isolated)]) == 2
     captured = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""The diagnosis option ``test_every_epoch`` (issue #47 item 4: why validation and test disagree): the test split
+"""The diagnosis option ``test_every_epoch`` (why validation and test disagree): the test split
 after every epoch, for a per-epoch test curve, without changing what the trial trains or selects."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Every command the README and docs/*.md quote (``./apao ...``, ``python -m apao_ray ...``, ``studies/*.py``)
-parses with the command's own parser, so a documented command that no longer parses fails the suite
-(issue #49 item 1). Parsing only: nothing is run."""
+parses with the command's own parser, so a documented command that no longer parses fails the suite.
+Parsing only: nothing is run."""
 from __future__ import annotations
 
 import contextlib

@@ -146,7 +146,7 @@ def test_a_budget_below_one_full_epoch_trains_every_method_on_the_largest_subset
         fit_budget([ce, pairwise], 20, 3, 5, 1, 50, min_epochs=1)
 
 
-# issue #40: a fit whose goal is a comparison at equal epochs
+# a fit whose goal is a comparison at equal epochs
 SLOW = MethodCost("tiger", "apao_pairwise", False, epoch_s=12 * 60.0, fixed_s=30.0, peak_bytes=3 * 2**30)
 
 
@@ -211,7 +211,7 @@ def test_a_budget_that_fits_everything_changes_nothing():
 
 
 def test_a_heavy_cut_switches_to_the_stated_budget_protocol():
-    # 20 epochs asked, 5 fit: a 4x cut; at batch 1024 five epochs barely train (issue #40): batch 256
+    # 20 epochs asked, 5 fit: a 4x cut; at batch 1024 five epochs barely train: batch 256
     budget = 10 + 30 + 5 * 60
     fit = fit_budget([CE], 20, 1, 5, 1, budget, effective_batch_size=1024, micro_batch=128)
     assert (fit.epochs, fit.effective_batch_size) == (5, 256)

@@ -1,4 +1,4 @@
-"""Every trial records the test metrics at the epoch each selection rule keeps (issue #47 item 2): its own rule
+"""Every trial records the test metrics at the epoch each selection rule keeps: its own rule
 (the model it keeps), the other of validation NDCG@10 / validation loss, and the last epoch."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A loss defined here, outside the package, with a knob no loss of the package has (``gamma``): declared once on
-its class, it is searched, passed to the loss, logged and reported with nothing else edited (issue #36 item 4).
+its class, it is searched, passed to the loss, logged and reported with nothing else edited.
 
 Run as a plugin (``APAO_PLUGINS=test_toy_loss``, tests/ on PYTHONPATH) this module registers the loss when it is
 imported, in the study's driver, its probes and its Ray workers; inside pytest the ``toy_loss`` fixture registers

@@ -32,7 +32,7 @@ def _metrics(path: Path) -> dict:
     (["--loss", "apao_pairwise", "--num-negatives", "5000"], "num_negatives=5000 must be < the 399 semantic IDs"),
     (["--beam-size", "1000"], "beam_size=1000 exceeds the 399 semantic IDs"),
     (["--dataset", "../etc", "--data-dir", "."], "must be a plain name"),  # a name never leaves --data-dir
-    (["--dataset", "./no/such/dir"], "no/such/dir does not exist"),  # a path is a dataset directory (#14)
+    (["--dataset", "./no/such/dir"], "no/such/dir does not exist"),  # a path is a dataset directory
     (["--loss", "ce", "--num-negatives", "10"], "loss 'ce' has no knob 'num_negatives'; its knobs: none (a baseline)"),
     (["--loss", "apao_pointwise", "--knob", "gamma=0.1"], "loss 'apao_pointwise' has no knob 'gamma'; its knobs: "
                                                           "['beta', 'eta']"),

@@ -1,4 +1,4 @@
-"""Two ``train`` runs of one name side by side (an A/B of two checkouts, issue #49 item 4): each removes only its
+"""Two ``train`` runs of one name side by side (an A/B of two checkouts): each removes only its
 own scratch directories, so the one that finishes first never takes the other's checkpoints away."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Two-stage trials (DPO/DMPO/S-DPO, CE -> APAO) as two stages (issue #13 item 8), on small real runs.
+"""Two-stage trials (DPO/DMPO/S-DPO, CE -> APAO) as two stages, on small real runs.
 
 The preference stage starts from the best CE epoch with its own optimizer, its own warmup +
 cosine schedule over its own epochs, a frozen reference copied from that epoch and its own

@@ -1,5 +1,5 @@
 """``python -m apao_ray export-study``: a study's results as a few small files that the report can be
-rebuilt from alone (committed under ``benchmarks/results/<study>/``, issue #17 "A long run").
+rebuilt from alone (committed under ``benchmarks/results/<study>/``: a long run's results outlive its machine).
 
 Layout of an export directory:
     study.json       the study's parent run and, per trial (child run): name, status, tags, params

@@ -1,4 +1,4 @@
-"""One page for paper Table 1's grid (issue #37): every (dataset, backbone, method) cell with ours at the
+"""One page for paper Table 1's grid: every (dataset, backbone, method) cell with ours at the
 paper's full protocol (mean ± std over seeds, n), the paired difference against CE, the paper's figure, and
 the cell's status: done, in progress (its epoch, from the latest export), or queued (its cost here, from the
 evidence queue). Built by ``python -m apao_ray report --grid`` from committed exports alone.

@@ -36,7 +36,7 @@ TEST_METRICS = tuple(f"test/{name}" for name in PER_USER_METRICS)
 TRIAL_CHOICES = ("best", "all")
 VALIDATION_CURVE = "val/ndcg_at_10"
 # a validation curve whose last epoch still added more than this share of its value has not levelled off: a
-# short budget's run (issue #40: five epochs at batch 1024 moved validation NDCG@10 by ~10% an epoch) is early
+# short budget's run (on 2026-11-25 five epochs at batch 1024 moved validation NDCG@10 by ~10% an epoch) is early
 # learning, not a converged model
 STEEP_LAST_GAIN = 0.10
 EARLY_LEARNING = "early learning (not converged)"

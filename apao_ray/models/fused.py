@@ -1,4 +1,4 @@
-"""K models of one architecture run as one batched model (a fused trial cohort, issue #48).
+"""K models of one architecture run as one batched model (a fused trial cohort).
 
 :class:`FusedModels` stacks the members' parameters (``torch.stack`` at each call, so each member keeps its own
 ``nn.Module``, optimizer and checkpoint, and the stack's backward hands each member its own gradients) and runs

@@ -1,4 +1,4 @@
-"""Several trials of one backbone trained at once as one batched model: a fused cohort (issue #48).
+"""Several trials of one backbone trained at once as one batched model: a fused cohort.
 
 Each member is a whole trial (:class:`~.loop.TrialRun`): its own seed (initial weights, sample order,
 negatives), loss and knobs, learning rate and schedule, AdamW state, adaptive APAO weights, validation,

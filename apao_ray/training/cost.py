@@ -1,4 +1,4 @@
-"""What a trial cost (issue #18 item 3): wall time, CPU seconds, peak memory and, with CodeCarbon
+"""What a trial cost: wall time, CPU seconds, peak memory and, with CodeCarbon
 installed (``pip install apao_ray[energy]``), estimated energy, measured in the process that trains.
 
 The figures add up over the segments of a resumed trial: each checkpoint stores the totals so far

@@ -232,7 +232,7 @@ class TrialRun:
                 # always: the validation-loss rule is recorded whatever the trial selects by
                 metrics["val/loss"] = validation_loss(_unwrap(model), loss_fn, self.runner, dataset, self.valid_users,
                                                       train_cfg.eval_batch_size, reference)
-                if train_cfg.test_every_epoch and stage == "main":  # diagnosis (#47 item 4): nothing selects on it
+                if train_cfg.test_every_epoch and stage == "main":  # diagnosis of validation vs test: nothing selects on it
                     tested = evaluate_split(_unwrap(model), dataset, "test", tensors,
                                             train_cfg.replace(retention_users=0), device, None, self.scoring)
                     metrics.update({DIAGNOSIS_PREFIX + key: value for key, value in tested.items()})

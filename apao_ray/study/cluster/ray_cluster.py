@@ -27,7 +27,7 @@ WORKER_START_TIMEOUT_S = 300
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 # Ray starts its workers at niceness +15: beside any ordinary process (niceness 0) on an oversubscribed CPU a
 # trial then gets 36/1024 of the scheduler's weight, ~28x slower than the other process instead of an even
-# share (#17 saw 27x). Workers of a Ray started here keep the driver's niceness (`nice ./apao sweep` still
+# share (27x measured on 2026-11-25, benchmarks/RESULTS.md). Workers of a Ray started here keep the driver's niceness (`nice ./apao sweep` still
 # works, across login sessions too: match_session_niceness); a cluster keeps what its nodes were started with.
 WORKER_NICENESS_ENV = "RAY_worker_niceness"
 LOCAL_RAY_ENV = {PREEMPTION_WATCHER_ENV: "0", WORKER_NICENESS_ENV: "0"}

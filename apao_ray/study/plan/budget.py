@@ -81,7 +81,7 @@ def asha_rungs(grace: int, epochs: int, reduction_factor: int = 4) -> list[int]:
     return rungs
 
 
-DEFAULT_MIN_EPOCHS = 3      # the fewest epochs a fitted trial runs: one epoch compares nothing (issue #40)
+DEFAULT_MIN_EPOCHS = 3      # the fewest epochs a fitted trial runs: one epoch compares nothing
 HEAVY_CUT = 4               # fitted passes over the data <= asked epochs / 4: the budget protocol's batch
 BUDGET_EFFECTIVE_BATCH = 256  # learns several times faster per epoch than 1024 (benchmarks/REPRODUCTION.md)
 FILL_MAX_SEEDS = 3          # seeds a fill may reach in all (the product's budget evidence used 3)

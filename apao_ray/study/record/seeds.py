@@ -1,4 +1,4 @@
-"""The study table over seeds (issue #18): per (backbone, loss), the best configuration's seed runs
+"""The study table over seeds: per (backbone, loss), the best configuration's seed runs
 (its search trial and its repeats, repeats.py) as mean, spread and count, the paired significance
 against the baseline, and the cost of every trial of the method summed.
 

@@ -1,6 +1,6 @@
 """The Tune driver: the Tuner over trial actors (driver, trial), the pruned trials' tests, the repeats.
 
-Three of its modules moved out in issue #49 (the searcher and the scheduler to ``search/``, the run callbacks to
+Three of its modules moved out on 2026-11-28 (the searcher and the scheduler to ``search/``, the run callbacks to
 ``record/``). Tune pickles them into a study's saved state by module path, so a study saved before the move finds
 them under their old names here (``MOVED``): the same module objects, imported only when such a state is restored.
 """

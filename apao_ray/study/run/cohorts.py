@@ -1,4 +1,4 @@
-"""A study's fixed trials as fused cohorts (``--cohort-size K``, issue #48): the repeat phase's trials (the best
+"""A study's fixed trials as fused cohorts (``--cohort-size K``): the repeat phase's trials (the best
 configuration of every method on every other seed) train K at a time as one batched model
 (training/cohort.py), while every member stays a Tune trial of its own, so that its MLflow child run, its row in
 the table, the export and a resume are exactly a solo trial's.

@@ -1,4 +1,4 @@
-"""Seeds as a study dimension (issue #18): after the search, the best configuration of every
+"""Seeds as a study dimension: after the search, the best configuration of every
 (backbone, loss) is trained again on each other seed, as ordinary trials of the same study.
 
 The repeats are a Tune experiment of their own (``<output_dir>/<study>/repeats``) over a fixed list
