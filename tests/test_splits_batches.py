@@ -117,6 +117,7 @@ def test_dataset_counts_from_the_readme(name, users, items, interactions, distin
 
 # --- batches ---------------------------------------------------------------------------------
 
+@needs_shared
 def test_resident_split_gathers_what_collate_builds():
     """Training gathers its batches on the device from indices (data/batches.ResidentSplit): every field equals
     the host-built batch, for histories of every length, any order, repeats, and a one-item history."""

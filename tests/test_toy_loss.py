@@ -212,6 +212,21 @@ def _plugin_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), PLUGINS_ENV: "test_toy_loss"}
 
 
+@pytest.mark.parametrize("command, flag", [("sweep", "--losses"), ("train", "--loss")])
+def test_help_lists_every_loss_the_command_accepts_plugins_included(command, flag, tmp_path):
+    from conftest import run_script
+
+    from apao_ray.losses import LOSSES
+
+    result = run_script(["-m", "apao_ray", command, "--help"], cwd=tmp_path, env=_plugin_env(), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    help_text = " ".join(result.stdout.split())  # argparse wraps lines
+    entry = help_text[help_text.index(f"{flag} {flag[2:].upper()} "):]
+    listed = entry[:entry.index("(default")]
+    for name in [*LOSSES, NAME]:
+        assert f" {name}," in listed or f" {name} " in listed, (name, listed)
+
+
 @pytest.mark.e2e
 def test_dry_run_plans_the_plugin_loss_as_a_tuned_method(tmp_path):
     from conftest import run_script

@@ -80,6 +80,13 @@ KIND_TYPES: dict[str, Callable[[str], Any]] = {
     "duration": duration, "knobs": knob_range}
 
 
+def registered_names(registry: str) -> str:
+    """The names ``registry`` (``"losses"``) holds now, built-in and plugins, as ``--help`` lists them."""
+    from ...losses import LOSSES  # imports torch: only when a command builds its flags, not with the spec
+    names = {"losses": LOSSES}[registry]
+    return ", ".join(sorted(names))
+
+
 def add_field_argument(parser: Any, entry: Field, default: Any = MISSING) -> None:
     """``entry``'s flag on ``parser`` (dest: the field's name), with ``default`` in place of the field's if given."""
     meta = entry.metadata
@@ -87,7 +94,8 @@ def add_field_argument(parser: Any, entry: Field, default: Any = MISSING) -> Non
         default = entry.default if entry.default is not MISSING else None
         if meta["env"]:
             default = os.environ.get(meta["env"], default)
-    options: dict[str, Any] = {"dest": entry.name, "help": meta["help"], "default": default}
+    text = meta["help"] if meta["lists"] is None else meta["help"].replace("%(names)s", registered_names(meta["lists"]))
+    options: dict[str, Any] = {"dest": entry.name, "help": text, "default": default}
     kind = meta["kind"]
     if kind == "switch":
         options["action"] = "store_true"

@@ -16,7 +16,7 @@ from ...hardware import available_cpus
 from ...paths import absolute_data_dir_env
 from ...protocol import check_select_by, protocol_tag, resolved_knobs
 from ..spec.study import StudySpec
-from .fields import add_field_arguments
+from .fields import add_field_arguments, registered_names
 from .protocol import add_protocol_arguments, apply_protocol_arguments
 
 
@@ -58,7 +58,7 @@ def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:
                                      "loss) on Ray Train; prints the final metrics as JSON.", epilog=TRAIN_EPILOG)
     add_common_arguments(parser)
     parser.add_argument("--backbone", choices=BACKBONE_NAMES, default="tiger", help="default %(default)s")
-    parser.add_argument("--loss", default="ce", help="a name from apao_ray.losses.LOSSES (default %(default)s)")
+    parser.add_argument("--loss", default="ce", help=f"one of {registered_names('losses')} (default %(default)s)")
     parser.add_argument("--knob", action="append", default=[], type=knob_value, metavar="NAME=VALUE",
                         help="set a knob the loss declares, built-in or plugin (Loss.knobs: beta, eta, num_negatives, "
                              "...; repeatable; default: the knob's default); one the loss does not declare is refused")

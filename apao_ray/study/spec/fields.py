@@ -21,7 +21,7 @@ KINDS = (None, "names", "range", "int_range", "seeds", "duration", "knobs", "swi
 def option(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, kind: str | None = None,
            flag: str | None = None, metavar: str | None = None, low: float | None = None, above: bool = False,
            integer: bool = False, choices: tuple | None = None, env: str | None = None, cli: bool = True,
-           group: str = "study") -> Any:
+           group: str = "study", lists: str | None = None) -> Any:
     """A ``StudySpec`` field with its entry in the table.
 
     Args:
@@ -36,11 +36,14 @@ def option(default: Any = MISSING, help: str = "", *, factory: Any = MISSING, ki
         env: the command line's default comes from this environment variable (the API's stays ``default``).
         cli: False where a command writes it through flags of its own (the protocol knobs, ``--tracking-uri``).
         group: ``trial`` for the flags ``train`` shares (data, schedule, model, compute), ``study`` for the rest.
+        lists: a registry (``"losses"``) whose names ``%(names)s`` in ``help`` stands for, read when a command's
+            flags are built (so plugins loaded by then are listed).
     """
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}; choose from {KINDS}")
     metadata = {"help": help, "kind": kind, "flag": flag, "metavar": metavar, "low": low, "above": above,
-                "integer": integer, "choices": choices, "env": env, "cli": cli, "group": group}
+                "integer": integer, "choices": choices, "env": env, "cli": cli, "group": group,
+                "lists": lists}
     if factory is not MISSING:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -77,6 +80,7 @@ def document(cls: type) -> str:
     lines = ["", "    Args:"]
     for entry in table(cls):
         default = entry.default if entry.default is not MISSING else entry.default_factory()
-        text = entry.metadata["help"].replace("%(default)s", str(default))
+        text = entry.metadata["help"].replace("%(default)s", str(default)).replace("%(names)s",
+                                                                                    f"the registered {entry.metadata['lists']}")
         lines.append(f"        {entry.name}: {text}")
     return "\n".join(lines) + "\n"

@@ -85,9 +85,9 @@ class StudySpec:
     # the methods and their search
     backbones: tuple[str, ...] = option(("tiger",), f"comma list of {list(BACKBONE_NAMES)} (default tiger)",
                                         kind="names")
-    losses: tuple[str, ...] = option(DEFAULT_LOSSES, "comma list from apao_ray.losses.LOSSES (default "
-                                     "ce,apao_pointwise,apao_pairwise); losses with nothing to tune are baselines and "
-                                     "run once per backbone", kind="names")
+    losses: tuple[str, ...] = option(DEFAULT_LOSSES, "comma list of %(names)s (default ce,apao_pointwise,"
+                                     "apao_pairwise); losses with nothing to tune are baselines and run once per "
+                                     "backbone", kind="names", lists="losses")
     num_samples: int = option(3, "Optuna trials per tuned (backbone, loss) (default %(default)s); one whose knobs "
                               "are all fixed (e.g. --beta 0.3 --eta 1e-4) runs once: --seeds repeats it",
                               low=1, integer=True)
