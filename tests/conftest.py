@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(config, items) -> None:
 def pytest_xdist_auto_num_workers(config) -> int:
     """`-n auto` (pyproject's addopts): one pytest-xdist worker per usable CPU, at most MAX_WORKERS and one
     per GIB_PER_WORKER of memory. The suite on its own keeps about one CPU busy (its tests wait on Ray,
-    MLflow servers and subprocess start-ups): 2 workers on 2 CPUs took it from 22.9 to 11-17 min (docs/testing.md)."""
+    MLflow servers and subprocess start-ups): 2 workers on 2 CPUs took it from 22.9 to 11-17 min (benchmarks/RESULTS.md)."""
     memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(_usable_cpus(), MAX_WORKERS, int(memory_gib // GIB_PER_WORKER)))
 
