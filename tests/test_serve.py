@@ -34,8 +34,11 @@ def test_the_server_recommends_what_load_recommender_does(server, registered, sy
     histories = [[synthetic.catalog.item_ids[i] for i in split.histories[row] if i >= 0] for row in (0, 7, 19)]
     status, body = post(server, {"dataframe_records": [{"history": h} for h in histories], "params": {"k": 5}})
     assert status == 200, body
-    mlflow.set_tracking_uri(registered["tracking_uri"])
-    expected = load_recommender(registered["model_uri"]).recommend(histories, k=5)
+    mlflow.set_tracking_uri(registered["tracking_uri"])  # as a user's code points MLflow at a store
+    try:
+        expected = load_recommender(registered["model_uri"]).recommend(histories, k=5)
+    finally:
+        mlflow.set_tracking_uri(None)
     assert [row["items"] for row in body["predictions"]] == [[item for item, _ in row] for row in expected]
     assert [len(row["scores"]) for row in body["predictions"]] == [5, 5, 5]
     for row, mine in zip(body["predictions"], expected):
@@ -69,6 +72,28 @@ def test_an_unknown_model_fails_naming_its_uri(registered):
         load_recommender("models:/no-such-model@best", tracking_uri=registered["tracking_uri"])
     with pytest.raises(ValueError, match="model 'no-such-dir': no such directory"):
         load_recommender("no-such-dir", tracking_uri=registered["tracking_uri"])
+
+
+def test_load_recommender_finds_the_store_as_the_commands_do(registered, tmp_path, monkeypatch):
+    """No ``tracking_uri=``: ``$MLFLOW_TRACKING_URI``, else ./mlflow.db, as ``best`` and ``serve`` look; a directory
+    with no store gets an error naming the Python argument (not a command's flag) and no stray mlflow.db."""
+    import mlflow
+
+    from apao_ray import load_recommender
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    mlflow.set_tracking_uri(None)  # a user's fresh process: no store chosen (another test in this worker may have)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"no MLflow database at .*mlflow.db; pass tracking_uri= \(the store's URI\)"):
+        load_recommender(registered["model_uri"])
+    assert not (tmp_path / "mlflow.db").exists()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registered["tracking_uri"])
+    from_variable = load_recommender(registered["model_uri"]).recommend([["1", "2"]], k=3)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.chdir(registered["dir"])
+    from_directory = load_recommender(registered["model_uri"]).recommend([["1", "2"]], k=3)
+    explicit = load_recommender(registered["model_uri"], tracking_uri=registered["tracking_uri"])
+    assert from_variable == from_directory == explicit.recommend([["1", "2"]], k=3)
 
 
 def test_a_body_over_the_limit_is_a_413_naming_it_and_nothing_is_echoed(server):

@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from mlflow.tracking.artifact_utils import _download_artifact_from_uri
 
 from ..paths import TRACKING_URI_ENV
-from .store import flatten, quiet_mlflow, redact, tracking_at
+from .store import flatten, quiet_mlflow, redact, resolve_tracking_uri, tracking_at
 
 MODEL_NAME = "model"
 # the params a served request may give (predict's ``params``) and their defaults; serve refuses others
@@ -48,16 +48,17 @@ class RecommenderModel(mlflow.pyfunc.PythonModel):
                              "scores": [[score for _, score in row] for row in recommended]})
 
 
-def require_model(model_uri: str, tracking_uri: str) -> None:
+def require_model(model_uri: str, tracking_uri: str, choose: str = "pass --tracking-uri") -> None:
     """Fails, naming the URI and the registered models, when ``model_uri`` is no logged model there;
-    never creates a store (MLflow's client creates an empty SQLite file where it finds none)."""
+    never creates a store (MLflow's client creates an empty SQLite file where it finds none). ``choose``: how the
+    caller's user names another store (a command's flag; ``tracking_uri=`` from Python)."""
     is_tracked = model_uri.startswith(("models:/", "runs:/"))
     if not is_tracked and ":/" not in model_uri and not Path(model_uri).exists():
         raise ValueError(f"model {model_uri!r}: no such directory; give models:/<name>@best, runs:/<run id>/model "
                          "or a model directory")
     database = tracking_uri[len("sqlite:///"):] if tracking_uri.startswith("sqlite:///") else None
     if is_tracked and database and not Path(database).is_file():
-        raise ValueError(f"model {model_uri!r}: no MLflow database at {database}; pass --tracking-uri or set "
+        raise ValueError(f"model {model_uri!r}: no MLflow database at {database}; {choose} or set "
                          f"${TRACKING_URI_ENV}")
     with tracking_at(tracking_uri):
         try:
@@ -86,11 +87,13 @@ def scoring_app(model_directory: str) -> Any:
 
 
 def load_checkpoint_dir_from_model(model_uri: str, tracking_uri: str | None = None) -> str:
-    """Downloads a logged model (from ``tracking_uri``, default MLflow's current one: its variable,
-    ``set_tracking_uri`` or default) and returns its local checkpoint directory; a model that is not there fails
-    naming the URI and the store's registered models (``require_model``), not with MLflow's traceback."""
-    tracking_uri = tracking_uri or mlflow.get_tracking_uri()
-    require_model(model_uri, tracking_uri)
+    """Downloads a logged model (from ``tracking_uri``, found as the commands find it: the argument,
+    ``$MLFLOW_TRACKING_URI`` or ``mlflow.set_tracking_uri``, else ``./mlflow.db``) and returns its local checkpoint directory; a model that is not
+    there fails naming the URI, the store's registered models and the ``tracking_uri=`` argument
+    (``require_model``), not with MLflow's traceback."""
+    tracking_uri = resolve_tracking_uri(tracking_uri or (mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set()
+                                                         else None))
+    require_model(model_uri, tracking_uri, choose="pass tracking_uri= (the store's URI)")
     with tracking_at(tracking_uri):
         return mlflow.pyfunc.load_model(model_uri).unwrap_python_model().checkpoint_dir
 

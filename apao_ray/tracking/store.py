@@ -124,8 +124,10 @@ def quiet_mlflow():
 
 @contextlib.contextmanager
 def tracking_at(tracking_uri: str | None):
-    """MLflow's fluent API (models:/ URIs, log_model) pointed at ``tracking_uri`` for a block (None: unchanged)."""
-    previous = mlflow.get_tracking_uri()
+    """MLflow's fluent API (models:/ URIs, log_model) pointed at ``tracking_uri`` for a block (None: unchanged).
+    Afterwards MLflow is as it was, unset included: ``set_tracking_uri`` also writes ``$MLFLOW_TRACKING_URI``, so
+    restoring the resolved default would leave a URI set that nobody chose."""
+    previous = mlflow.get_tracking_uri() if mlflow.is_tracking_uri_set() else None
     if tracking_uri:
         mlflow.set_tracking_uri(tracking_uri)
     try:
