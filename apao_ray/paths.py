@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import sys
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +17,25 @@ _PLAIN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 def tool_command(name: str) -> str:
-    """How to run the console script ``name`` installed beside this Python (``mlflow``, ``optuna-dashboard``): its
-    absolute path when it is there, so a printed command runs from any directory for someone whose environment is
-    not on PATH (``./apao`` keeps it in the repo's .venv); else the bare name."""
-    beside = Path(sys.executable).parent / name
-    return shlex.quote(str(beside)) if beside.is_file() else name
+    """How to run the console script ``name`` of this Python's environment (``mlflow``, ``optuna-dashboard``): its
+    absolute path, so a printed command runs from any directory for someone whose environment is not on PATH
+    (``./apao`` keeps it in the repo's .venv). A script not installed yet is named where installing its extra
+    into this environment puts it (``pip_install_hint``), unless PATH already has one of that name."""
+    scripts = Path(sysconfig.get_path("scripts"))
+    beside = next((folder / name for folder in (Path(sys.executable).parent, scripts) if (folder / name).is_file()),
+                  None)
+    if beside is None and shutil.which(name):
+        return name
+    return shlex.quote(str(beside or scripts / name))
+
+
+def apao_command() -> str:
+    """How to run apao_ray from any directory, for a command this process prints: the repo's ``apao`` launcher
+    (absolute) when this Python is the one it made, else this Python with ``-m apao_ray``."""
+    launcher = Path(__file__).resolve().parents[1] / "apao"
+    if launcher.is_file() and Path(sys.prefix).resolve() == launcher.parent / ".venv":
+        return shlex.quote(str(launcher))
+    return f"{shlex.quote(sys.executable)} -m apao_ray"
 
 
 def pip_install_hint(extra: str) -> str:

@@ -68,7 +68,7 @@ def test_an_unknown_model_fails_naming_its_uri(registered):
     from apao_ray import load_recommender
 
     with pytest.raises(ValueError, match=r"model 'models:/no-such-model@best' not found in sqlite:///.*Registered "
-                                         rf"models: \['{MODEL_NAME}'\].*`python -m apao_ray best` registers"):
+                                         rf"models: \['{MODEL_NAME}'\].*`\S*apao\S*( -m apao_ray)? best` registers"):
         load_recommender("models:/no-such-model@best", tracking_uri=registered["tracking_uri"])
     with pytest.raises(ValueError, match="model 'no-such-dir': no such directory"):
         load_recommender("no-such-dir", tracking_uri=registered["tracking_uri"])

@@ -14,7 +14,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 from mlflow.tracking.artifact_utils import _download_artifact_from_uri
 
-from ..paths import TRACKING_URI_ENV
+from ..paths import TRACKING_URI_ENV, apao_command
 from .store import flatten, quiet_mlflow, redact, resolve_tracking_uri, tracking_at
 
 MODEL_NAME = "model"
@@ -66,7 +66,7 @@ def require_model(model_uri: str, tracking_uri: str, choose: str = "pass --track
         except (MlflowException, OSError) as error:
             names = [m.name for m in MlflowClient(tracking_uri).search_registered_models()] if is_tracked else []
             reason = str(getattr(error, "message", error)).splitlines()[0]
-            hint = ("; `python -m apao_ray best` registers each method's best trial as "
+            hint = (f"; `{apao_command()} best` registers each method's best trial as "
                     "models:/apao-<dataset>-<backbone>-<loss>@best" if model_uri.startswith("models:/") else "")
             raise ValueError(f"model {model_uri!r} not found in {redact(tracking_uri)}: {reason}. Registered models: "
                              f"{sorted(names)} (models:/<name>@best, runs:/<run id>/model or a model directory){hint}") \

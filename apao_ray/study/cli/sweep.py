@@ -32,15 +32,15 @@ the paper's (200 epochs, patience 20; --epochs 200 --patience 20): the results t
 columns compare with paper Table 1. --protocol reference trains as the authors' released code does
 (docs/PROTOCOLS.md); eta stays searched under both protocols.
 
-examples:
-  python -m apao_ray sweep --dataset grocery --dry-run    # the plan and its cost, then exit
-  python -m apao_ray sweep --dataset grocery --budget 3h
-  python -m apao_ray sweep --dataset office --quick
-  python -m apao_ray sweep --dataset beauty --backbones tiger,llama --losses ce,apao_pairwise --num-samples 10
-  python -m apao_ray sweep --dataset office --address auto --gpus-per-trial 0.25 --max-concurrent 8
-  python -m apao_ray sweep --dataset grocery --resume     # after Ctrl-C or a lost driver: continue the study
-then: python -m apao_ray best --dataset grocery ;  mlflow ui --backend-store-uri sqlite:///$PWD/mlflow.db
-(studies/sweep.py and ./apao sweep take the same flags)
+examples (./apao runs apao_ray in the repo's .venv; python -m apao_ray and studies/sweep.py take the same flags):
+  ./apao sweep --dataset grocery --dry-run    # the plan and its cost, then exit
+  ./apao sweep --dataset grocery --budget 3h
+  ./apao sweep --dataset office --quick
+  ./apao sweep --dataset beauty --backbones tiger,llama --losses ce,apao_pairwise --num-samples 10
+  ./apao sweep --dataset office --address auto --gpus-per-trial 0.25 --max-concurrent 8
+  ./apao sweep --dataset grocery --resume     # after Ctrl-C or a lost driver: continue the study
+then: ./apao best --dataset grocery           # the answer again; a study's end prints its MLflow UI and
+                                              # optuna-dashboard commands, runnable from any directory
 
 exit codes: 0 the study ran and at least one trial finished (failed trials are counted and listed, each with its
 reason); 1 no trial finished (its table and that list say why); 2 input refused before anything ran; 130 / 143

@@ -9,6 +9,7 @@ from typing import Any
 from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check, recorded_knobs, \
     seeds_text
 from ...names import PLAN_TAG, REPEATS_TAG
+from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
 from . import plots
@@ -67,7 +68,7 @@ def study_description(study: str, rows: list[dict[str, Any]]) -> str:
     table = format_rows(rows, "markdown").removesuffix(f"\n\n{note}")  # it ends with the note: said once, in the tail
     text = f"**{study}**: best trial per (backbone, loss) by validation\n\n{table}{tail}"
     if len(text) > DESCRIPTION_LIMIT:
-        cut = f"\n\n(table cut: `python -m apao_ray best --study-name {study}` prints it whole)"
+        cut = f"\n\n(table cut: `{apao_command()} best --study-name {study}` prints it whole)"
         text = text[:DESCRIPTION_LIMIT - len(tail) - len(cut)].rsplit("\n", 1)[0] + cut + tail
     return text
 
