@@ -25,10 +25,10 @@ PASS_THROUGH = {
 REGISTERED = [
     "apao_ray.cli.commands",      # data stats
     "apao_ray.semantic_ids",      # tokenize
-    "apao_ray.reuse.export_command",  # export --format hf
+    "apao_ray.serving.export_command",  # export --format hf
     "apao_ray.analysis.export",   # export-study
     "apao_ray.analysis.report",   # report
-    "apao_ray.reuse.serve",       # serve MODEL_URI
+    "apao_ray.serving.serve",     # serve MODEL_URI
 ]
 
 _ORDER = ["users", "items", "interactions", "density", "distinct_semantic_ids", "colliding_semantic_ids",

@@ -1,4 +1,5 @@
-"""What reuses a trained model: load it and recommend (``inference``: ``Recommender``, ``load_local``), export it as
-a Hugging Face directory (``export``, ``hf_generate``, the ``export`` command in ``export_command``), and serve it
-over HTTP (``serve``, ``serve_app``). ``apao_ray.load_recommender`` is the one entry point most code needs.
-Nothing here is imported by training or a study."""
+"""What reuses a trained model without MLflow: load it and recommend (``inference``: ``Recommender``,
+``load_local``) and the Hugging Face format (``export``, ``hf_generate``). ``tracking`` serves a ``Recommender``
+as MLflow's pyfunc model, so nothing here imports ``tracking``; the commands that go through MLflow (``serve``,
+``export``) are in ``serving``. ``apao_ray.load_recommender`` is the one entry point most code needs. Nothing here
+is imported by training or a study."""

@@ -152,8 +152,8 @@ def limited_app() -> RequestLimits:
 
 
 def serve_command(host: str, port: int, workers: int) -> list[str]:
-    """uvicorn running ``apao_ray.reuse.serve_app:app`` in this interpreter."""
-    return [sys.executable, "-m", "uvicorn", "apao_ray.reuse.serve_app:app", "--host", host, "--port", str(port),
+    """uvicorn running ``apao_ray.serving.serve_app:app`` in this interpreter."""
+    return [sys.executable, "-m", "uvicorn", "apao_ray.serving.serve_app:app", "--host", host, "--port", str(port),
             "--workers", str(workers)]
 
 

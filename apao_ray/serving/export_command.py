@@ -6,8 +6,8 @@ import argparse
 from pathlib import Path
 
 from .. import load_recommender
-from .export import FORMATS, export_hf
-from .export import __doc__ as EXPORT_DOC
+from ..reuse.export import FORMATS, export_hf
+from ..reuse.export import __doc__ as EXPORT_DOC
 from ..paths import add_tracking_uri_argument
 
 
