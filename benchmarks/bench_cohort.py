@@ -12,7 +12,7 @@ of this process (``--threads``). Prints a table and writes JSON.
     python benchmarks/bench_cohort.py --backbones tiger --losses ce --cohorts 2 --steps 1 --repeats 1  # try it
     python benchmarks/bench_cohort.py --backbones tiger --losses ce --cohorts 2 --padded --threads 1   # where it goes
     python benchmarks/bench_cohort.py --device cuda --cohorts 1,4,10,20 --effective-batch-size 1024 --steps 5 \\
-        --data-dir .gpu/datasets --json-out $OUT/cohort.json     # on a lent GPU (K = 1: the fused path alone)
+        --data-dir .gpu/datasets --json-out gpu_out/cohort.json   # on a GPU (K = 1: the fused path alone)
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Peak resident memory of a trial's test evaluation, phase by phase (issue #12 item 7).
+"""Peak resident memory of a trial's test evaluation, phase by phase.
 
 A study trial's worker recorded a peak RSS of 4.1-4.4 GB (its ``cost/peak_rss_mb``) against a
 2 GiB target; this measures how much of that the final test evaluation can explain. Office,

@@ -1,5 +1,5 @@
-"""One CUDA GPU: training throughput, a whole paper-protocol epoch with validation, and beam search (issue #12's
-GPU timings; docs/running.md's cost of a study on one GPU, issue #15).
+"""One CUDA GPU: training throughput, a whole paper-protocol epoch with validation, and beam search (the GPU
+speed targets; docs/running.md's cost of a study on one GPU).
 
 Needs torch with CUDA and the datasets, nothing else of the study stack (no Ray, MLflow or Optuna): it drives
 the product's own training and evaluation code (``EpochRunner``, ``run_trial``, ``evaluate_split``). Sections,

@@ -1,5 +1,5 @@
-"""What a Ray of its own costs each study, against joining one running cluster: the numbers behind issue #15
-item 8's "the end-to-end tests share one local Ray cluster where they can".
+"""What a Ray of its own costs each study, against joining one running cluster: the numbers behind the
+test-suite time target's "the end-to-end tests share one local Ray cluster where they can".
 
 Three measurements, each in fresh processes, alternated over ``--repeats`` rounds (medians printed):
 - ``local``: a driver starts a local Ray as a study does (``address="local"``, no dashboard), runs one task,

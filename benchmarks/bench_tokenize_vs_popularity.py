@@ -1,4 +1,4 @@
-"""#14: Office as an interactions CSV + item texts, indexed by the paper's file or by `python -m apao_ray tokenize`
+"""Own data: Office as an interactions CSV + item texts, indexed by the paper's file or by `python -m apao_ray tokenize`
 (optionally --disambiguate), trained with the tests' tiny TIGER; validation Recall@10 per epoch on all users next
 to the popularity baseline (benchmarks/RESULTS.md, 2026-11-23, evening). Reuses the tests' Office-as-a-table builder.
 

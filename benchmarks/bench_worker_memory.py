@@ -1,5 +1,4 @@
-"""A training worker's memory and speed under oneDNN primitive cache capacities and packed-token roundings
-(issue #12 item 7).
+"""A training worker's memory and speed under oneDNN primitive cache capacities and packed-token roundings.
 
 A study trial's worker held 2.28 GB resident mid-epoch (Office, paper-size TIGER CE, bf16, 1 thread) against
 a 2 GiB target, and a plain process training the same way climbs from 1.5 to 2.0 GiB over its first epochs.

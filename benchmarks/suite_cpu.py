@@ -1,4 +1,4 @@
-"""Where a command's CPU time goes, by kind of process: the test suite's (issue #15 item 8) or a study's.
+"""Where a command's CPU time goes, by kind of process: the test suite's or a study's.
 
 Runs the command in a new session and every 0.5 s reads the CPU time (user + system) of every process that
 descends from it or shares its session (Ray's processes, the trials, MLflow servers, the studies' drivers);

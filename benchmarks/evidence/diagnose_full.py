@@ -1,4 +1,4 @@
-"""Issue #17 item 5: why a finished study's APAO does (not) beat CE, from its own checkpoints.
+"""Why a finished study's APAO does (not) beat CE, from its own checkpoints.
 
 Evaluates each trial of a study twice over: the weights it selected (best validation NDCG@10, what its test
 metrics came from) and the weights of its last epoch, each in bf16 and fp32 beam search, on the validation and

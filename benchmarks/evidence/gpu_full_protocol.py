@@ -1,13 +1,13 @@
-"""Issue #17 part 2 on one CUDA GPU: Office, TIGER (or ``--backbone llama``), CE vs APAO-pointwise (or any
+"""The full-protocol comparison on one CUDA GPU: Office, TIGER (or ``--backbone llama``), CE vs APAO-pointwise (or any
 ``--losses``, each at its paper Table 5 setting for the backbone: TIGER beta 0.3, eta 1e-4) at the full
 protocol (200 epochs, patience 20) of the paper (``--protocol reference``: of the released code), several seeds
 at once, through the product's own trial (``run_trial``, the config built by ``apao train``'s own parser),
-without Ray, MLflow or Optuna (a lent GPU machine has none of them: ``office_full.sh`` is the same study
+without Ray, MLflow or Optuna (for a GPU machine that has none of them: ``office_full.sh`` is the same study
 through ``apao sweep`` where they are).
 
 Each (loss, seed) trains in its own process on the one GPU, all at once. One trial alone already keeps an
 H200 mostly busy (an Office epoch 2.1 s; four at once 6.7 s each, benchmarks/RESULTS.md, 2026-11-26), so
-give one seed per call: its two trials should reach early stopping (~85-100 epochs) within a 10-minute call
+give one seed per run: its two trials should reach early stopping (~85-100 epochs) within 10 minutes
 (an estimate: two at once were not timed). Every trial's result goes to ``--out`` as one JSON file,
 ``<loss>-seed<seed>.json`` (``llama-...`` for Llama, ``...reference-<loss>...`` under ``--protocol reference``):
 the resolved config, every epoch's report, the final (test) metrics and the per-user test table (what the

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue #17 part 1: Office, TIGER, CE vs APAO-pointwise (paper Table 5: beta 0.3, eta 1e-4) at one fixed
+# The budget comparison: Office, TIGER, CE vs APAO-pointwise (paper Table 5: beta 0.3, eta 1e-4) at one fixed
 # CPU budget, one study per seed, through the product's own sweep command. Re-running resumes.
 #
 # Budget protocol (stated in REPRODUCTION.md): the paper preset (selection by validation NDCG@10,
 # mirror weights, lr 5e-4, warmup + cosine) cut to EPOCHS epochs with the cosine schedule over them,
 # an effective batch of 256 instead of the paper's 1024 (4x the optimizer steps per epoch, which the
-# budget probe in #17 found converges faster per epoch), no early stop, no pruning, precision auto.
+# budget probe found converges faster per epoch), no early stop, no pruning, precision auto.
 #
 #   bash benchmarks/evidence/office_budget.sh 0 1 2        # seeds to run, in order
 #   OUT=~/apao_evidence EPOCHS=10 bash benchmarks/evidence/office_budget.sh 0

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue #17 part 2: Office, TIGER, CE vs APAO-pointwise (paper Table 5: beta 0.3, eta 1e-4) at the paper's
+# The full-protocol comparison: Office, TIGER, CE vs APAO-pointwise (paper Table 5: beta 0.3, eta 1e-4) at the paper's
 # full protocol, through the product's own sweep command: the `paper` preset (selection by validation
 # NDCG@10, mirror weights, AdamW lr 5e-4, 1% warmup + cosine over 200 epochs, effective batch 1024), up to
 # 200 epochs with early stopping at patience 20, no ASHA pruning, precision auto. Re-running resumes;
 # on CPU it takes many resumed runs (the first trials' epochs and the command to continue are in
 # benchmarks/REPRODUCTION.md), on a GPU a few hours for the study. BACKBONE, LOSSES and PROTOCOL (below) make
-# the other studies of issue #17 item 2, each under its own name.
+# the other full-protocol studies, each under its own name.
 #
 #   bash benchmarks/evidence/office_full.sh                      # seed 0, 1 CPU per trial, 2 side by side
 #   SEED=1 bash benchmarks/evidence/office_full.sh
@@ -15,7 +15,7 @@
 #   DATASET=grocery bash benchmarks/evidence/office_full.sh      # another dataset (study grocery-full-...)
 #   TRIAL_FLAGS="--gpus-per-trial 0.5 --cpus-per-trial 4" bash benchmarks/evidence/office_full.sh   # a GPU machine
 #   SWEEP_FLAGS=--retry-failed bash benchmarks/evidence/office_full.sh   # trials that failed (e.g. OOM) again
-# A GPU machine without Ray/MLflow (the lent ones here): benchmarks/evidence/gpu_full_protocol.py runs the same
+# A GPU machine without Ray/MLflow: benchmarks/evidence/gpu_full_protocol.py runs the same
 # trials through run_trial, one seed's two trials at a time (an Office epoch there: 2.1 s alone).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -40,7 +40,7 @@ mkdir -p "$OUT"
   --output-dir "$OUT/runs" --tracking-uri "sqlite:///$OUT/mlflow.db" ${SWEEP_FLAGS:-}
 # Here only when the study has ended (an interrupted sweep exits 130 / 143 and stops the script above): its
 # compact export and the report with the paper's Table 1 alongside, written into this checkout to be committed
-# (a lent machine may not be kept). Both rebuild from MLflow at any time with the same commands.
+# (the machine that ran it may not be kept). Both rebuild from MLflow at any time with the same commands.
 ./apao python -m apao_ray export-study --study "$study" --tracking-uri "sqlite:///$OUT/mlflow.db" \
   --to "benchmarks/results/$study"
 ./apao python -m apao_ray report --study "$study" --exports benchmarks/results --out "benchmarks/evidence/report-$study"

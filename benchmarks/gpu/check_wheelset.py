@@ -4,7 +4,7 @@ it with no index into a fresh venv beside a stand-in for the GPU machine's Pytho
 The stand-in: a clean venv (``python -m venv``) holding only torch 2.13.0 (the local CPU wheel, its needs from
 the index) and ``.gpu/standin-cpXY`` (the scientific stack the GPU image holds, installed with no index). The
 runner then does exactly what it does on the GPU machine: a venv that sees the stand-in's site-packages, the
-carried wheels installed with ``--no-index``, ``apao sweep --smoke`` (Ray + Optuna + MLflow on SQLite),
+copied wheels installed with ``--no-index``, ``apao sweep --smoke`` (Ray + Optuna + MLflow on SQLite),
 ``export-study``. Any package missing from the set fails the install or the study.
 
     python benchmarks/gpu/wheelset.py                       # builds .gpu/wheels-cp311 and .gpu/standin-cp311

@@ -1,16 +1,17 @@
-"""The evidence queue on a lent GPU (issue #37 item 5): which queued study fits one `run` call next, the exact call,
-and, after it, the study's files landed as a committed export and the Table 1 grid rebuilt.
+"""The evidence queue on a GPU machine that runs one job of at most 10 minutes at a time: which queued study fits
+one job next and the command for it, and, after it, the study's files landed as a committed export and the
+Table 1 grid rebuilt.
 
-    python benchmarks/gpu/next_call.py              # the next unfinished (item, seed) that fits a call, and the call
-    python benchmarks/gpu/next_call.py --land /work/.device/1     # after the call: files_at -> benchmarks/results
+    python benchmarks/gpu/next_call.py              # the next unfinished (item, seed) that fits a job, and the job
+    python benchmarks/gpu/next_call.py --land gpu_out --study NAME   # after it: its output folder -> benchmarks/results
 
 The queue is benchmarks/evidence/queue.json (what `report --grid` reads); a study is done when
 benchmarks/results/<study>/study.json holds a finished trial of each of its losses. Names and flags are
-office_full.sh's, so a study started on a CPU and one run here are the same study. One call holds one study
+office_full.sh's, so a study started on a CPU and one run here are the same study. One job holds one study
 (benchmarks/gpu/study.sh) of at most ~8 minutes: its trials share the GPU (two already fill an H200: 2026-11-27,
 3.30 s per Office TIGER epoch each, 1.27x one trial's throughput), and nothing carries a study's checkpoints from
-one call to the next (a TIGER trial's are ~100 MB against the call's 64 MiB), so a study that does not fit one
-call waits for a longer lease (the listing says what it needs).
+one job to the next (a TIGER trial's are ~100 MB, more than the 64 MiB copied to the machine), so a study that
+does not fit one job waits for a machine with a longer limit (the listing says what it needs).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 QUEUE = ROOT / "benchmarks" / "evidence" / "queue.json"
 RESULTS = ROOT / "benchmarks" / "results"
-STUDY_LIMIT_S = 485  # study.sh's interrupt: a 600-s call less the install (~20 s), the export and the margin
+STUDY_LIMIT_S = 485  # study.sh's interrupt: a 600-s job less the install (~20 s), the export and the margin
 SHARED_SLOWDOWN = 2 / 1.27  # n trials at once on one H200: each ~n / 1.27 x slower than alone (n = 2, 2026-11-27)
 PROBE_S = 45  # Ray's start, the plan's probe and the test of the last trial
 
@@ -80,24 +81,27 @@ def call_for(row: dict) -> str:
     env = (f"BUDGET= STUDY={row['study']} DATASET={row['dataset']} GPUS_PER_TRIAL={1 / n:.3g} "
            f"CPUS_PER_TRIAL={16 // n} STUDY_LIMIT={STUDY_LIMIT_S} FALLBACK_SEEDS={row['seed']} "
            f"SWEEP_FLAGS=\"{row['flags']}\" FALLBACK_FLAGS=\"{row['fallback_flags']}\"")
-    return (f"# first, here: python benchmarks/gpu/wheelset.py --python-version 3.12 --datasets {row['dataset']}\n"
-            f"run(command='{env} bash benchmarks/gpu/study.sh', carry=[\".gpu/wheels-cp312\", \".gpu/datasets\"], "
-            f"timeout_s=600)\n# then: python benchmarks/gpu/next_call.py --land <files_at> --study {row['study']}")
+    return (f"# first, where a package registry is reachable:\n"
+            f"python benchmarks/gpu/wheelset.py --python-version 3.12 --datasets {row['dataset']}\n"
+            f"# then copy the checkout with .gpu/wheels-cp312 and .gpu/datasets to the GPU machine and run there,\n"
+            f"# as one job of at most 10 minutes:\nOUT=gpu_out {env} bash benchmarks/gpu/study.sh\n"
+            f"# then, with gpu_out copied back here:\n"
+            f"python benchmarks/gpu/next_call.py --land gpu_out --study {row['study']}")
 
 
-def land(files_at: Path, study: str, results: Path = RESULTS,
+def land(out_dir: Path, study: str, results: Path = RESULTS,
          grid_out: Path = ROOT / "benchmarks" / "evidence" / "grid") -> Path:
-    """The call's export unpacked as <results>/<study> (with the GPU's log and nvidia-smi samples), then the grid
-    rebuilt from every export in ``results``; returns the export's folder."""
+    """The export in a job's output folder (study.sh's OUT) unpacked as <results>/<study> (with the GPU's log and
+    nvidia-smi samples), then the grid rebuilt from every export in ``results``; returns the export's folder."""
     target = results / study
     if target.exists():
         raise SystemExit(f"{target} exists: move it away first (a finished study is not overwritten)")
-    with tarfile.open(files_at / "export.tar.gz") as archive:
-        archive.extractall(files_at / "unpacked", filter="data")
-    shutil.copytree(files_at / "unpacked" / "export", target)
+    with tarfile.open(out_dir / "export.tar.gz") as archive:
+        archive.extractall(out_dir / "unpacked", filter="data")
+    shutil.copytree(out_dir / "unpacked" / "export", target)
     for name, as_name in (("gpu.csv", "gpu_h200.csv"), ("runner.log", "gpu_runner.log"), ("summary.json", "gpu_summary.json")):
-        if (files_at / name).exists():
-            shutil.copy(files_at / name, target / as_name)
+        if (out_dir / name).exists():
+            shutil.copy(out_dir / name, target / as_name)
     subprocess.run([sys.executable, "-m", "apao_ray", "report", "--grid", "--exports", str(results), "--out",
                     str(grid_out), "--queue", str(QUEUE)], check=True)
     return target
@@ -106,13 +110,13 @@ def land(files_at: Path, study: str, results: Path = RESULTS,
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--land", type=Path, metavar="FILES_AT", help="the folder a finished call's files came back to")
+    parser.add_argument("--land", type=Path, metavar="OUT_DIR", help="a finished job's output folder (study.sh's OUT)")
     parser.add_argument("--study", help="with --land: the study's name (the listing's)")
     parser.add_argument("--json", action="store_true", help="the pending list as JSON")
     args = parser.parse_args()
     if args.land:
         if not args.study:
-            parser.error("--land needs --study NAME (the name the call ran)")
+            parser.error("--land needs --study NAME (the name the job ran)")
         print(f"landed {land(args.land, args.study)}; commit it with benchmarks/evidence/grid/grid.md")
         return 0
     rows = pending()
@@ -121,9 +125,9 @@ def main() -> int:
         return 0
     for row in rows:
         print(f"{row['study']:<48} ~{row['minutes']:5.1f} min on one H200  "
-              f"{'fits one call' if row['fits'] else 'needs a longer lease than one 10-minute call'}")
+              f"{'fits one job' if row['fits'] else 'needs a longer job than the 10-minute limit'}")
     ready = next((row for row in rows if row["fits"]), None)
-    print("\nnext call:\n" + call_for(ready) if ready else "\nnothing queued fits one call")
+    print("\nnext job:\n" + call_for(ready) if ready else "\nnothing queued fits one job")
     return 0
 
 

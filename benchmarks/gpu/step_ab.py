@@ -14,7 +14,7 @@ to the baseline's row of the same BACKBONE/LOSS.
 Needs torch with CUDA and the datasets only (no Ray, MLflow or Optuna). The baseline is a folder holding an
 earlier revision's ``apao_ray`` package, e.g. made here with ``git archive REV apao_ray | tar -x -C .old``.
 
-    python benchmarks/gpu/step_ab.py --baseline .old --data-dir datasets --json-out $OUT/step_ab.json
+    python benchmarks/gpu/step_ab.py --baseline .old --data-dir datasets --json-out gpu_out/step_ab.json
 """
 from __future__ import annotations
 

@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# The real study on a lent GPU machine (issue #40 item 5), in one call of at most 10 minutes: the carried wheel
-# set (benchmarks/gpu/wheelset.py) into a venv beside the machine's own torch, then `apao sweep` on Office with
-# four trials per GPU, then the study's MLflow export. The exact `run` call: docs/gpu.md.
+# A study on a GPU machine that reaches no package registry, as one job of at most 10 minutes: installs the wheel set
+# built beforehand (benchmarks/gpu/wheelset.py, copied beside the checkout as .gpu/wheels-cpXY) into a venv beside
+# the machine's own torch, runs `apao sweep` on Office with four trials per GPU, then exports the study from MLflow
+# into the output folder. How to build and copy the wheel set: docs/gpu.md.
 #
 #   bash benchmarks/gpu/study.sh             # on the GPU machine: Office, --gpus-per-trial 0.25, --budget 6m
 #   bash benchmarks/gpu/study.sh --smoke     # the synthetic smoke study on CPU (benchmarks/gpu/check_wheelset.py)
 #   bash benchmarks/gpu/study.sh --install-only   # the install, then Ray, MLflow (SQLite) and Optuna without torch
 #
-# Environment: OUT (what comes back; default /tmp/apao-gpu-out), PYTHON (the Python that holds torch; default
+# Environment: OUT (the output folder; default /tmp/apao-gpu-out), PYTHON (the Python that holds torch; default
 # python3), DATASET (office), BUDGET (the study's --budget, 6m; empty: none, the trials' own --epochs and
 # --patience in SWEEP_FLAGS), STUDY (the study's name, <dataset>-gpu), GPUS_PER_TRIAL (0.25), CPUS_PER_TRIAL (4),
 # STUDY_LIMIT (seconds after which the sweep is interrupted and what finished is exported, 450), SWEEP_FLAGS
 # (more sweep flags, e.g. "--losses ce,apao_pointwise").
-# Writes into $OUT (at most 8 files come back): runner.log (versions, timings, pip's output), progress.log (the
-# sweep's output), gpu.csv (nvidia-smi every 10 s), export.tar.gz (export-study's folder), summary.json.
+# Writes into the output folder: runner.log (versions, timings, pip's output), progress.log (the sweep's output),
+# gpu.csv (nvidia-smi every 10 s), export.tar.gz (export-study's folder), summary.json, fallback.tar.gz (FALLBACK_SEEDS,
+# step 4b); the MLflow store and the
+# checkpoints stay in a temporary folder that is deleted at the end.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 root=$(pwd)
@@ -42,9 +45,9 @@ fail() { log "FAILED: $*"; rm -rf "$work"; exit 2; }
 tag=$("$PYTHON" -c 'import sys; print(f"cp{sys.version_info.major}{sys.version_info.minor}")') || fail "no $PYTHON"
 version=$("$PYTHON" -c 'import sys; print(f"{sys.version_info.major}.{sys.version_info.minor}")')
 wheels="$root/.gpu/wheels-$tag"
-[ -d "$wheels" ] || fail "no wheel set for $tag at $wheels: build it here with
+[ -d "$wheels" ] || fail "no wheel set for $tag at $wheels: build it where a package registry is reachable with
   python benchmarks/gpu/wheelset.py --python-version $version --datasets office
-and carry .gpu/wheels-$tag (docs/gpu.md)"
+and copy .gpu/wheels-$tag beside this checkout (docs/gpu.md)"
 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")' 2>&1 | tee -a "$OUT/runner.log"
 
@@ -68,7 +71,7 @@ echo "import site; list(map(site.addsitedir, $base_sites))" > "$venv_site/zz_mac
 # Python < 3.12 puts setuptools 65 in a new venv, which would shadow the machine's (torch 2.13 asks >= 77)
 "${pip[@]}" uninstall --quiet --yes setuptools >/dev/null 2>&1
 
-# 3. only the carried wheels, resolved against what the machine already holds; no index, no pip config
+# 3. only the copied wheels, resolved against what the machine already holds; no index, no pip config
 export PIP_CONFIG_FILE=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INPUT=1
 unset PIP_FIND_LINKS PIP_INDEX_URL PIP_EXTRA_INDEX_URL
 t0=$(date +%s)
@@ -126,7 +129,7 @@ study_rc=${PIPESTATUS[0]}
 study_s=$(( $(date +%s) - t0 ))
 log "sweep exited $study_rc after ${study_s}s"
 
-# 4b. FALLBACK_SEEDS: a sweep that failed early (a first GPU run of it) leaves the rest of the call to the same
+# 4b. FALLBACK_SEEDS: a sweep that failed early (a first GPU run of it) leaves the rest of STUDY_LIMIT to the same
 # trials without Ray, MLflow or Optuna (benchmarks/evidence/gpu_full_protocol.py), its files in fallback.tar.gz
 if [ "$study_rc" != 0 ] && [ -n "${FALLBACK_SEEDS:-}" ] && [ "$study_s" -lt 180 ]; then
   left=$(( STUDY_LIMIT - study_s ))

@@ -1,22 +1,22 @@
-"""The wheel set that lets a study (Ray + Optuna + MLflow) run on a lent GPU machine (issue #40 item 5).
+"""The wheel set that lets a study (Ray + Optuna + MLflow) run on a GPU machine that reaches no package registry.
 
-That machine has Python and a CUDA torch but no Ray, MLflow or Optuna, reaches no package registry, and takes
-files only as this repository's working tree plus up to 8 git-ignored "carry" paths, 64 MiB in all per call.
+That machine has Python and a CUDA torch but no Ray, MLflow or Optuna; what it gets is a copy of this checkout
+with the wheel set and the datasets beside it, kept within 64 MiB in all (``COPY_LIMIT_BYTES``).
 This script writes, under the git-ignored ``.gpu/`` folder:
 
-    .gpu/wheels-cp312/   the wheels to carry: Ray (without its Java jars and web client, its ELF files
+    .gpu/wheels-cp312/   the wheels to copy: Ray (without its Java jars and web client, its ELF files
                          stripped, RECORD rewritten), Optuna, mlflow-skinny + what its SQLite store needs and
                          what they all need, less torch and what torch brings, less the scientific stack the
                          GPU image already holds (``PREINSTALLED``); manifest.json lists every wheel's size
-    .gpu/standin-cp312/  that scientific stack, never carried: the CPU check (check_wheelset.py) installs it
+    .gpu/standin-cp312/  that scientific stack, not copied: the CPU check (check_wheelset.py) installs it
                          first, as a stand-in for the GPU image
-    .gpu/datasets/       the datasets to carry (interactions + semantic IDs, the item texts left out)
+    .gpu/datasets/       the datasets to copy (interactions + semantic IDs, the item texts left out)
 
     python benchmarks/gpu/wheelset.py --python-version 3.12 --datasets office   # the GPU machine's
     python benchmarks/gpu/wheelset.py --python-version 3.11                     # this machine's check
 
 Versions are those the test suite passed with (constraints.txt, and ``STORE_PINS``); pip resolves the rest for the
-target Python. See docs/gpu.md for the run call and the sizes.
+target Python. See docs/gpu.md for the steps on the GPU machine and the sizes.
 """
 from __future__ import annotations
 
@@ -37,12 +37,12 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_DIR = ROOT / ".gpu"  # git-ignored (.gitignore), so only `carry` takes it to the machine
+GPU_DIR = ROOT / ".gpu"  # git-ignored (.gitignore): copied to the GPU machine beside the checkout, never committed
 MIB = 1024 * 1024
-CALL_LIMIT_BYTES = 64 * MIB  # the run tool's limit on the working tree plus carried paths
+COPY_LIMIT_BYTES = 64 * MIB  # the budget for what is copied to the GPU machine: working tree, wheel set, datasets
 
 # ray[tune,train] without [default]: a study starts its local Ray without the dashboard (study/cluster/ray_cluster.py), the
-# only user of [default]'s State API; apao train keeps it and is not what the GPU call runs
+# only user of [default]'s State API; apao train keeps it and is not what study.sh runs
 REQUIREMENTS = ["ray[tune,train]", "optuna", "mlflow-skinny",
                 # skinny declares no store: the SQLite store needs SQLAlchemy and Alembic, and imports cryptography
                 # (mlflow/store/model_registry/dbmodels/models.py: Fernet), found by the CPU check
@@ -53,7 +53,7 @@ STORE_PINS = ["sqlalchemy==2.1.9", "alembic==1.20.1", "cryptography==50.0.2"]
 # Size, not need: SQLAlchemy's pure-Python wheel is 2.0 MB against 4.5 MB for its compiled one, and a study
 # writes a few rows a second
 PURE_PYTHON = ["sqlalchemy"]
-# What the lent GPU machines' image holds (its package list, read 2026-11-17), too big to carry (pyarrow alone
+# What the GPU machine's image holds (its package list, read 2026-11-17), too big to copy (pyarrow alone
 # is ~40 MB) and imported by the product: assumed there, with whatever they need
 PREINSTALLED = ["numpy", "pandas", "pyarrow", "scipy", "scikit-learn", "matplotlib"]
 # the platforms of manylinux wheels that glibc >= 2.28 runs (this machine: 2.36; the GPU image: newer)
@@ -223,7 +223,7 @@ def copy_datasets(names: list[str], data_dir: Path, destination: Path) -> list[P
 
 
 def tree_bytes() -> int:
-    """What the run tool sends without `carry`: tracked files and untracked files git does not ignore."""
+    """The checkout's own files as a copy of it holds them: tracked files and untracked files git does not ignore."""
     listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                             check=True, capture_output=True).stdout.split(b"\0")
     return sum((ROOT / name.decode()).stat().st_size for name in listed if name and (ROOT / name.decode()).is_file())
@@ -268,9 +268,9 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--python-version", default=f"{sys.version_info.major}.{sys.version_info.minor}",
                         help="the target machine's Python, X.Y (default: this one's; the GPU machine's: check "
-                             "`python3 --version` in the first device call, 3.12.3 when last read)")
+                             "`python3 --version` there, 3.12.3 when last read)")
     parser.add_argument("--preinstalled", default=",".join(PREINSTALLED),
-                        help="comma list of packages the target already holds, not carried (default %(default)s)")
+                        help="comma list of packages the target already holds, not copied (default %(default)s)")
     parser.add_argument("--datasets", default="", help="comma list copied into .gpu/datasets, e.g. office,grocery")
     parser.add_argument("--data-dir", type=Path,
                         default=Path(os.environ.get("APAO_DATA_DIR", ROOT.parent / "shared" / "datasets")))
@@ -292,10 +292,10 @@ def main() -> None:
           f"{rebuilt['bytes_dropped'] / MIB:.1f} MiB) and ELF symbol tables ({rebuilt['bytes_stripped'] / MIB:.1f} "
           f"MiB): {rebuilt['bytes_before'] / MIB:.1f} -> {rebuilt['bytes_after'] / MIB:.1f} MiB")
     print(f"wheel set {manifest['total_bytes'] / MIB:.1f} MiB ({len(manifest['wheels'])} wheels) + working tree "
-          f"{tree / MIB:.1f} MiB + .gpu/datasets {data / MIB:.1f} MiB = {total / MIB:.1f} MiB of the call's "
-          f"{CALL_LIMIT_BYTES / MIB:.0f} MiB")
-    if total > CALL_LIMIT_BYTES:
-        sys.exit(f"over the call's limit by {(total - CALL_LIMIT_BYTES) / MIB:.1f} MiB")
+          f"{tree / MIB:.1f} MiB + .gpu/datasets {data / MIB:.1f} MiB = {total / MIB:.1f} MiB of the "
+          f"{COPY_LIMIT_BYTES / MIB:.0f} MiB copy budget")
+    if total > COPY_LIMIT_BYTES:
+        sys.exit(f"over the copy budget by {(total - COPY_LIMIT_BYTES) / MIB:.1f} MiB")
 
 
 if __name__ == "__main__":
