@@ -51,9 +51,10 @@ PER_USER_VALID_FILE = "per_user_valid.csv.gz"
 SCRATCH_PREFIX = "apao-worker-"  # + the run's name and directory (scratch_prefix): a worker's scratch in the system temp dir
 
 
-def counted(number: int, noun: str) -> str:
-    """``1 trial``, ``2 trials``: a count with its noun in the number it needs (every layer's messages)."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
+def counted(number: int, noun: str, plural: str | None = None) -> str:
+    """``1 trial``, ``2 trials``, ``1 study``/``2 studies`` (``plural`` given): a count with its noun in the number
+    it needs (every layer's messages)."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
 def train_run_name(trial_id: str) -> str:

@@ -217,6 +217,10 @@ def test_cli_report_from_a_folder_of_exports_and_bad_input(tmp_path, capsys):
                  str(tmp_path / "out"), "--resamples", "200"]) == 0
     report = (tmp_path / "out" / "report.md").read_text()
     assert "office-s1" in report and "office-s0" not in report and "| 1 (1 seed) |" in _section(report, "Test metrics")[2]
+    assert capsys.readouterr().out.strip().endswith("(1 study)")
+    header, _, *rows = _section(report, "Test metrics")
+    epoch = [c.strip() for c in header.strip("|").split("|")].index("best epoch")
+    assert rows and {[c.strip() for c in row.strip("|").split("|")][epoch] for row in rows} == {"2"}  # a count, not 2.0
     assert main(["report", "--exports", str(tmp_path / "results" / "office-s0"), str(tmp_path / "results" / "office-s1"),
                  "--out", str(tmp_path / "both"), "--resamples", "200"]) == 0  # one flag, several directories
     assert "| 0,1 (2 seeds) |" in _section((tmp_path / "both" / "report.md").read_text(), "Test metrics")[2]

@@ -9,6 +9,7 @@ matplotlib.use("Agg")  # files only, no display (also inside headless CI)
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..names import counted  # noqa: E402
 from .results import Method, prefix_keys  # noqa: E402
 
 SEED_STYLES = ("-", "--", ":", "-.")
@@ -43,7 +44,7 @@ def prefix_recall(methods: list[Method], path: Path) -> Path | None:
             means = [s[0] for s in stats]
             spreads = [0.0 if np.isnan(s[1]) else s[1] for s in stats]
             axis.errorbar(range(1, len(keys) + 1), means, yerr=spreads, marker="o", capsize=3,
-                          label=f"{method.label} ({len(method.trials)} seeds)")
+                          label=f"{method.label} ({counted(len(method.trials), 'seed')})")
         axis.set(title=f"{dataset} / {backbone}", xlabel="prefix length m (beam step)",
                  ylabel=keys[0].rsplit("_m", 1)[0].replace("test/", "test ") + "_m", xticks=range(1, len(keys) + 1))
         axis.legend(fontsize=8)

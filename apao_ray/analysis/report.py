@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cli.types import positive_int
-from ..names import PLAN_TAG, PLUGINS_ENV
+from ..names import PLAN_TAG, PLUGINS_ENV, counted
 from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export, sole_study
 from .grid import build_grid, load_queue, queue_path_default
@@ -33,12 +33,15 @@ def _number(value: float | None, digits: int = 4) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
-def _mean_std(method: Method, key: str, digits: int = 4) -> str:
+def _mean_std(method: Method, key: str, digits: int = 4, whole: bool = False) -> str:
+    """The mean ± sd over a method's seeds; one seed: its value (``whole``: a count such as an epoch, as an int)."""
     stats = method.mean_std(key)
     if stats is None:
         return "-"
     mean, std = stats
-    return _number(mean, digits) if math.isnan(std) else f"{mean:.{digits}f} ± {std:.{digits}f}"
+    if math.isnan(std):
+        return str(int(mean)) if whole and float(mean).is_integer() else _number(mean, digits)
+    return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
 def _paper_cell(method: Method) -> str:
@@ -56,7 +59,7 @@ def _metrics_table(methods: list[Method]) -> list[str]:
         cells = [method.dataset, method.backbone, method.label, seeds_text(method.seeds),
                  *(_mean_std(method, key) for key in TEST_METRICS), _paper_cell(method),
                  method.tag_values("apao.protocol", "paper"), method.tag_values("apao.schedule"),
-                 method.tag_values("apao.precision"), _mean_std(method, "best/epoch", 1),
+                 method.tag_values("apao.precision"), _mean_std(method, "best/epoch", 1, whole=True),
                  ",".join(str(n) for n in map(_epochs_trained, method.trials) if n is not None) or "-",
                  _epoch_seconds(method), method.convergence]
         lines.append("| " + " | ".join(cells) + " |")
@@ -298,7 +301,7 @@ def _main(args: argparse.Namespace) -> int:
             export_study(args.tracking_uri, study, directory)
             exports.append(load_export(directory))
     report = build_report(exports, args.out, args.baseline, args.trials, args.resamples, args.data_dir)
-    print(f"wrote {report} ({len(exports)} studies)")
+    print(f"wrote {report} ({counted(len(exports), 'study', 'studies')})")
     return 0
 
 
