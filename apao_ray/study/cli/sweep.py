@@ -11,7 +11,7 @@ from typing import Any
 from ...names import counted
 from ...paths import absolute_data_dir_env, add_tracking_uri_argument
 from ...protocol import KNOBS
-from ..spec.study import QUICK_SETTINGS, StudySpec, quick_negatives
+from ..spec.study import StudySpec, quick_changes
 from .fields import add_field_arguments, field_values, number
 from .protocol import add_protocol_arguments
 
@@ -91,18 +91,10 @@ def given_flags(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
 
 
 def apply_quick(args: argparse.Namespace, given: set[str]) -> None:
-    """--quick / --smoke settings, except for the options written explicitly."""
+    """--quick / --smoke settings (``spec.study.quick_changes``), except for the options written explicitly."""
     if args.quick or args.smoke:
-        for name, value in {**QUICK_SETTINGS, "num_samples": min(args.num_samples, 3)}.items():
-            if name not in given:
-                setattr(args, name, value)
-        # grace past the last epoch: 2 epochs leave ASHA nothing to compare, every trial reaches its test
-        if "patience" not in given:
-            args.patience = args.epochs
-        if "asha_grace_period" not in given:
-            args.asha_grace_period = args.epochs + 1
-        if "negatives" not in given and "num_negatives" not in dict(args.knob_ranges or []):  # --knob's range wins
-            args.negatives = quick_negatives(args.losses)
+        for name, value in quick_changes(vars(args), given).items():
+            setattr(args, name, value)
     if args.smoke:
         args.dataset = "synthetic"
 

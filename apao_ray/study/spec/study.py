@@ -9,14 +9,14 @@ The sweep CLI only turns flags into a StudySpec; a notebook builds one directly:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, replace
 from typing import Any
 
 from ...config import BACKBONE_NAMES, FULL_SORT_TEST, PRECISIONS, PROTOCOL_NAMES
 from ...data.files import canonical_dataset, dataset_label, is_dataset_path, known_dataset_names
 from ...paths import check_plain_name
 from .duration import parse_duration
-from .fields import check_bounds, document, option
+from .fields import check_bounds, document, option, table
 from .space import SearchSpec, tunes
 
 DEFAULT_LOSSES = ("ce", "apao_pointwise", "apao_pairwise")
@@ -34,6 +34,20 @@ ALIAS_FLAGS = {"beta": "--beta", "eta": "--eta", "num_negatives": "--negatives"}
 def quick_negatives(losses: tuple[str, ...]) -> tuple[int, int] | None:
     """The quick range of negatives where a loss tunes them (None otherwise: nothing to give)."""
     return QUICK_NEGATIVES if any(tunes(name, "num_negatives") for name in losses) else None
+
+
+def quick_changes(values: dict[str, Any], given: set[str]) -> dict[str, Any]:
+    """What --quick (and ``StudySpec.quick``) changes in a study whose inputs are ``values``, leaving the inputs
+    named in ``given`` as written: the settings above, 3 trials per tuned method, patience = epochs, ASHA's grace
+    past the last epoch (2 epochs leave it nothing to compare: every trial reaches its test), and the quick range
+    of negatives unless a --knob range of them is the one to search. The one definition both routes read."""
+    changes = {name: value for name, value in {**QUICK_SETTINGS, "num_samples": 3}.items() if name not in given}
+    now = {**values, **changes}
+    derived = {"patience": now["epochs"], "asha_grace_period": now["epochs"] + 1}
+    changes.update({name: value for name, value in derived.items() if name not in given})
+    if "negatives" not in given and "num_negatives" not in dict(now.get("knob_ranges") or {}):
+        changes["negatives"] = quick_negatives(tuple(now["losses"]))
+    return changes
 
 
 @dataclass(frozen=True)
@@ -181,13 +195,11 @@ class StudySpec:
 
     @classmethod
     def quick(cls, **changes: Any) -> "StudySpec":
-        """A plumbing check (tiny model, data subset, 2 epochs, no ASHA stopping); ``changes`` win."""
-        values: dict[str, Any] = {**QUICK_SETTINGS, "num_samples": 2, **changes}
-        if "num_negatives" not in values.get("knob_ranges", {}):  # a --knob range of them is the one to search
-            values.setdefault("negatives", quick_negatives(tuple(values["losses"])))
-        values.setdefault("patience", values["epochs"])
-        values.setdefault("asha_grace_period", values["epochs"] + 1)  # 2 epochs leave ASHA nothing to compare
-        return cls(**values)
+        """``--quick``: a plumbing check (tiny model, data subset, 2 epochs, no ASHA stopping; ``quick_changes``);
+        ``changes`` win."""
+        defaults = {entry.name: entry.default if entry.default is not MISSING else entry.default_factory()
+                    for entry in table(cls)}
+        return cls(**{**changes, **quick_changes({**defaults, **changes}, set(changes))})
 
     def replace(self, **changes: Any) -> "StudySpec":
         return replace(self, **changes)  # re-checked
