@@ -163,3 +163,23 @@ def test_a_non_finite_loss_fails_the_run_once_with_its_reason(tmp_path):
     assert re.search(r"trial nan failed: NonFiniteLossError: training loss became (inf|nan) in epoch 1 \(loss "
                      r"'apao_pairwise', lr [\d.e-]+; optimizer step 1 of \d+\)", result.stderr), result.stderr[-3000:]
     assert result.stderr.count("Setting up process group") == 1  # one worker group: no restart
+
+
+def test_train_and_sweep_build_the_same_trial_from_the_same_flags():
+    """The flags the two commands share (StudySpec's trial group) reach a trial through one builder
+    (spec/trial.py): the same data, model and schedule from `train` as from each trial of `sweep`."""
+    from dataclasses import asdict
+
+    from apao_ray.study.cli import sweep, train
+    from apao_ray.study.setup import trial_base
+
+    flags = ["--epochs", "7", "--patience", "3", "--batch-size", "64", "--effective-batch-size", "512", "--lr", "0.002",
+             "--beam-size", "10", "--max-train-samples", "999", "--eval-max-users", "50", "--model-size", "tiny",
+             "--precision", "fp32", "--group-by-length", "--seed", "5", "--test-every-epoch"]
+    one = train.trial_config_from_args(train.build_parser().parse_args(flags))
+    every = trial_base(sweep.spec_from_args(sweep.build_parser().parse_args([*flags, "--losses", "ce"])), None)
+    assert one.data == every.data and one.model == every.model
+    study_only = {"retention_users"}  # the study's own TrainConfig field: how many users its retention probe reads
+    assert {k: v for k, v in asdict(one.train).items() if k not in study_only} == \
+           {k: v for k, v in asdict(every.train).items() if k not in study_only}
+    assert (one.train.epochs, one.train.batch_size, one.train.seed, one.model.d_model) == (7, 64, 5, every.model.d_model)

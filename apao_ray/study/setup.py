@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig
+from ..config import LossConfig, TrialConfig
 from ..hardware import available_cpus
 from .spec.study import StudySpec, with_pretrain
+from .spec.trial import trial_config
 
 PARENT_ROLE_TAG = "apao.role"  # with the study tag, what finds a study's MLflow parent run
 
@@ -101,21 +102,11 @@ def prepare(spec: StudySpec) -> StudySetup:
 def trial_base(spec: StudySpec, data_dir: str) -> TrialConfig:
     """Every trial's config as asked, reading the dataset from ``data_dir`` (where the driver found it: the
     trials read it there, from any working directory, never downloading)."""
-    from ..data import canonical_dataset
     from ..protocol import apply_protocol
 
-    workers = spec.workers_per_trial  # a micro-batch on each of a trial's workers per optimizer step
-    base = TrialConfig(
-        DataConfig(dataset=canonical_dataset(spec.dataset), data_dir=data_dir),
-        ModelConfig(**(TINY_MODEL if spec.model_size == "tiny" else {})),
-        LossConfig(num_negatives=int(spec.search.range_named("num_negatives")[1])),
-        TrainConfig(epochs=spec.epochs, patience=spec.patience, batch_size=spec.batch_size,
-                    effective_batch_size=max(spec.effective_batch_size, (spec.batch_size or 0) * workers),
-                    lr=spec.lr, num_workers=workers, beam_size=spec.beam_size, seed=spec.search_seed,
-                    max_train_samples=spec.max_train_samples, eval_max_users=spec.eval_max_users,
-                    precision=spec.precision, group_by_length=spec.group_by_length, use_gpu=spec.gpus_per_trial > 0,
-                    retention_users=spec.retention_users, full_sort_test=spec.full_sort_test,
-                    test_every_epoch=spec.test_every_epoch))
+    base = trial_config(spec, LossConfig(num_negatives=int(spec.search.range_named("num_negatives")[1])),
+                        seed=spec.search_seed, workers=spec.workers_per_trial, use_gpu=spec.gpus_per_trial > 0,
+                        data_dir=data_dir, retention_users=spec.retention_users)
     # eta stays searched under every protocol; the preset's weighting and other knobs hold for all trials
     return apply_protocol(base, spec.protocol, {k: v for k, v in spec.protocol_knobs.items() if k != "eta"})
 

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from ...cli.types import non_negative_float, non_negative_int, positive_int
-from ...config import (BACKBONE_NAMES, TINY_MODEL, DataConfig, LossConfig, ModelConfig, TrainConfig,
-                      TrialConfig)
-from ...data import canonical_dataset, dataset_label
+from ...config import BACKBONE_NAMES, LossConfig, TrialConfig
+from ...data import dataset_label
 from ...hardware import available_cpus
 from ...paths import absolute_data_dir_env
 from ...protocol import check_select_by, protocol_tag, resolved_knobs
 from ..spec.study import StudySpec
+from ..spec.trial import trial_config
 from .fields import add_field_arguments, registered_names
 from .protocol import add_protocol_arguments, apply_protocol_arguments
 
@@ -26,17 +26,6 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     each declared once there, at the paper's schedule (200 epochs, patience 20) for one trial."""
     add_field_arguments(parser, StudySpec, group="trial", defaults={"epochs": 200, "patience": 20})
     parser.add_argument("--smoke", action="store_true", help="tiny synthetic run on CPU (what the tests run)")
-
-
-def train_config_from_args(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
-    one_step = (args.batch_size or 0) * getattr(args, "num_workers", 1)  # a micro-batch on every worker
-    values = dict(epochs=args.epochs, patience=args.patience, batch_size=args.batch_size,
-                  effective_batch_size=max(args.effective_batch_size, one_step), lr=args.lr, beam_size=args.beam_size,
-                  seed=args.seed, max_train_samples=args.max_train_samples,
-                  eval_max_users=args.eval_max_users, precision=args.precision, group_by_length=args.group_by_length,
-                  full_sort_test=args.full_sort_test, test_every_epoch=args.test_every_epoch)
-    values.update(overrides)
-    return values
 
 
 def apply_smoke(args: argparse.Namespace) -> None:
@@ -90,15 +79,14 @@ def trial_config_from_args(args: argparse.Namespace) -> TrialConfig:
 
     if args.loss not in LOSSES:
         raise ValueError(f"unknown loss {args.loss!r}; choose from {sorted(LOSSES)}")
-    model = ModelConfig(backbone=args.backbone, **(TINY_MODEL if args.model_size == "tiny" else {}))
     knobs = loss_knobs(args, LOSSES[args.loss].knobs)
     if "eta" in knobs:  # a protocol knob too (--eta): the preset's value yields to it
         if args.eta is not None:
             raise ValueError(f"eta was given twice, by --eta {args.eta} and by --knob eta={knobs['eta']}; give one")
         args.eta = knobs.pop("eta")
     loss = LossConfig(name=args.loss, pretrain_ce_epochs=args.pretrain_ce_epochs).with_knobs(knobs)
-    train = TrainConfig(**train_config_from_args(args, num_workers=args.num_workers, use_gpu=args.use_gpu))
-    config = TrialConfig(DataConfig(dataset=canonical_dataset(args.dataset), data_dir=_abs(args.data_dir)), model, loss, train)
+    config = trial_config(args, loss, seed=args.seed, workers=args.num_workers, use_gpu=args.use_gpu,
+                          data_dir=_abs(args.data_dir), backbone=args.backbone)
     return apply_protocol_arguments(config, args)
 
 
