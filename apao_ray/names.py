@@ -11,6 +11,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 # modules that define losses outside the package (comma-separated), imported by apao_ray.losses in the
 # driver and in every Ray worker (the study passes it through Ray's runtime_env)
@@ -34,6 +35,17 @@ COHORT_TAG = "apao.cohort"  # on a repeat trained in a fused cohort (--cohort-si
 # which needs the dataset): `best` and `report`, reading MLflow or an export alone, say the same
 CONVERGED_TAG = "apao.converged"
 PLAN_TAG = "apao.plan"  # on a study's parent run: what its plan answers, its budget protocol, its deferred methods
+
+# the metric a trial logs once it has tested its kept model: its presence is what "the trial reached its test" means
+TESTED_KEY = "test/ndcg_at_10"
+
+
+def reached_test(metrics: Any) -> bool:
+    """Whether a trial's metrics (a dict, MLflow's ``run.data.metrics``, an export's record) include its test: the
+    one reading of "finished with a result" the table, the report, the seeds, the pruned trials' tests and the
+    API share."""
+    return TESTED_KEY in metrics
+
 
 # every report of a trial, one JSON line each, appended across restarts, in its run directory
 REPORTS_FILE = "metrics.jsonl"

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, TypeVar
 import numpy as np
 import pandas as pd
 
-from ..names import CONVERGED_TAG, REPEATS_TAG, counted
+from ..names import CONVERGED_TAG, REPEATS_TAG, counted, reached_test
 from .export import StudyExport
 from .paper import table1
 from .per_user import PER_USER_METRICS
@@ -228,7 +228,7 @@ def finished_trials(exports: list[StudyExport], which: str = "best") -> list[Tri
     if which not in TRIAL_CHOICES:
         raise ValueError(f"unknown trial selection {which!r}; choose from {list(TRIAL_CHOICES)}")
     trials = [Trial(export, record) for export in exports for record in export.trials
-              if record["status"] == "FINISHED" and "test/ndcg_at_10" in record["metrics"]]
+              if record["status"] == "FINISHED" and reached_test(record["metrics"])]
     if which == "all":
         return trials
     groups: dict[tuple[str, str, str], list[Trial]] = {}
@@ -254,7 +254,7 @@ def unfinished_trials(exports: list[StudyExport]) -> list[Trial]:
     """Trials that trained at least one epoch but have no test metrics (still running, interrupted,
     pruned or failed): the report shows how far their validation curves got."""
     return [Trial(export, record) for export in exports for record in export.trials
-            if not (record["status"] == "FINISHED" and "test/ndcg_at_10" in record["metrics"])
+            if not (record["status"] == "FINISHED" and reached_test(record["metrics"]))
             and "val/ndcg_at_10" in record["metrics"]]
 
 

@@ -5,6 +5,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from ..names import reached_test
 from .record.outcomes import short_reason
 from .plan.plan import Plan, cost_summary, make_plan, method_config, validation_users
 from .plan.probe_cache import record_observed
@@ -166,7 +167,7 @@ def trial_row(row: dict[str, Any]) -> dict[str, Any]:
     if row["error"]:
         status = f"failed: {short_reason(row['error'])}"
     else:
-        status = "finished" if "test/ndcg_at_10" in metrics else "stopped"
+        status = "finished" if reached_test(metrics) else "stopped"
     return {**row["choices"], "seed": row.get("seed"), "repeats": row.get("repeats"), **metrics, "status": status}
 
 

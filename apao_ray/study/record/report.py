@@ -8,7 +8,7 @@ from typing import Any
 
 from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check, recorded_knobs, \
     seeds_text
-from ...names import PLAN_TAG, REPEATS_TAG
+from ...names import PLAN_TAG, REPEATS_TAG, reached_test
 from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
@@ -27,7 +27,7 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
     query = "attributes.status = 'FINISHED'" + (f" and tags.`apao.study` = '{study}'" if study else "")
     groups: dict[tuple[str, str], list[Any]] = {}
     for run in tracker.child_runs(filter_string=query):
-        if REPEATS_TAG not in run.data.tags and "test/ndcg_at_10" in run.data.metrics:
+        if REPEATS_TAG not in run.data.tags and reached_test(run.data.metrics):
             groups.setdefault((run.data.tags.get("backbone", "?"), run.data.tags.get("loss", "?")), []).append(run)
     best = {key: best_of(runs, lambda r: r.data.metrics.get(metric), lambda r: r.info.start_time or 0)
             for key, runs in groups.items()}
@@ -263,7 +263,7 @@ def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str,
     for row in rows:
         label = f"{row['choices']['backbone']}/{row['choices']['loss']}"
         value = row["metrics"].get("best/val/ndcg_at_10", -1.0)
-        if "test/ndcg_at_10" in row["metrics"] and value > best.get(label, {}).get("value", -2.0):
+        if reached_test(row["metrics"]) and value > best.get(label, {}).get("value", -2.0):
             best[label] = {"label": label, "metrics": row["metrics"], "value": value}
     if best:
         figure = plots.prefix_recall_figure(list(best.values()), beam_size)

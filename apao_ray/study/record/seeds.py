@@ -15,7 +15,7 @@ from typing import Any
 
 from ...analysis.per_user import PER_USER_FILE, read_per_user
 from ...analysis.results import Method, Trial, compare_methods, with_repeats
-from ...names import PER_USER_VALID_FILE, SUMMED
+from ...names import PER_USER_VALID_FILE, SUMMED, reached_test
 
 TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
 STD_SUFFIX = " std"
@@ -57,7 +57,7 @@ def seed_methods(source: RunSource, best_run_ids: list[str]) -> list[Method]:
     """One ``Method`` per best run (in their order): that run and the finished, tested repeats of its
     configuration on other seeds."""
     trials = [Trial(source, record) for record in source.trials]
-    finished = [t for t in trials if t.record["status"] == "FINISHED" and "test/ndcg_at_10" in t.metrics]
+    finished = [t for t in trials if t.record["status"] == "FINISHED" and reached_test(t.metrics)]
     by_id = {trial.run_id: trial for trial in trials}
     return [Method(trial.dataset, trial.backbone, trial.loss, trial.method, with_repeats([trial], finished))
             for trial in (by_id[run_id] for run_id in best_run_ids)]

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ...names import train_run_name
+from ...names import reached_test, train_run_name
 from ..record.outcomes import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
 
 TESTED_TAG = "apao.tested_on"
@@ -57,7 +57,7 @@ def evaluate_pruned_trials(tracker: Any, parent_run_id: str, train_root: str, nu
     import ray
 
     runs = [run for run in tracker.child_runs(parent_run_id)
-            if run.data.tags.get(OUTCOME_TAG, "").startswith(PRUNED) and "test/ndcg_at_10" not in run.data.metrics]
+            if run.data.tags.get(OUTCOME_TAG, "").startswith(PRUNED) and not reached_test(run.data.metrics)]
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(evaluate_checkpoint)
     pending = {}
     for run in runs:
