@@ -104,8 +104,10 @@ def test_the_significance_column_pools_seeds_per_user_and_holm_corrects_over_met
         assert low < difference.mean() < high
         assert float(p_text) == pytest.approx(holm[loss], rel=0.01, abs=1e-6)
     assert cells[("tiger", "apao_pointwise")].startswith("+0.05")  # a real shift of +0.05
-    # two seeds leave the seed term 1 degree of freedom: a real +0.05 is found, at a modest p
-    assert float(cells[("tiger", "apao_pointwise")].split("p_holm = ")[1].split(" ")[0]) < 0.05
+    # two seeds leave 1 degree of freedom: a real +0.05 with seed means ~0.01 apart stands out from the method with
+    # no shift but is not significant at 2 seeds (t quantile 12.7)
+    p_holm = {loss: float(cells[("tiger", loss)].split("p_holm = ")[1].split(" ")[0]) for loss in pooled}
+    assert 0.05 < p_holm["apao_pointwise"] < 0.2 < p_holm["apao_pairwise"], p_holm
 
 
 def test_a_method_without_per_user_tables_or_baseline_says_why():

@@ -128,6 +128,17 @@ def test_seeds_that_disagree_on_test_cannot_tell_test_from_validation(tmp_path, 
     assert "test" not in drift.seed_level(exports(tmp_path / "c", [0.1]))    # one seed: no spread, no interval
 
 
+def test_the_spread_test_pairs_the_two_splits_by_seed(drift):
+    """Two equally spread splits give p 0.5; a second split three times
+    as spread as the first, seed by seed, gives a small p."""
+    first = np.array([1.0, 2.0, 3.0, 4.0])
+    equal = drift.paired_variance_test(first, np.array([2.0, 1.0, 4.0, 3.0]))
+    assert equal["ratio"] == pytest.approx(1.0) and equal["p_one_sided"] == pytest.approx(0.5)
+    assert equal["p_two_sided"] == pytest.approx(1.0)
+    wider = drift.paired_variance_test(first, 3 * first + np.array([0.1, -0.1, 0.0, 0.05]))
+    assert wider["ratio"] > 8 and wider["p_one_sided"] < 0.01
+
+
 def test_a_running_studys_export_prints_its_curves_so_far_and_no_band_table(tmp_path, dataset, drift, capsys,
                                                                             monkeypatch):
     """A study still training has per-epoch curves and no per-user tables: the script prints the curves."""

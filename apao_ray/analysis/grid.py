@@ -16,6 +16,7 @@ from .paper import TABLE1
 from .results import (SELECTION_METRIC, Method, Paired, Trial, compare_methods, finished_trials, group_methods,
                       unfinished_trials)
 from .stats import INTERVALS_NOTE
+from .subsets import subset_sections
 
 GRID_FILE = "grid.md"
 # the grid's cells: paper Table 1's CE and APAO rows on the datasets whose interactions are public (Yelp's are not)
@@ -159,6 +160,7 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
         *lines, "",
         "## Other full-length runs (not paper cells)", "", *(other_lines or ["(none)"]), "",
         *baseline_sections({**{d: None for d, _, _ in GRID_CELLS}, **recorded_datasets(exports)}, data_dir),
+        *subset_sections(list(paper_methods.values()), data_dir),
         "## The queue (benchmarks/evidence/queue.json), in order", "", *(pending or ["(empty)"]), "",
     ]
     out_dir = Path(out_dir)

@@ -21,6 +21,7 @@ from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export, sole_study
 from .grid import build_grid, load_queue, queue_path_default
 from .heuristics import baseline_sections, recorded_datasets
+from .subsets import subset_sections
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
                       Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials,
                       seeds_text, unknown_knobs)
@@ -234,6 +235,7 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
     else:
         lines += [f"No method to compare: each (dataset, backbone) needs a `{baseline}` trial and another method.", ""]
     lines += baseline_sections(recorded_datasets(exports), data_dir)
+    lines += subset_sections(methods, data_dir, baseline, num_resamples)
     alternatives = _alternative_metrics(methods)
     if alternatives and compared:
         lines += ["## The same differences at the epoch each selection rule keeps, and by the full sort", "",

@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from scipy.stats import f as fisher_f, t as student_t
+from scipy.stats import t as student_t
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -145,6 +145,24 @@ def by_band(dataset, exports: list[str], metric: str = "ndcg_at_10") -> dict:
     return result
 
 
+def paired_variance_test(first: np.ndarray, second: np.ndarray) -> dict:
+    """Is ``second`` more spread than ``first``, the two paired (one pair per seed)? Not an F test, which takes
+    them as independent: Pitman-Morgan's, the correlation of the pairs' sums and differences (0 exactly when the
+    variances are equal), t on n - 2 degrees of freedom, one- and two-sided."""
+    r = float(np.corrcoef(second + first, second - first)[0, 1])
+    statistic = r * math.sqrt((len(first) - 2) / max(1.0 - r * r, 1e-300))
+    return {"ratio": float(np.var(second, ddof=1) / np.var(first, ddof=1)), "paired_correlation": r,
+            "p_one_sided": float(student_t.sf(statistic, len(first) - 2)),
+            "p_two_sided": float(2 * student_t.sf(abs(statistic), len(first) - 2))}
+
+
+def _at_lowest_loss(trial, metric: str) -> float:
+    """Validation ``metric`` at the trial's lowest validation CE loss (``val/loss_ce``, which every trial logs
+    whatever its training loss: one definition for every seed), NaN without it."""
+    loss = trial.history("val/loss_ce").dropna()
+    return float(trial.history(f"val/{metric}")[int(loss.idxmin())]) if not loss.empty else float("nan")
+
+
 def seed_level(exports: list[str], metric: str = "ndcg_at_10", window: int = 10) -> dict:
     """Per seed: APAO - CE on validation at the kept epochs and over the epochs around them, and on test at the
     kept epochs (per-user mean); over seeds: each one's mean and sd, and validation - test with a t interval."""
@@ -162,17 +180,17 @@ def seed_level(exports: list[str], metric: str = "ndcg_at_10", window: int = 10)
         rows.append({"seed": seed, "kept_epochs": {"apao_pointwise": int(a.metrics["best/epoch"]),
                                                    "ce": int(c.metrics["best/epoch"])},
                      "valid_kept": float(a.metrics[f"best/val/{metric}"] - c.metrics[f"best/val/{metric}"]),
-                     "valid_around": float(around.mean()), "valid_around_epochs": int(len(around)), "test": test})
+                     "valid_around": float(around.mean()), "valid_around_epochs": int(len(around)), "test": test,
+                     "valid_lowest_loss": _at_lowest_loss(a, metric) - _at_lowest_loss(c, metric)})
     result = {"metric": metric, "window": window, "per_seed": rows}
     if len(rows) < 2:
         return result
     for key in ("valid_kept", "valid_around", "test"):
         values = np.array([r[key] for r in rows])
         result[key] = {"mean": float(values.mean()), "sd_over_seeds": float(values.std(ddof=1))}
-    if result["valid_kept"]["sd_over_seeds"] > 0:  # does test spread over seeds more than validation does?
-        ratio = (result["test"]["sd_over_seeds"] / result["valid_kept"]["sd_over_seeds"]) ** 2
-        result["test_over_valid_kept_variance"] = {
-            "ratio": ratio, "p_one_sided": float(fisher_f.sf(ratio, len(rows) - 1, len(rows) - 1))}
+    if result["valid_kept"]["sd_over_seeds"] > 0 and len(rows) > 2:  # does test spread over seeds more than validation?
+        result["test_over_valid_kept_variance"] = paired_variance_test(
+            np.array([r["valid_kept"] for r in rows]), np.array([r["test"] for r in rows]))
     for key in ("valid_kept", "valid_around"):
         d = np.array([r[key] - r["test"] for r in rows])
         se = d.std(ddof=1) / math.sqrt(len(d))
@@ -251,15 +269,17 @@ def main() -> int:
         result["seed_level"] = level = seed_level(args.exports, window=args.window)
         if "test" in level:
             print(f"APAO - CE {level['metric']} per seed at the kept epochs: validation, validation over the kept "
-                  f"epochs +/- {level['window']}, test")
+                  f"epochs +/- {level['window']}, test; validation at each trial's lowest val/loss_ce")
             for row in level["per_seed"]:
-                print(f"  seed {row['seed']:<3}{row['valid_kept']:>+9.4f}{row['valid_around']:>+9.4f}{row['test']:>+9.4f}")
+                print(f"  seed {row['seed']:<3}{row['valid_kept']:>+9.4f}{row['valid_around']:>+9.4f}{row['test']:>+9.4f}"
+                      f"{row['valid_lowest_loss']:>+9.4f}")
             print("  mean    " + "".join(f"{level[k]['mean']:>+9.4f}" for k in ("valid_kept", "valid_around", "test")))
             print("  sd      " + "".join(f"{level[k]['sd_over_seeds']:>9.4f}" for k in ("valid_kept", "valid_around", "test")))
             spread = level.get("test_over_valid_kept_variance")
             if spread:
                 print(f"  test's variance over seeds / validation's at the kept epochs: {spread['ratio']:.1f} "
-                      f"(F({len(level['per_seed']) - 1}, {len(level['per_seed']) - 1}) one-sided p {spread['p_one_sided']:.2f})")
+                      f"(paired by seed, Pitman-Morgan t({len(level['per_seed']) - 2}) one-sided p "
+                      f"{spread['p_one_sided']:.2f}, two-sided {spread['p_two_sided']:.2f})")
             for key, name in (("valid_kept", "kept epochs"), ("valid_around", "around them")):
                 d = level[f"{key}_minus_test"]
                 print(f"  validation ({name}) - test: {d['mean']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}], "

@@ -1,0 +1,55 @@
+"""Memorization and generalization subsets: the labels against a brute-force count on the synthetic dataset, and
+the report's subset table on fabricated exports with a known difference on each subset."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from apao_ray.analysis.export import load_export
+from apao_ray.analysis.results import finished_trials, group_methods
+from apao_ray.analysis.subsets import subset_difference, subset_table, transition_labels
+from apao_ray.data import load_dataset
+from test_analysis_report import NUM_USERS, _fabricate
+
+
+def test_labels_match_a_brute_force_count_of_training_transitions():
+    dataset = load_dataset("synthetic")
+    train, test = dataset.splits["train"], dataset.splits["test"]
+    seen = {(int(h), int(t)) for h, t in zip(train.histories[:, -1], train.targets) if h >= 0}
+    targets = set(train.targets.tolist())
+    labels = transition_labels(dataset)
+    assert len(labels) == len(test) and labels["user"].tolist() == [dataset.user_ids[u] for u in test.users]
+    expected = [int(h) >= 0 and (int(h), int(t)) in seen for h, t in zip(test.histories[:, -1], test.targets)]
+    assert labels["is_memorization"].tolist() == expected
+    assert labels["is_seen_target"].tolist() == [int(t) in targets for t in test.targets]
+    assert 0 < labels["is_memorization"].sum() < len(labels)  # both subsets present: the test can tell them apart
+
+
+def test_subset_table_shows_each_subsets_difference_with_its_interval(tmp_path):
+    """APAO gains ~2% of users, all of whom fall in the first half: the memorization half carries the whole
+    difference, the generalization half none."""
+    exports = [load_export(_fabricate(tmp_path, seed, effect=effect)) for seed, effect in ((0, 0.018), (1, 0.022))]
+    methods = group_methods(finished_trials(exports))
+    apao = next(m for m in methods if m.loss == "apao_pointwise")
+    ce = next(m for m in methods if m.loss == "ce")
+    gained = [set(a.per_user().loc[a.per_user()["ndcg_at_10"] > c.per_user()["ndcg_at_10"], "user"])
+              for a, c in zip(apao.trials, ce.trials)]
+    users = sorted(apao.trials[0].per_user()["user"])
+    memorized = set().union(*gained)
+    labels = pd.DataFrame({"user": users, "is_memorization": [u in memorized for u in users],
+                           "is_seen_target": [True] * len(users)})
+    generalization = subset_difference(apao, ce, labels, "generalization", num_resamples=200)
+    assert generalization.mean_difference == 0 and generalization.num_seeds == 2
+    memorization = subset_difference(apao, ce, labels, "memorization", num_resamples=200)
+    expected = np.mean([len(g) / len(memorized) for g in gained])
+    assert memorization.mean_difference == pytest.approx(expected)
+    heuristic = apao.trials[0].per_user()[["user", "ndcg_at_10", "recall_at_10"]]
+    rows = subset_table(methods, labels, {"a heuristic": heuristic}, num_resamples=200)
+    memo = [r for r in rows if r.startswith(f"| memorization | {len(memorized)} |")]
+    on_memo = heuristic[heuristic["user"].isin(memorized)]
+    assert len(memo) == 3 and memo[0].endswith(f"| a heuristic | - | {on_memo['ndcg_at_10'].mean():.4f} | "
+                                               f"{on_memo['recall_at_10'].mean():.4f} | |")
+    assert any(f"+{expected:.4f} [" in r and "over seeds and users (2 seeds), p_holm = " in r for r in memo)
+    assert not any(r.startswith("| unseen target |") for r in rows)  # no user in it: no rows
+    assert len([r for r in rows if r.startswith(f"| generalization | {NUM_USERS - len(memorized)} |")]) == 3
