@@ -163,3 +163,42 @@ def test_a_non_finite_loss_fails_the_run_once_with_its_reason(tmp_path):
     assert re.search(r"trial nan failed: NonFiniteLossError: training loss became (inf|nan) in epoch 1 \(loss "
                      r"'apao_pairwise', lr [\d.e-]+; optimizer step 1 of \d+\)", result.stderr), result.stderr[-3000:]
     assert result.stderr.count("Setting up process group") == 1  # one worker group: no restart
+
+
+@pytest.mark.e2e
+def test_a_resume_over_a_damaged_newest_checkpoint_continues_from_the_one_before(tmp_path):
+    """A one-worker run stopped once epoch 3's checkpoint exists, the newest checkpoint Ray Train recorded then cut
+    short (what a flaky disk or a half-synced store leaves): `--resume` names it in one line, sets it aside and
+    continues from the checkpoint before it, training the lost epoch again, to the planned epoch count; no
+    traceback. A study's trials restore through the same reader (tests/test_checkpoint.py)."""
+    from apao_ray.training.checkpoint import STATE_FILE
+
+    epochs, out, runs = 6, tmp_path / "r.json", tmp_path / "runs"
+    command = [TRAIN, *COMMON, "--loss", "ce", "--epochs", str(epochs), "--max-train-samples", "128",
+               "--eval-max-users", "32", "--output-dir", str(runs), "--run-name", "cut", "--json-out", str(out)]
+    process = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    _wait_for(runs / "cut" / "epoch_0003", process)  # epoch 2's checkpoint is surely recorded by Ray Train
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    # Ray Train resumes from the newest checkpoint its run record lists
+    snapshot = json.loads((runs / "cut" / "checkpoint_manager_snapshot.json").read_text())
+    newest = re.search(r"epoch_(\d{4})", json.dumps(snapshot["latest_checkpoint_result"])).group(0)
+    damaged_epoch = int(newest.removeprefix("epoch_"))
+    assert damaged_epoch < epochs, f"the run ended ({newest}) before it was stopped"
+    state = runs / "cut" / newest / STATE_FILE
+    state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])
+
+    result = run_script([*command, "--resume"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    damaged = [line for line in result.stderr.splitlines() if "does not load" in line]
+    assert len(damaged) == 1 and re.search(
+        rf"checkpoint \S+/cut/{newest} does not load \(state\.pt has \d+ bytes, \d+ were written\): set aside as "
+        rf"damaged-{newest}; using epoch_{damaged_epoch - 1:04d}$", damaged[0]), damaged
+    assert f"after epoch {damaged_epoch - 1}" in result.stderr  # resumed from the checkpoint before it
+    assert f"epoch {damaged_epoch}/{epochs} " in result.stderr  # the lost epoch trained again
+    assert f"epoch {damaged_epoch - 1}/{epochs} " not in result.stderr  # and nothing before it
+    assert _metrics(out)["epochs_trained"] == epochs
+    assert (runs / "cut" / f"damaged-{newest}" / STATE_FILE).exists()  # kept, not deleted
