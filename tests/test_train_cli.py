@@ -167,7 +167,7 @@ def test_a_non_finite_loss_fails_the_run_once_with_its_reason(tmp_path):
 
 @pytest.mark.e2e
 def test_a_resume_over_a_damaged_newest_checkpoint_continues_from_the_one_before(tmp_path):
-    """A one-worker run stopped once epoch 3's checkpoint exists, the newest checkpoint Ray Train recorded then cut
+    """A one-worker run stopped once Ray Train has recorded two checkpoints, the newest of them then cut
     short (what a flaky disk or a half-synced store leaves): `--resume` names it in one line, sets it aside and
     continues from the checkpoint before it, training the lost epoch again, to the planned epoch count; no
     traceback. A study's trials restore through the same reader (tests/test_checkpoint.py)."""
@@ -178,15 +178,16 @@ def test_a_resume_over_a_damaged_newest_checkpoint_continues_from_the_one_before
                "--eval-max-users", "32", "--output-dir", str(runs), "--run-name", "cut", "--json-out", str(out)]
     process = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    _wait_for(runs / "cut" / "epoch_0003", process)  # epoch 2's checkpoint is surely recorded by Ray Train
+    deadline = time.time() + 300
+    while _ray_train_newest(runs / "cut") < 2:  # Ray Train resumes from the newest checkpoint its record lists
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.5)
     os.killpg(process.pid, signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 130, stderr[-3000:]
-    # Ray Train resumes from the newest checkpoint its run record lists
-    snapshot = json.loads((runs / "cut" / "checkpoint_manager_snapshot.json").read_text())
-    newest = re.search(r"epoch_(\d{4})", json.dumps(snapshot["latest_checkpoint_result"])).group(0)
-    damaged_epoch = int(newest.removeprefix("epoch_"))
-    assert damaged_epoch < epochs, f"the run ended ({newest}) before it was stopped"
+    damaged_epoch = _ray_train_newest(runs / "cut")
+    assert damaged_epoch < epochs, f"the run ended (epoch {damaged_epoch}) before it was stopped"
+    newest = f"epoch_{damaged_epoch:04d}"
     state = runs / "cut" / newest / STATE_FILE
     state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])
 
@@ -202,3 +203,13 @@ def test_a_resume_over_a_damaged_newest_checkpoint_continues_from_the_one_before
     assert f"epoch {damaged_epoch - 1}/{epochs} " not in result.stderr  # and nothing before it
     assert _metrics(out)["epochs_trained"] == epochs
     assert (runs / "cut" / f"damaged-{newest}" / STATE_FILE).exists()  # kept, not deleted
+
+
+def _ray_train_newest(run_dir: Path) -> int:
+    """The epoch of the newest checkpoint Ray Train's record of the run lists (0: none yet): Ray registers a
+    checkpoint after the worker has written it, so the newest directory may not be it."""
+    try:
+        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+    except (FileNotFoundError, ValueError):  # not written yet, or caught mid-write
+        return 0
+    return int(latest["checkpoint_dir_name"].removeprefix("epoch_")[:4]) if latest else 0

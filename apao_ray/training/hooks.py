@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..names import REPORTS_FILE
-from .checkpoint import RESTARTS, latest_checkpoint_in
+from .checkpoint import RESTARTS, check_checkpoint, latest_checkpoint_in
 
 
 def append_report(run_dir: Path, metrics: dict[str, Any]) -> None:
@@ -62,6 +62,7 @@ class TrainingHooks:
             incoming = root / f".incoming-{target.name}"  # a move across filesystems copies: renamed when whole
             shutil.rmtree(incoming, ignore_errors=True)
             shutil.move(str(checkpoint_dir), incoming)
+            check_checkpoint(incoming)  # verified where it was written before it takes an older one's place
             shutil.rmtree(target, ignore_errors=True)
             os.replace(incoming, target)
             for old in sorted(root.glob("epoch_*"))[:-self.keep_checkpoints]:
