@@ -333,6 +333,24 @@ def test_ray_dashboard_port_is_free_and_outside_the_range_the_os_hands_out(tmp_p
             sock.close()
 
 
+def _one_trial_study_past_epoch_2(tmp_path: Path, epochs: int, *flags: str) -> tuple[subprocess.Popen, list[str],
+                                                                                        str, float]:
+    """Starts a --smoke study of one CE trial in its own process group and returns once the trial's epoch-2
+    checkpoint exists: the process, its command (the script and flags), the MLflow URI and the deadline to keep."""
+    uri = mlflow_sqlite(tmp_path)
+    command = [SWEEP, "--smoke", "--losses", "ce", "--num-samples", "1", "--epochs", str(epochs), *flags,
+               "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri]
+    process = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    checkpoints = tmp_path / "runs" / "synthetic-study" / "train_runs"
+    deadline = time.time() + 400
+    while not list(checkpoints.glob("*/checkpoints/epoch_0002")):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.time() < deadline, "no epoch-2 checkpoint in 400 s"
+        time.sleep(0.3)
+    return process, command, uri, deadline
+
+
 @pytest.mark.e2e
 def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path):
     """SIGKILL the process training a study's trial after its epoch-2 checkpoint: Tune retries the trial
@@ -340,17 +358,7 @@ def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path
     # smoke epochs take ~1 s: with 4 the trial had once finished before the kill landed (CI, 2026-11-26), so
     # there are 10, and the kill comes with ~8 s of training still to go
     epochs = 10
-    uri = mlflow_sqlite(tmp_path)
-    process = subprocess.Popen([sys.executable, SWEEP, "--smoke", "--losses", "ce", "--num-samples", "1", "--epochs", str(epochs),
-                                "--max-failures", "1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
-                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    checkpoints = tmp_path / "runs" / "synthetic-study" / "train_runs"
-    deadline = time.time() + 400
-    while not list(checkpoints.glob("*/checkpoints/epoch_0002")):
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.time() < deadline, "no epoch-2 checkpoint in 400 s"
-        time.sleep(0.3)
+    process, _, uri, deadline = _one_trial_study_past_epoch_2(tmp_path, epochs, "--max-failures", "1")
     # Tune's trial actor (a function trainable runs as ``ImplicitFunc``), where the trial trains. Its title
     # is "ray::ImplicitFunc.train" only while Tune's call for the next result runs, "ray::ImplicitFunc"
     # between two calls: on a loaded machine a single look can fall between them
@@ -373,43 +381,3 @@ def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path
     assert resumed and all(value >= 2 for _, value in resumed), resumed
     assert "test/ndcg_at_10" in run.data.metrics
 
-
-@pytest.mark.e2e
-def test_a_resumed_study_continues_a_trial_whose_newest_checkpoint_is_damaged_from_the_one_before(tmp_path):
-    """Ctrl-C a one-trial study once its trial has checkpoints, cut the newest short, resume: the trial says so in
-    one line, sets it aside and continues from the checkpoint before it, in its same child run, to its end."""
-    epochs = 6  # smoke epochs take ~1 s: the stop comes with 4 epochs still to go
-    uri = mlflow_sqlite(tmp_path)
-    command = [SWEEP, "--smoke", "--losses", "ce", "--num-samples", "1", "--epochs", str(epochs),
-               "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri]
-    process = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    checkpoints = tmp_path / "runs" / "synthetic-study" / "train_runs"
-    deadline = time.time() + 400
-    while not list(checkpoints.glob("*/checkpoints/epoch_0002")):
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.time() < deadline, "no epoch-2 checkpoint in 400 s"
-        time.sleep(0.3)
-    os.killpg(process.pid, signal.SIGINT)
-    _, stderr = process.communicate(timeout=180)
-    assert process.returncode == 130, stderr[-3000:]
-    kept = sorted(checkpoints.glob("*/checkpoints/epoch_[0-9][0-9][0-9][0-9]"))
-    assert len(kept) == 2 and not list(checkpoints.glob("*/checkpoints/epoch_*_final")), kept
-    newest, damaged_epoch = kept[-1], int(kept[-1].name.removeprefix("epoch_"))
-    state = newest / "state.pt"
-    state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])
-
-    result = run_script([*command, "--resume"], cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    lines = [line for line in result.stderr.splitlines() if "does not load" in line]
-    assert len(lines) == 1 and f"/{newest.name} does not load (state.pt has " in lines[0], lines
-    assert lines[0].endswith(f"set aside as damaged-{newest.name}; using epoch_{damaged_epoch - 1:04d}"), lines
-    assert (newest.parent / f"damaged-{newest.name}" / "state.pt").exists()  # kept beside the others
-    from apao_ray.tracking import Tracker
-
-    tracker = Tracker(uri, "apao-synthetic")
-    (run,) = tracker.child_runs()  # the same child run, not a second one
-    assert run.info.status == "FINISHED" and run.data.tags["apao.outcome"] == "finished", run.data.tags
-    assert run.data.metrics["train/resumed_after_epoch"] == damaged_epoch - 1
-    assert "test/ndcg_at_10" in run.data.metrics
-    assert {step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")} == set(range(1, epochs + 1))
