@@ -82,6 +82,7 @@ def test_the_newest_checkpoint_that_loads_is_used_and_damaged_newer_ones_are_set
     assert len(again) == 1 and again[0].endswith("; training starts again from the first epoch"), again
 
 
+@pytest.mark.e2e  # trains 4 epochs beside the uninterrupted run's 3: tens of seconds on 2 CPUs
 def test_a_resume_over_a_damaged_newest_checkpoint_continues_from_the_one_before(short, apao_run, tmp_path, capsys):
     """The plain loop (a study's one-worker trial runs it in Ray Tune's actor): stopped after epoch 2 of 3, its
     newest checkpoint cut short, resumed: one line names the damaged checkpoint, epochs 2 and 3 are trained
