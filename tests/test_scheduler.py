@@ -127,9 +127,11 @@ def test_a_pruned_trial_is_tested_on_a_checkpoint_the_scheduler_saw_not_one_save
     from apao_ray.study.run.pruned import latest_checkpoint
     from apao_ray.names import train_run_name
 
+    from apao_ray.training.checkpoint import save_checkpoint
+
     run_dir = tmp_path / train_run_name("t1") / "checkpoint_x"
-    for name in ("epoch_0001", "epoch_0002", "epoch_0003"):
-        (run_dir / name).mkdir(parents=True)
+    for epoch in (1, 2, 3):  # real (tiny) checkpoints: the reader verifies what it finds
+        save_checkpoint(run_dir / f"epoch_{epoch:04d}", {"epoch": epoch}, {}, {})
     (run_dir / "epoch_0004-scratch").mkdir()  # a scratch dir, not a checkpoint
     assert latest_checkpoint(tmp_path, "t1", up_to_epoch=2).name == "epoch_0002"
     assert latest_checkpoint(tmp_path, "t1", up_to_epoch=1).name == "epoch_0001"

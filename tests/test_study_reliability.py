@@ -333,6 +333,24 @@ def test_ray_dashboard_port_is_free_and_outside_the_range_the_os_hands_out(tmp_p
             sock.close()
 
 
+def _one_trial_study_past_epoch_2(tmp_path: Path, epochs: int, *flags: str) -> tuple[subprocess.Popen, list[str],
+                                                                                        str, float]:
+    """Starts a --smoke study of one CE trial in its own process group and returns once the trial's epoch-2
+    checkpoint exists: the process, its command (the script and flags), the MLflow URI and the deadline to keep."""
+    uri = mlflow_sqlite(tmp_path)
+    command = [SWEEP, "--smoke", "--losses", "ce", "--num-samples", "1", "--epochs", str(epochs), *flags,
+               "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri]
+    process = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    checkpoints = tmp_path / "runs" / "synthetic-study" / "train_runs"
+    deadline = time.time() + 400
+    while not list(checkpoints.glob("*/checkpoints/epoch_0002")):
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.time() < deadline, "no epoch-2 checkpoint in 400 s"
+        time.sleep(0.3)
+    return process, command, uri, deadline
+
+
 @pytest.mark.e2e
 def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path):
     """SIGKILL the process training a study's trial after its epoch-2 checkpoint: Tune retries the trial
@@ -340,17 +358,7 @@ def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path
     # smoke epochs take ~1 s: with 4 the trial had once finished before the kill landed (CI, 2026-11-26), so
     # there are 10, and the kill comes with ~8 s of training still to go
     epochs = 10
-    uri = mlflow_sqlite(tmp_path)
-    process = subprocess.Popen([sys.executable, SWEEP, "--smoke", "--losses", "ce", "--num-samples", "1", "--epochs", str(epochs),
-                                "--max-failures", "1", "--output-dir", str(tmp_path / "runs"), "--tracking-uri", uri],
-                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    checkpoints = tmp_path / "runs" / "synthetic-study" / "train_runs"
-    deadline = time.time() + 400
-    while not list(checkpoints.glob("*/checkpoints/epoch_0002")):
-        assert process.poll() is None, process.communicate()[1][-3000:]
-        assert time.time() < deadline, "no epoch-2 checkpoint in 400 s"
-        time.sleep(0.3)
+    process, _, uri, deadline = _one_trial_study_past_epoch_2(tmp_path, epochs, "--max-failures", "1")
     # Tune's trial actor (a function trainable runs as ``ImplicitFunc``), where the trial trains. Its title
     # is "ray::ImplicitFunc.train" only while Tune's call for the next result runs, "ray::ImplicitFunc"
     # between two calls: on a loaded machine a single look can fall between them
@@ -372,3 +380,4 @@ def test_a_trial_whose_process_is_killed_is_retried_from_its_checkpoint(tmp_path
     resumed = tracker.metric_history(run.info.run_id, "train/resumed_after_epoch")
     assert resumed and all(value >= 2 for _, value in resumed), resumed
     assert "test/ndcg_at_10" in run.data.metrics
+

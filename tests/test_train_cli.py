@@ -183,3 +183,53 @@ def test_train_and_sweep_build_the_same_trial_from_the_same_flags():
     assert {k: v for k, v in asdict(one.train).items() if k not in study_only} == \
            {k: v for k, v in asdict(every.train).items() if k not in study_only}
     assert (one.train.epochs, one.train.batch_size, one.train.seed, one.model.d_model) == (7, 64, 5, every.model.d_model)
+
+
+@pytest.mark.e2e
+def test_a_resume_over_a_damaged_newest_checkpoint_continues_from_the_one_before(tmp_path):
+    """A one-worker run stopped once Ray Train has recorded two checkpoints, the newest of them then cut
+    short (what a flaky disk or a half-synced store leaves): `--resume` names it in one line, sets it aside and
+    continues from the checkpoint before it, training the lost epoch again, to the planned epoch count; no
+    traceback. A study's trials restore through the same reader (tests/test_checkpoint.py)."""
+    from apao_ray.training.checkpoint import STATE_FILE
+
+    epochs, out, runs = 6, tmp_path / "r.json", tmp_path / "runs"
+    command = [TRAIN, *COMMON, "--loss", "ce", "--epochs", str(epochs), "--max-train-samples", "128",
+               "--eval-max-users", "32", "--output-dir", str(runs), "--run-name", "cut", "--json-out", str(out)]
+    process = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while _ray_train_newest(runs / "cut") < 2:  # Ray Train resumes from the newest checkpoint its record lists
+        assert process.poll() is None and time.time() < deadline, process.communicate()[1][-3000:]
+        time.sleep(0.5)
+    os.killpg(process.pid, signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr[-3000:]
+    damaged_epoch = _ray_train_newest(runs / "cut")
+    assert damaged_epoch < epochs, f"the run ended (epoch {damaged_epoch}) before it was stopped"
+    newest = f"epoch_{damaged_epoch:04d}"
+    state = runs / "cut" / newest / STATE_FILE
+    state.write_bytes(state.read_bytes()[:state.stat().st_size // 2])
+
+    result = run_script([*command, "--resume"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    damaged = [line for line in result.stderr.splitlines() if "does not load" in line]
+    assert len(damaged) == 1 and re.search(
+        rf"checkpoint \S+/cut/{newest} does not load \(state\.pt has \d+ bytes, \d+ were written\): set aside as "
+        rf"damaged-{newest}; using epoch_{damaged_epoch - 1:04d}$", damaged[0]), damaged
+    assert f"after epoch {damaged_epoch - 1}" in result.stderr  # resumed from the checkpoint before it
+    assert f"epoch {damaged_epoch}/{epochs} " in result.stderr  # the lost epoch trained again
+    assert f"epoch {damaged_epoch - 1}/{epochs} " not in result.stderr  # and nothing before it
+    assert _metrics(out)["epochs_trained"] == epochs
+    assert (runs / "cut" / f"damaged-{newest}" / STATE_FILE).exists()  # kept, not deleted
+
+
+def _ray_train_newest(run_dir: Path) -> int:
+    """The epoch of the newest checkpoint Ray Train's record of the run lists (0: none yet): Ray registers a
+    checkpoint after the worker has written it, so the newest directory may not be it."""
+    try:
+        latest = json.loads((run_dir / "checkpoint_manager_snapshot.json").read_text())["latest_checkpoint_result"]
+    except (FileNotFoundError, ValueError):  # not written yet, or caught mid-write
+        return 0
+    return int(latest["checkpoint_dir_name"].removeprefix("epoch_")[:4]) if latest else 0

@@ -20,6 +20,7 @@ import gzip
 import json
 import shutil
 import sqlite3
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -106,10 +107,17 @@ def _download_per_user(client: Any, run_id: str, destination: Path, name: str = 
 
 
 def _checkpoint_for(run: Any) -> Path | None:
-    """The trial's final checkpoint: the local path tagged at its end, else the logged model's copy."""
+    """The trial's final checkpoint: the local path tagged at its end when it loads (else it is said why, in one
+    line), else the logged model's copy."""
+    from ..training.checkpoint import DamagedCheckpointError, check_checkpoint
+
     tagged = run.data.tags.get("apao.checkpoint")
     if tagged and Path(tagged).is_dir():
-        return Path(tagged)
+        try:
+            check_checkpoint(tagged)
+            return Path(tagged)
+        except DamagedCheckpointError as error:
+            print(f"{error}; reading the logged model's copy instead", file=sys.stderr)
     model_uri = run.data.tags.get("apao.model_uri")
     if model_uri:
         from ..tracking import load_checkpoint_dir_from_model  # lazy: mlflow, as in snapshot

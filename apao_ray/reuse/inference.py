@@ -23,7 +23,7 @@ from .export import TRIAL_CONFIG_FILE, from_hf_state
 from .hf_generate import ITEM_MAP_FILE
 from ..models import build_model
 from ..protocol import decoding_scoring
-from ..training.checkpoint import BEST_MODEL_FILE, CONFIG_FILE, load_catalog_arrays
+from ..training.checkpoint import CONFIG_FILE, load_catalog_arrays, load_checkpoint
 from ..training.precision import autocast, resolve_precision
 
 # What a loaded model decodes in unless told otherwise: fp32, whatever the trial trained in. bf16
@@ -60,11 +60,12 @@ class Recommender:
     def from_checkpoint(cls, directory: str | Path, device: str = "cpu", precision: str | None = None) -> "Recommender":
         """Loads a final checkpoint directory (best weights, trial config, catalog)."""
         directory = Path(directory)
+        _, best_weights, _ = load_checkpoint(directory)  # verified: a damaged one is refused, saying why
         config = TrialConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))
         item_ids, item_codes = load_catalog_arrays(directory)
         catalog = Catalog.from_codes(item_ids, item_codes)
         model = build_model(config.model, catalog.vocab_size, catalog.num_levels)
-        model.load_state_dict(torch.load(directory / BEST_MODEL_FILE, map_location="cpu", weights_only=True))
+        model.load_state_dict(best_weights)
         return cls(model, catalog, config, device, precision)
 
     @classmethod

@@ -3,18 +3,22 @@
 A checkpoint directory holds ``state.pt`` (model, optimizer, scheduler, loss state such as the
 adaptive weights, torch RNG, epoch, early-stopping state, the metric history), ``best_model.pt``
 (weights of the best validation epoch so far, so the final test never needs an older
-checkpoint), ``reference_model.pt`` in a preference stage, and ``trial_config.json``.
+checkpoint), ``reference_model.pt`` in a preference stage, ``trial_config.json``, and ``manifest.json``
+(written last: every file's size and SHA-256). Every reader goes through ``load_checkpoint`` or
+``latest_checkpoint_in``, which verify against the manifest: a checkpoint that does not load is set aside
+(``damaged-<name>``), said in one line, and the newest one that loads is used.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterable
 
-import numpy as np
-import torch
+from ..data.files import sha256_of
 
 STATE_FILE = "state.pt"
 BEST_MODEL_FILE = "best_model.pt"
@@ -22,11 +26,17 @@ REFERENCE_MODEL_FILE = "reference_model.pt"
 CONFIG_FILE = "trial_config.json"
 FINAL_METRICS_FILE = "final_metrics.json"
 CATALOG_FILE = "catalog.npz"
+MANIFEST_FILE = "manifest.json"  # written last: every file's size and SHA-256
+SET_ASIDE_FILE = "set_aside.txt"  # marks the place of a checkpoint set aside as damaged
+DAMAGED_PREFIX = "damaged-"  # a damaged checkpoint's new name: no reader's pattern matches it
+RESTARTS = "training starts again from the first epoch"  # a run none of whose checkpoints loads
 
 
 def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any], best_model_state: dict[str, Any],
                     trial_config: dict[str, Any], reference_state: dict[str, Any] | None = None) -> Path:
-    """Writes a checkpoint atomically: into ``<dir>.tmp`` first, then renamed."""
+    """Writes a checkpoint atomically: into ``<dir>.tmp`` first, sealed (``seal_checkpoint``), then renamed."""
+    import torch  # lazy, as every torch use here: the study's driver finds and verifies checkpoints without it
+
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -36,32 +46,174 @@ def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any], best_mo
     if reference_state is not None:
         torch.save(reference_state, tmp / REFERENCE_MODEL_FILE)
     (tmp / CONFIG_FILE).write_text(json.dumps(trial_config, indent=2, sort_keys=True))
+    seal_checkpoint(tmp)
     shutil.rmtree(directory, ignore_errors=True)
     os.replace(tmp, directory)
     return directory
 
 
-def load_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
-    """Returns (state, best_model_state, reference_state or None)."""
+def seal_checkpoint(directory: str | os.PathLike) -> None:
+    """Writes the manifest (every file's size and SHA-256, read back from the disk) last, atomically: a checkpoint
+    whose manifest is missing or disagrees with its files was cut short or damaged. Called again after files are
+    added (a final checkpoint's metrics, tables and catalog)."""
     directory = Path(directory)
-    state = torch.load(directory / STATE_FILE, map_location="cpu", weights_only=False)
-    best = torch.load(directory / BEST_MODEL_FILE, map_location="cpu", weights_only=True)
-    reference_path = directory / REFERENCE_MODEL_FILE
-    reference = torch.load(reference_path, map_location="cpu", weights_only=True) if reference_path.exists() else None
+    files = {path.name: {"bytes": path.stat().st_size, "sha256": sha256_of(path)}
+             for path in sorted(directory.iterdir()) if path.is_file() and path.name not in (MANIFEST_FILE, SET_ASIDE_FILE)}
+    tmp = directory / (MANIFEST_FILE + ".tmp")
+    tmp.write_text(json.dumps({"files": files}, indent=1, sort_keys=True))
+    os.replace(tmp, directory / MANIFEST_FILE)
+
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint directory that does not load: cut short, altered or incomplete (``reason`` says how)."""
+
+    def __init__(self, directory: Path, reason: str) -> None:
+        super().__init__(f"checkpoint {directory} does not load: {reason}")
+        self.directory, self.reason = directory, reason
+
+
+def check_checkpoint(directory: str | os.PathLike) -> None:
+    """Verifies a checkpoint against its manifest; one written before manifests (none there) is verified by
+    loading its weights and config.
+
+    Raises:
+        DamagedCheckpointError: naming the first file that is missing, of the wrong size or altered.
+    """
+    directory = Path(directory)
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())["files"]
+    except FileNotFoundError:
+        manifest = None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DamagedCheckpointError(directory, f"its {MANIFEST_FILE} is unreadable ({error})") from None
+    if manifest is None:
+        if is_set_aside(directory):
+            raise DamagedCheckpointError(directory, f"set aside earlier ({(directory / SET_ASIDE_FILE).read_text().strip()})")
+        for name in (STATE_FILE, BEST_MODEL_FILE, CONFIG_FILE):  # written before manifests: it must load
+            _load_file(directory, name)
+        return
+    for name, expected in manifest.items():
+        path = directory / name
+        if not path.is_file():
+            raise DamagedCheckpointError(directory, f"{name} is missing")
+        size = path.stat().st_size
+        if size != expected["bytes"]:
+            raise DamagedCheckpointError(directory, f"{name} has {size} bytes, {expected['bytes']} were written")
+        if sha256_of(path) != expected["sha256"]:
+            raise DamagedCheckpointError(directory, f"{name} differs from what was written (its SHA-256)")
+
+
+def _load_file(directory: Path, name: str) -> Any:
+    """One file of a checkpoint, loaded; any failure to read it is a DamagedCheckpointError naming it."""
+    path = directory / name
+    try:
+        if name.endswith(".json"):
+            return json.loads(path.read_text())
+        import torch
+
+        # the state holds optimizer and RNG state (not only tensors): the project's own files
+        return torch.load(path, map_location="cpu", weights_only=name != STATE_FILE)
+    except FileNotFoundError:
+        raise DamagedCheckpointError(directory, f"{name} is missing") from None
+    except Exception as error:  # noqa: BLE001 - torch raises RuntimeError, EOFError, UnpicklingError...
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise DamagedCheckpointError(directory, f"{name} does not load ({first_line})") from None
+
+
+def load_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any] | None]:
+    """Returns (state, best_model_state, reference_state or None), verified (``check_checkpoint``).
+
+    Raises:
+        DamagedCheckpointError: the checkpoint does not load.
+    """
+    directory = Path(directory)
+    check_checkpoint(directory)
+    state = _load_file(directory, STATE_FILE)
+    best = _load_file(directory, BEST_MODEL_FILE)
+    reference = _load_file(directory, REFERENCE_MODEL_FILE) if (directory / REFERENCE_MODEL_FILE).exists() else None
     return state, best, reference
 
 
-def latest_checkpoint_in(root: str | os.PathLike) -> Path | None:
-    """The newest ``epoch_XXXX[_final]`` checkpoint under ``root`` (plain, non-Ray runs)."""
-    candidates = sorted(Path(root).glob("epoch_[0-9][0-9][0-9][0-9]*"))
-    return candidates[-1] if candidates else None
+def is_set_aside(directory: Path) -> bool:
+    """A place kept for a checkpoint that was set aside (``set_aside``), with nothing loadable in it."""
+    return (directory / SET_ASIDE_FILE).exists() and not (directory / MANIFEST_FILE).exists()
+
+
+def set_aside(directory: Path, reason: str) -> Path:
+    """Renames a damaged checkpoint to ``damaged-<name>`` beside it (kept, never deleted); returns the new path.
+
+    An empty directory marked ``SET_ASIDE_FILE`` keeps its place: Ray Train's record of a run lists its
+    checkpoints by path and refuses to restore a run whose listed checkpoint is gone.
+    """
+    target = directory.with_name(DAMAGED_PREFIX + directory.name)
+    for count in itertools.count(2):
+        if not target.exists():
+            break
+        target = directory.with_name(f"{DAMAGED_PREFIX}{directory.name}-{count}")
+    os.replace(directory, target)
+    directory.mkdir()
+    (directory / SET_ASIDE_FILE).write_text(f"{reason}; moved to {target.name}\n")
+    return target
+
+
+def newest_loadable(candidates: Iterable[Path], say: Callable[[str], None] | None,
+                    if_none: str = "none before it loads") -> Path | None:
+    """The newest of ``candidates`` (sorted oldest first) that loads. Each damaged one newer than it is set aside
+    and said in one line (``say``) naming it, why, and which one is used instead (``if_none`` when none loads);
+    with ``say`` None they are only skipped (another process, rank 0 of the same run, sets them aside)."""
+    chosen, damaged = None, []
+    for directory in reversed(list(candidates)):
+        if is_set_aside(directory):  # said when it was set aside
+            continue
+        try:
+            check_checkpoint(directory)
+        except DamagedCheckpointError as error:
+            damaged.append((directory, error.reason))
+            continue
+        chosen = directory
+        break
+    then = f"using {chosen.name}" if chosen else if_none
+    for directory, reason in damaged if say is not None else ():
+        if directory.exists():  # not already moved by another reader
+            say(f"checkpoint {directory} does not load ({reason}): set aside as "
+                f"{set_aside(directory, reason).name}; {then}")
+    return chosen
+
+
+def checkpoints_in(root: str | os.PathLike, up_to_epoch: int | None = None, final: bool | None = None) -> list[Path]:
+    """The ``epoch_XXXX`` and ``epoch_XXXX_final`` checkpoint directories under ``root`` (any depth), oldest first;
+    ``up_to_epoch`` keeps those of that epoch or before, ``final`` only final (True) or per-epoch (False) ones."""
+    found = []
+    for path in Path(root).glob("**/epoch_[0-9][0-9][0-9][0-9]*"):
+        name = path.name.removeprefix("epoch_")
+        epoch, is_final = name[:4], name[4:] == "_final"
+        if not path.is_dir() or name[4:] not in ("", "_final") or (final is not None and is_final != final):
+            continue
+        if up_to_epoch is None or int(epoch) <= up_to_epoch:
+            found.append(path)
+    return sorted(found, key=lambda path: path.name)
+
+
+def latest_checkpoint_in(root: str | os.PathLike, say: Callable[[str], None] | None, if_none: str = "none before "
+                         "it loads", **which: Any) -> Path | None:
+    """The newest checkpoint under ``root`` that loads (``checkpoints_in`` selects with ``which``), damaged newer
+    ones set aside (``newest_loadable``)."""
+    return newest_loadable(checkpoints_in(root, **which), say, if_none)
+
+
+def say_on_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def save_catalog(directory: str | os.PathLike, item_ids: tuple[str, ...], item_codes: Any) -> None:
     """Stores the item catalog beside the weights so a saved model recommends on its own."""
+    import numpy as np
+
     np.savez_compressed(Path(directory) / CATALOG_FILE, item_ids=np.asarray(item_ids, dtype=str), item_codes=item_codes)
 
 
 def load_catalog_arrays(directory: str | os.PathLike) -> tuple[list[str], Any]:
+    import numpy as np
+
     with np.load(Path(directory) / CATALOG_FILE) as arrays:
         return [str(i) for i in arrays["item_ids"]], arrays["item_codes"]

@@ -6,6 +6,7 @@ trial actor, a Ray Train worker).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from ..names import REPORTS_FILE
-from .checkpoint import latest_checkpoint_in
+from .checkpoint import RESTARTS, check_checkpoint, latest_checkpoint_in
 
 
 def append_report(run_dir: Path, metrics: dict[str, Any]) -> None:
@@ -46,7 +47,7 @@ class TrainingHooks:
         return model.to(self.device)
 
     def restore_checkpoint(self) -> Path | None:
-        return latest_checkpoint_in(self.output_dir / "checkpoints") if self.resume else None
+        return latest_checkpoint_in(self.output_dir / "checkpoints", self.warn, RESTARTS) if self.resume else None
 
     def new_checkpoint_dir(self, epoch: int) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"apao-ckpt-{epoch:04d}-"))
@@ -58,8 +59,12 @@ class TrainingHooks:
             root.mkdir(exist_ok=True)
             # the final checkpoint (best weights + test metrics) sorts after its last epoch's
             target = root / (f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else ""))
+            incoming = root / f".incoming-{target.name}"  # a move across filesystems copies: renamed when whole
+            shutil.rmtree(incoming, ignore_errors=True)
+            shutil.move(str(checkpoint_dir), incoming)
+            check_checkpoint(incoming)  # verified where it was written before it takes an older one's place
             shutil.rmtree(target, ignore_errors=True)
-            shutil.move(str(checkpoint_dir), target)
+            os.replace(incoming, target)
             for old in sorted(root.glob("epoch_*"))[:-self.keep_checkpoints]:
                 shutil.rmtree(old, ignore_errors=True)
         # after the checkpoint is in place: whoever reads the report (a cohort's follower) finds it there
@@ -71,6 +76,11 @@ class TrainingHooks:
     def log(self, line: str) -> None:
         if self.verbose and self.rank == 0:
             print(line, file=sys.stderr, flush=True)
+
+    def warn(self, line: str) -> None:
+        """A line printed whatever the verbosity (a checkpoint set aside): rank 0's, named as its progress."""
+        if self.rank == 0:
+            print(f"{self.progress_label}{line}", file=sys.stderr, flush=True)
 
     def progress(self, line: str) -> None:
         """An in-epoch progress line: printed when verbose, or in a study where the driver only hears of

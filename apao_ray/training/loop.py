@@ -24,7 +24,7 @@ from ..losses import build_loss
 from ..models import build_model
 from ..names import DIAGNOSIS_PREFIX, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
-from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint
+from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint, seal_checkpoint
 from .cost import CostMeter
 from .failures import memory_errors_named
 from .evaluation import evaluate_split, evaluate_split_per_user, select_users, tests_full_sort, write_per_user
@@ -331,6 +331,7 @@ class TrialRun:
         write_per_user(final_dir / PER_USER_VALID_FILE, valid_per_user)
         save_catalog(final_dir, dataset.catalog.item_ids, dataset.catalog.item_codes)
         (final_dir / FINAL_METRICS_FILE).write_text(json.dumps(final, indent=2, sort_keys=True))
+        seal_checkpoint(final_dir)  # the manifest again, last: the files added since save_checkpoint
         # a resumed run may have trained nothing new: its history goes with the final report too
         hooks.report({**final, RESUMED_HISTORY_KEY: state["history"]} if self.resumed_after else final, final_dir)
         return final

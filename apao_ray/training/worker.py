@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import TrialConfig
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
+from .checkpoint import RESTARTS, SET_ASIDE_FILE, check_checkpoint, checkpoints_in, is_set_aside, newest_loadable
 from .cohort import run_cohort
 from .hooks import TrainingHooks, append_report
 from .failures import TrialOutOfMemoryError, is_out_of_memory
@@ -93,16 +94,35 @@ class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
         return ray.train.torch.prepare_model(model)  # moves to the device; DDP when world_size > 1
 
     def restore_checkpoint(self) -> Path | None:
-        checkpoint = ray.train.get_checkpoint()  # set when Ray restarts this run after a failure
+        """Ray's newest checkpoint of the run (set when Ray restarts it after a failure or a resume), else, when
+        that does not load, the newest before it that does: rank 0 sets the damaged ones aside, saying so; the
+        other ranks skip them and reach the same one."""
+        checkpoint = ray.train.get_checkpoint()
         if checkpoint is None:
             return None
-        return Path(checkpoint.to_directory(str(self._scratch / "restored")))
+        if checkpoint.filesystem.type_name != "local":  # remote storage: Ray's newest, downloaded and verified
+            restored = Path(checkpoint.to_directory(str(self._scratch / "restored")))
+            check_checkpoint(restored)
+            return restored
+        newest = Path(checkpoint.path)
+        candidates = [path for path in checkpoints_in(newest.parent) if path.name <= newest.name]
+        return newest_loadable(candidates, self.warn if self.rank == 0 else None, RESTARTS)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         self.reports.append(dict(metrics))
         if self.run_dir is not None and self.rank == 0:
             append_report(self.run_dir, metrics)
         name = f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else "")
+        place = self.run_dir / name if self.run_dir is not None else None
+        if checkpoint_dir is not None and place is not None and is_set_aside(place):
+            # Ray Train lists the set-aside checkpoint's place until it deletes it, and a new checkpoint of the
+            # same name would go with it: an epoch's is left out (the next epoch's is written); the final one,
+            # after which Ray deletes nothing, takes the place
+            if metrics.get("done"):
+                (place / SET_ASIDE_FILE).unlink()
+            else:
+                shutil.rmtree(checkpoint_dir, ignore_errors=True)
+                checkpoint_dir = None
         checkpoint = ray.train.Checkpoint.from_directory(str(checkpoint_dir)) if checkpoint_dir else None
         # barrier: every rank calls report every epoch; only rank 0 passes a checkpoint
         ray.train.report({**metrics, **worker_facts(self.node_id)},

@@ -64,7 +64,8 @@ def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:
     parser.add_argument("--use-gpu", action="store_true", help="one GPU per worker")
     parser.add_argument("--max-failures", type=non_negative_int, default=0, help="worker restarts from the last checkpoint (default %(default)s)")
     parser.add_argument("--run-name", help="name of the run under --output-dir (default from the flags)")
-    parser.add_argument("--resume", action="store_true", help="continue the run of the same name from its checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue the run of the same name from its newest "
+                        "checkpoint that loads (a damaged one is set aside, saying so)")
     parser.add_argument("--overwrite", action="store_true", help="delete an existing run of the same name first")
     parser.add_argument("--json-out", help="also write the final metrics to this JSON file")
     parser.add_argument("--quiet", action="store_true", help="no per-epoch lines")

@@ -14,6 +14,7 @@ from ...config import TrialConfig
 from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, REPEATS_TAG,
                      RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ...tracking import Tracker
+from ...training.checkpoint import latest_checkpoint_in, say_on_stderr
 from ..cluster import interrupt
 from . import plots
 from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
@@ -26,9 +27,9 @@ MODEL_METRICS = ("test/", "best/val/")  # what a trial's logged model shows on i
 
 
 def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
-    """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished."""
-    matches = sorted((train_root / train_run_name(trial_id)).glob("**/epoch_*_final"))
-    return matches[-1] if matches else None
+    """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished and it loads (a
+    damaged one is set aside, saying so)."""
+    return latest_checkpoint_in(train_root / train_run_name(trial_id), say_on_stderr, final=True)
 
 
 def child_params(config: TrialConfig, choices: dict[str, Any]) -> dict[str, Any]:

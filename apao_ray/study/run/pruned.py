@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...names import reached_test, train_run_name
+from ...training.checkpoint import latest_checkpoint_in, say_on_stderr
 from ..record.outcomes import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
 
 TESTED_TAG = "apao.tested_on"
@@ -21,11 +22,9 @@ TEST_TIMEOUT_S = 3600
 
 def latest_checkpoint(train_root: str | Path, trial_id: str, up_to_epoch: int | None = None) -> Path | None:
     """The newest per-epoch checkpoint of a trial's Train run (``epoch_XXXX``) at or before ``up_to_epoch``
-    (any epoch if None), if one was saved."""
-    run_dir = Path(train_root) / train_run_name(trial_id)
-    matches = sorted(path for path in run_dir.glob("**/epoch_[0-9][0-9][0-9][0-9]") if path.is_dir()
-                     and (up_to_epoch is None or int(path.name.removeprefix("epoch_")) <= up_to_epoch))
-    return matches[-1] if matches else None
+    (any epoch if None) that loads, if one was saved (a damaged one is set aside, saying so)."""
+    return latest_checkpoint_in(Path(train_root) / train_run_name(trial_id), say_on_stderr, up_to_epoch=up_to_epoch,
+                                final=False)
 
 
 def evaluate_checkpoint(directory: str, num_threads: int = 1) -> dict[str, float]:

@@ -1,0 +1,104 @@
+"""training/checkpoint.py: checkpoints verified when written and when read; a damaged one set aside, the newest that
+loads used instead (train --resume over a damaged checkpoint: test_train_cli.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from apao_ray.training.checkpoint import (BEST_MODEL_FILE, MANIFEST_FILE, RESTARTS, SET_ASIDE_FILE, STATE_FILE,
+                                          DamagedCheckpointError, check_checkpoint, latest_checkpoint_in,
+                                          load_checkpoint, save_checkpoint)
+from apao_ray.training.hooks import TrainingHooks
+from apao_ray.training.loop import run_trial
+from conftest import InterruptedHooks
+from test_training import apao_run, epoch_reports, prefixed, short  # noqa: F401 - fixtures
+
+
+def _write(directory, epoch: int = 1):
+    weights = {"w": torch.arange(1000, dtype=torch.float32) * epoch}
+    return save_checkpoint(directory, {"epoch": epoch, "model": weights}, weights, {"epoch": epoch})
+
+
+def _cut_short(path, keep: float = 0.5) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+
+
+def test_a_written_checkpoint_is_sealed_by_its_manifest_and_loads(tmp_path):
+    directory = _write(tmp_path / "epoch_0001")
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())["files"]
+    assert sorted(manifest) == sorted(p.name for p in directory.iterdir() if p.name != MANIFEST_FILE)
+    assert manifest[STATE_FILE]["bytes"] == (directory / STATE_FILE).stat().st_size
+    check_checkpoint(directory)
+    state, best, reference = load_checkpoint(directory)
+    assert state["epoch"] == 1 and torch.equal(best["w"], state["model"]["w"]) and reference is None
+    assert not list(tmp_path.glob("*.tmp"))  # written aside, renamed when whole
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda d: _cut_short(d / STATE_FILE), r"state\.pt has \d+ bytes, \d+ were written"),
+    (lambda d: (d / BEST_MODEL_FILE).unlink(), r"best_model\.pt is missing"),
+    # same size, other bytes: only the checksum tells
+    (lambda d: (d / STATE_FILE).write_bytes(bytes(len((d / STATE_FILE).read_bytes()))), r"state\.pt differs"),
+    (lambda d: (d / MANIFEST_FILE).write_text("{"), r"manifest\.json is unreadable"),
+])
+def test_a_damaged_checkpoint_is_detected_by_the_reader_naming_the_file(tmp_path, damage, reason):
+    directory = _write(tmp_path / "epoch_0001")
+    damage(directory)
+    with pytest.raises(DamagedCheckpointError, match=reason):
+        load_checkpoint(directory)
+
+
+def test_a_checkpoint_from_before_manifests_is_verified_by_loading_it(tmp_path):
+    directory = _write(tmp_path / "epoch_0001")
+    (directory / MANIFEST_FILE).unlink()
+    check_checkpoint(directory)  # whole: it loads
+    _cut_short(directory / STATE_FILE)
+    with pytest.raises(DamagedCheckpointError, match=r"state\.pt does not load \("):
+        check_checkpoint(directory)
+
+
+def test_the_newest_checkpoint_that_loads_is_used_and_damaged_newer_ones_are_set_aside_once(tmp_path):
+    for epoch in (1, 2, 3):
+        _write(tmp_path / f"epoch_{epoch:04d}", epoch)
+    _cut_short(tmp_path / "epoch_0003" / STATE_FILE)
+    (tmp_path / "epoch_0002" / STATE_FILE).unlink()
+    said = []
+    assert latest_checkpoint_in(tmp_path, said.append) == tmp_path / "epoch_0001"
+    assert len(said) == 2 and all("set aside as damaged-epoch_000" in line and line.endswith("; using epoch_0001")
+                                 for line in said)
+    assert "epoch_0003 does not load (state.pt has" in said[0] and "epoch_0002 does not load (state.pt is missing" in said[1]
+    # kept beside the others under a name no reader matches; their places marked (Ray Train lists them)
+    assert (tmp_path / "damaged-epoch_0003" / BEST_MODEL_FILE).exists()
+    assert sorted(p.name for p in (tmp_path / "epoch_0003").iterdir()) == [SET_ASIDE_FILE]
+    again = []
+    assert latest_checkpoint_in(tmp_path, again.append) == tmp_path / "epoch_0001" and again == []
+    assert latest_checkpoint_in(tmp_path, said.append, up_to_epoch=2, final=False) == tmp_path / "epoch_0001"
+    # none loads: said, and the run starts from its first epoch
+    _cut_short(tmp_path / "epoch_0001" / BEST_MODEL_FILE)
+    assert latest_checkpoint_in(tmp_path, again.append, RESTARTS) is None
+    assert len(again) == 1 and again[0].endswith("; training starts again from the first epoch"), again
+
+
+@pytest.mark.e2e  # trains 4 epochs beside the uninterrupted run's 3: tens of seconds on 2 CPUs
+def test_a_resume_over_a_damaged_newest_checkpoint_continues_from_the_one_before(short, apao_run, tmp_path, capsys):
+    """The plain loop (a study's one-worker trial runs it in Ray Tune's actor): stopped after epoch 2 of 3, its
+    newest checkpoint cut short, resumed: one line names the damaged checkpoint, epochs 2 and 3 are trained
+    again from epoch 1's checkpoint, and the run ends as an uninterrupted one."""
+    config, _, _, full = apao_run  # the same trial, uninterrupted
+    with pytest.raises(KeyboardInterrupt):
+        run_trial(config, InterruptedHooks(tmp_path / "run", verbose=False, stop_after=2), short)
+    _cut_short(tmp_path / "run" / "checkpoints" / "epoch_0002" / STATE_FILE)
+    capsys.readouterr()
+    hooks = TrainingHooks(tmp_path / "run", resume=True, verbose=False)
+    resumed = run_trial(config, hooks, short)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "epoch_0002 does not load (state.pt has" in lines[0], lines
+    assert lines[0].endswith("set aside as damaged-epoch_0002; using epoch_0001"), lines
+    assert [r["epoch"] for r in epoch_reports(hooks)] == [2, 3]
+    assert epoch_reports(hooks)[0]["train/resumed_after_epoch"] == 1
+    assert resumed["epochs_trained"] == 3
+    assert prefixed(resumed, "test/", "best/") == prefixed(full, "test/", "best/")
+    assert (tmp_path / "run" / "checkpoints" / "damaged-epoch_0002" / BEST_MODEL_FILE).exists()  # kept
