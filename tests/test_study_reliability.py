@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import socket
 import sqlite3
@@ -69,22 +70,52 @@ def _wait_http(url: str, process: subprocess.Popen, log: Path | None = None, tim
             time.sleep(0.5)
 
 
-def _alive_nodes(address: str, env: dict) -> list[str]:
+def _alive_nodes(address: str, env: dict, resource: str | None = None) -> list[str]:
+    """The IDs of the cluster's live nodes (those carrying ``resource`` where given); in Ray's token mode where the
+    head asks for the token this machine holds, as a study's driver joins (Ray's own client would not send it)."""
+    carries = f" and n['Resources'].get({resource!r})" if resource else ""
     try:
-        listing = subprocess.run([sys.executable, "-c", "import json, ray; ray.init(address='auto', logging_level='ERROR');"
-                                  "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"],
-                                 capture_output=True, text=True, env={**env, "RAY_ADDRESS": address}, timeout=120)
+        listing = subprocess.run([sys.executable, "-c", "import json, ray; from apao_ray.study.cluster import token_auth as t;"
+                                  f"t.needs_token_mode({address!r}) and t.enable_token_mode();"
+                                  f"ray.init(address={address!r}, logging_level='ERROR');"
+                                  f"print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']{carries}]))"],
+                                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     except subprocess.TimeoutExpired:  # a node still starting on a loaded machine: the caller asks again
         return []
     lines = listing.stdout.strip().splitlines()
     return json.loads(lines[-1]) if listing.returncode == 0 and lines else []
 
 
+CLUSTER_SECTION = "## A Ray cluster and a shared MLflow server"
+
+
+def cluster_recipe() -> list[str]:
+    """The commands of docs/running.md's cluster section as a reader types them (continuations joined)."""
+    from test_documented_commands import _candidate_lines
+
+    text = (ROOT / "docs" / "running.md").read_text()
+    start = text.index("```bash", text.index(CLUSTER_SECTION))
+    block = text[start:text.index("\n```\n", start) + 5]
+    return [line for line in _candidate_lines(block) if line and not line.startswith("#")]
+
+
+def recipe_command(words: str) -> str:
+    """The recipe's one command that contains ``words``."""
+    (line,) = [line for line in cluster_recipe() if words in line]
+    return line
+
+
+def _start_shell_node(command: str, env: dict) -> subprocess.Popen:
+    """A `ray start --block` command line run by bash (its variables and quoting as a reader's shell reads them),
+    in a session of its own, so that the teardown stops these nodes only (`ray stop` would stop every Ray on the
+    machine, a study running beside the tests included)."""
+    return subprocess.Popen(["bash", "-c", command], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
 def _start_node(arguments: list[str], env: dict) -> subprocess.Popen:
-    """`ray start --block` in a session of its own, so that the teardown stops these nodes only (`ray stop`
-    would stop every Ray on the machine, a study running beside the tests included)."""
-    return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *arguments], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    """`ray start --block ARGUMENTS` in a session of its own (``_start_shell_node``)."""
+    return _start_shell_node(shlex.join([RAY, "start", "--block", "--disable-usage-stats", *arguments]), env)
 
 
 def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
@@ -107,22 +138,41 @@ def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
 
 
 @pytest.fixture
-def two_node_cluster():
-    """A head node and a worker node on this machine (2 logical CPUs each), torn down afterwards."""
+def two_node_cluster(tmp_path_factory, monkeypatch):
+    """docs/running.md's cluster recipe on this machine: its token step, head and worker node commands as typed
+    (2 logical CPUs each; the worker carries the recipe's trial_driver resource), torn down afterwards. Ray's token
+    authentication is on as a user has it: the token in a HOME of the test's own (the user's ~/.ray is never
+    touched), RAY_AUTH_MODE unset (the suite's `disabled` is for its local Rays), so the test's drivers join as
+    the recipe's driver does."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("HOME", str(home))
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
     # a node that gets SIGTERM drains for 30 s first (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S): nothing to drain here
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+           "PATH": f"{Path(RAY).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # the recipe's `ray` is ours
     port = stable_free_port()
     address = f"127.0.0.1:{port}"
+
+    def as_here(line: str) -> str:
+        return line.replace("<head>", "127.0.0.1").replace("6379", str(port))
+
+    token = subprocess.run(["bash", "-c", as_here(recipe_command("ray get-auth-token"))], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert token.returncode == 0 and (home / ".ray" / "auth_token").stat().st_mode & 0o077 == 0, token.stderr
     nodes: list[subprocess.Popen] = []
     try:
-        for arguments, count in ((["--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-                                   "--dashboard-host=127.0.0.1", f"--dashboard-port={stable_free_port()}"], 1),
-                                 ([f"--address={address}", "--num-cpus=2"], 2)):
-            nodes.append(_start_node(arguments, env))
+        for line, options, count in ((recipe_command("ray start --head"),
+                                      ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                                       f"--dashboard-port={stable_free_port()}"], 1),
+                                     (recipe_command("ray start --address"), [], 2)):
+            # the command as typed, then what keeps it in the foreground on this machine's share of the CPUs
+            nodes.append(_start_shell_node(f"{as_here(line)} --block --disable-usage-stats --num-cpus=2 "
+                                           + " ".join(options), env))
             deadline = time.time() + 180
             while len(alive := _alive_nodes(address, env)) < count:
                 assert nodes[-1].poll() is None, nodes[-1].communicate()[1][-3000:]
-                assert time.time() < deadline, f"the Ray node {arguments} did not join in 180 s"
+                assert time.time() < deadline, f"the Ray node `{line}` did not join in 180 s"
                 time.sleep(2)
         yield address, set(alive)
     finally:
