@@ -1,15 +1,13 @@
-"""Studies under stress: 4 concurrent trials on SQLite, failing trials, two Ray nodes with an MLflow
-server, killed trials, what the recorded command lines hide. Real Ray, real MLflow stores, the --smoke
-configuration. Resumes that must be refused: tests/test_study_resume_checks.py."""
+"""Studies under stress: failing trials on an MLflow server, killed trials, what the recorded command lines hide.
+Real Ray, real MLflow stores, the --smoke configuration. Two Ray nodes (4 concurrent trials on SQLite, the docs'
+cluster recipe): tests/test_study_cluster.py. Resumes that must be refused: tests/test_study_resume_checks.py."""
 from __future__ import annotations
 
 import json
 import os
 import re
-import shlex
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -23,7 +21,6 @@ from apao_ray.training.memory import ALLOCATOR_ENV
 from conftest import ROOT, descendant_pids, mlflow_sqlite, run_script
 
 SWEEP = str(ROOT / "studies" / "sweep.py")
-RAY = str(Path(sys.executable).with_name("ray"))
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))
 
 
@@ -68,163 +65,6 @@ def _wait_http(url: str, process: subprocess.Popen, log: Path | None = None, tim
             assert process.poll() is None, (log.read_text() if log else process.communicate()[1])[-3000:]
             assert time.time() < deadline, f"{url} did not answer in {timeout} s"
             time.sleep(0.5)
-
-
-def _alive_nodes(address: str, env: dict, resource: str | None = None) -> list[str]:
-    """The IDs of the cluster's live nodes (those carrying ``resource`` where given); in Ray's token mode where the
-    head asks for the token this machine holds, as a study's driver joins (Ray's own client would not send it)."""
-    carries = f" and n['Resources'].get({resource!r})" if resource else ""
-    try:
-        listing = subprocess.run([sys.executable, "-c", "import json, ray; from apao_ray.study.cluster import token_auth as t;"
-                                  f"t.needs_token_mode({address!r}) and t.enable_token_mode();"
-                                  f"ray.init(address={address!r}, logging_level='ERROR');"
-                                  f"print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']{carries}]))"],
-                                 capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    except subprocess.TimeoutExpired:  # a node still starting on a loaded machine: the caller asks again
-        return []
-    lines = listing.stdout.strip().splitlines()
-    return json.loads(lines[-1]) if listing.returncode == 0 and lines else []
-
-
-CLUSTER_SECTION = "## A Ray cluster and a shared MLflow server"
-
-
-def cluster_recipe() -> list[str]:
-    """The commands of docs/running.md's cluster section as a reader types them (continuations joined)."""
-    from test_documented_commands import _candidate_lines
-
-    text = (ROOT / "docs" / "running.md").read_text()
-    start = text.index("```bash", text.index(CLUSTER_SECTION))
-    block = text[start:text.index("\n```\n", start) + 5]
-    return [line for line in _candidate_lines(block) if line and not line.startswith("#")]
-
-
-def recipe_command(words: str) -> str:
-    """The recipe's one command that contains ``words``."""
-    (line,) = [line for line in cluster_recipe() if words in line]
-    return line
-
-
-def _start_shell_node(command: str, env: dict) -> subprocess.Popen:
-    """A `ray start --block` command line run by bash (its variables and quoting as a reader's shell reads them),
-    in a session of its own, so that the teardown stops these nodes only (`ray stop` would stop every Ray on the
-    machine, a study running beside the tests included)."""
-    return subprocess.Popen(["bash", "-c", command], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-def _start_node(arguments: list[str], env: dict) -> subprocess.Popen:
-    """`ray start --block ARGUMENTS` in a session of its own (``_start_shell_node``)."""
-    return _start_shell_node(shlex.join([RAY, "start", "--block", "--disable-usage-stats", *arguments]), env)
-
-
-def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
-    """SIGTERM to every node at once, then SIGKILL to what is left."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-        for node in nodes:
-            if node.poll() is None:
-                try:
-                    os.killpg(node.pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + wait
-        for node in nodes:
-            try:
-                node.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        if all(node.poll() is not None for node in nodes):
-            return
-
-
-@pytest.fixture
-def two_node_cluster(tmp_path_factory, monkeypatch):
-    """docs/running.md's cluster recipe on this machine: its token step, head and worker node commands as typed
-    (2 logical CPUs each; the worker carries the recipe's trial_driver resource), torn down afterwards. Ray's token
-    authentication is on as a user has it: the token in a HOME of the test's own (the user's ~/.ray is never
-    touched), RAY_AUTH_MODE unset (the suite's `disabled` is for its local Rays), so the test's drivers join as
-    the recipe's driver does."""
-    home = tmp_path_factory.mktemp("home")
-    monkeypatch.setenv("HOME", str(home))
-    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
-        monkeypatch.delenv(name, raising=False)
-    # a node that gets SIGTERM drains for 30 s first (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S): nothing to drain here
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-           "PATH": f"{Path(RAY).parent}{os.pathsep}{os.environ.get('PATH', '')}"}  # the recipe's `ray` is ours
-    port = stable_free_port()
-    address = f"127.0.0.1:{port}"
-
-    def as_here(line: str) -> str:
-        return line.replace("<head>", "127.0.0.1").replace("6379", str(port))
-
-    token = subprocess.run(["bash", "-c", as_here(recipe_command("ray get-auth-token"))], env=env,
-                           capture_output=True, text=True, timeout=120)
-    assert token.returncode == 0 and (home / ".ray" / "auth_token").stat().st_mode & 0o077 == 0, token.stderr
-    nodes: list[subprocess.Popen] = []
-    try:
-        for line, options, count in ((recipe_command("ray start --head"),
-                                      ["--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                                       f"--dashboard-port={stable_free_port()}"], 1),
-                                     (recipe_command("ray start --address"), [], 2)):
-            # the command as typed, then what keeps it in the foreground on this machine's share of the CPUs
-            nodes.append(_start_shell_node(f"{as_here(line)} --block --disable-usage-stats --num-cpus=2 "
-                                           + " ".join(options), env))
-            deadline = time.time() + 180
-            while len(alive := _alive_nodes(address, env)) < count:
-                assert nodes[-1].poll() is None, nodes[-1].communicate()[1][-3000:]
-                assert time.time() < deadline, f"the Ray node `{line}` did not join in 180 s"
-                time.sleep(2)
-        yield address, set(alive)
-    finally:
-        _stop_nodes(nodes)
-
-
-@pytest.mark.e2e
-def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_path, two_node_cluster):
-    """4 trials at once on a head + worker node started with `ray start`, all logging to one SQLite file.
-    0.9 CPU per trial on 2-CPU nodes: a node holds at most two trials, so both nodes must train."""
-    address, node_ids = two_node_cluster
-    db = tmp_path / "mlflow.db"
-    mlflow_sqlite(tmp_path)
-    result = run_script([SWEEP, "--smoke", "--num-samples", "3", "--max-concurrent", "4", "--cpus-per-trial", "0.9",
-                         "--address", address, "--output-dir", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{db}"],
-                        cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "Started a local Ray instance" not in result.stderr  # it joined the running cluster
-    assert "database is locked" not in result.stderr + result.stdout
-    from apao_ray.tracking import Tracker
-
-    tracker = Tracker(f"sqlite:///{db}", "apao-synthetic")
-    children = _children(tracker)
-    assert len(children) == 4 and all(c.info.status == "FINISHED" for c in children.values())
-    assert {c.data.tags["apao.node_id"] for c in children.values()} == node_ids  # trained on both nodes
-    # trials really ran at once: some two were between their start (Tune launched them) and their test at the
-    # same time; run one after the other, none would be. Not their training alone: a smoke trial trains ~4 s
-    # once its worker is up, and the four workers' starts (torch imports on 2 CPUs) were seen in CI staggered
-    # by more than that. The run's end is later than its test by the driver's model logging, one trial at a time.
-    tested = [tracker.client.get_metric_history(c.info.run_id, "test/ndcg_at_10")[0].timestamp for c in children.values()]
-    spans = [(c.info.start_time, end) for c, end in zip(children.values(), tested)]
-    assert any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1:]), spans
-    # four writers on one SQLite file lost nothing and doubled nothing: no (run, key, step) is stored twice,
-    # and every run holds the same metric keys as the runs of its loss, each per-epoch one at both epochs
-    run_ids = [c.info.run_id for c in children.values()]
-    loss_of = {c.info.run_id: c.data.tags["loss"] for c in children.values()}
-    marks = ",".join("?" * len(run_ids))
-    with sqlite3.connect(db) as connection:
-        doubled = connection.execute(f"select run_uuid, key, step, count(*) from metrics where run_uuid in ({marks}) "
-                                     "group by run_uuid, key, step having count(*) > 1", run_ids).fetchall()
-        stored = connection.execute(f"select run_uuid, key, group_concat(step) from metrics where run_uuid in ({marks}) "
-                                    "group by run_uuid, key", run_ids).fetchall()
-    assert doubled == [], doubled
-    keys = {run: {key: sorted(map(int, steps.split(","))) for r, key, steps in stored if r == run} for run in run_ids}
-    for run in run_ids:
-        same_loss = [other for other in run_ids if loss_of[other] == loss_of[run]]
-        assert all(set(keys[other]) == set(keys[run]) for other in same_loss), (loss_of[run], keys)
-        per_epoch = [key for key in keys[run] if key.startswith(("train/", "val/", "perf/epoch"))]
-        assert len(per_epoch) >= 15 and all(keys[run][key] == [1, 2] for key in per_epoch), keys[run]  # CE: 19
-    for run in children.values():
-        assert [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")] == [1, 2]
-        assert len(tracker.metric_history(run.info.run_id, "test/recall_at_10")) == 1
 
 
 @pytest.fixture
