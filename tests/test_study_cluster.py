@@ -192,6 +192,25 @@ def test_a_trials_placement_is_its_reservation_plus_the_driver_resource():
         {"CPU": 0.01, "trial_driver": DRIVER_RESOURCE_SHARE}]
 
 
+def test_a_refused_token_is_told_from_an_unreachable_cluster_in_rays_chained_errors():
+    """ray.init's ConnectionError hides the cause two levels down (a RuntimeError whose text holds the
+    AuthenticationError): found there, whichever way it was chained; a cluster that is simply down is not one."""
+    from apao_ray.study.cluster.token_auth import is_refused_token
+
+    def chained(cause: BaseException) -> ConnectionError:
+        try:
+            try:
+                raise cause
+            except Exception as error:
+                raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379") from error
+        except ConnectionError as error:
+            return error
+
+    assert is_refused_token(chained(RuntimeError("Failed to connect to GCS. Last connection error: ... "
+                                                 "AuthenticationError: RPC error: InvalidAuthToken: missing")))
+    assert not is_refused_token(chained(RuntimeError("Failed to connect to GCS: Connection refused")))
+
+
 @pytest.mark.parametrize("name", ["CPU", "memory", "two words", "a-b"])
 def test_a_driver_resource_that_is_not_a_custom_resource_name_is_refused(name):
     from apao_ray import StudySpec
