@@ -247,8 +247,8 @@ def test_the_docs_cluster_recipe_pins_trial_drivers_and_refuses_a_driver_without
     in place of the recipe's study size, against an MLflow server: every trial's driver (where a one-worker
     trial trains) ran on the worker node. Three trials of 1 CPU at once on 2-CPU nodes: unpinned, one node
     cannot hold them all and both train (test_study_reliability.py's four trials); pinned, the third waits.
-    A driver that keeps token mode off, and one that holds no token, are refused in one line naming the fix,
-    before anything starts."""
+    A sweep that keeps token mode off, one that holds no token, and a train run that keeps token mode off are
+    refused in one line naming the fix, before anything starts."""
     address, node_ids = two_node_cluster
     port, _ = mlflow_server
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
@@ -261,9 +261,12 @@ def test_the_docs_cluster_recipe_pins_trial_drivers_and_refuses_a_driver_without
     assert words[:2] == ["python", "studies/sweep.py"]
     sweep = [str(ROOT / words[1]), *words[2:], "--smoke", "--num-samples", "2", "--max-concurrent", "3"]
 
-    for refused_env, fix in (({"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here: unset RAY_AUTH_MODE"),
-                             ({"HOME": str(tmp_path)}, "this machine holds none: put the head's token in")):
-        refused = run_script(sweep, cwd=tmp_path, timeout=300, env=refused_env)
+    train = [str(ROOT / "studies" / "train.py"), "--smoke", "--address", address, "--output-dir", str(tmp_path)]
+    for command, refused_env, fix in (
+            (sweep, {"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here: unset RAY_AUTH_MODE"),
+            (sweep, {"HOME": str(tmp_path)}, "this machine holds none: put the head's token in"),
+            (train, {"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here: unset RAY_AUTH_MODE")):
+        refused = run_script(command, cwd=tmp_path, timeout=300, env=refused_env)
         errors = [line for line in refused.stderr.splitlines() if "error:" in line]
         assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-3000:]
         assert f"the Ray cluster at '{address}' requires its token" in errors[0] and fix in errors[0], errors
