@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import sqlite3
@@ -22,8 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 absolute_data_dir_env()  # as each command does where it starts: tests change directory, their subprocesses run elsewhere
 SHARED_DATASETS = Path(os.environ.get(DATA_DIR_ENV) or ROOT.parent / "shared" / "datasets").resolve()
 
-# quiet, deterministic Ray for every test process and the subprocesses they start
-for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0", "RAY_AUTH_MODE": "disabled",
+# quiet, deterministic Ray for every test process and the subprocesses they start. Ray's token authentication
+# stays as Ray ships it (a local Ray runs in token mode), with a token of this test session's own: given in
+# RAY_AUTH_TOKEN, so that no local Ray writes one into the user's ~/.ray/auth_token (Ray makes that file when no
+# token is given). The two-node tests give their nodes a token file in a HOME of their own instead.
+for key, value in {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
+                   "RAY_AUTH_TOKEN": secrets.token_hex(32),
                    "RAY_DEDUP_LOGS": "1", "PYTHONWARNINGS": "ignore::DeprecationWarning"}.items():
     os.environ.setdefault(key, value)
 

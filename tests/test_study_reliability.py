@@ -1,6 +1,6 @@
-"""Studies under stress: 4 concurrent trials on SQLite, failing trials, two Ray nodes with an MLflow
-server, killed trials, what the recorded command lines hide. Real Ray, real MLflow stores, the --smoke
-configuration. Resumes that must be refused: tests/test_study_resume_checks.py."""
+"""Studies under stress: failing trials on an MLflow server, killed trials, what the recorded command lines hide.
+Real Ray, real MLflow stores, the --smoke configuration. Two Ray nodes (4 concurrent trials on SQLite, the docs'
+cluster recipe): tests/test_study_cluster.py. Resumes that must be refused: tests/test_study_resume_checks.py."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import socket
-import sqlite3
 import subprocess
 import sys
 import time
@@ -22,7 +21,6 @@ from apao_ray.training.memory import ALLOCATOR_ENV
 from conftest import ROOT, descendant_pids, mlflow_sqlite, run_script
 
 SWEEP = str(ROOT / "studies" / "sweep.py")
-RAY = str(Path(sys.executable).with_name("ray"))
 MLFLOW = str(Path(sys.executable).with_name("mlflow"))
 
 
@@ -67,114 +65,6 @@ def _wait_http(url: str, process: subprocess.Popen, log: Path | None = None, tim
             assert process.poll() is None, (log.read_text() if log else process.communicate()[1])[-3000:]
             assert time.time() < deadline, f"{url} did not answer in {timeout} s"
             time.sleep(0.5)
-
-
-def _alive_nodes(address: str, env: dict) -> list[str]:
-    try:
-        listing = subprocess.run([sys.executable, "-c", "import json, ray; ray.init(address='auto', logging_level='ERROR');"
-                                  "print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']]))"],
-                                 capture_output=True, text=True, env={**env, "RAY_ADDRESS": address}, timeout=120)
-    except subprocess.TimeoutExpired:  # a node still starting on a loaded machine: the caller asks again
-        return []
-    lines = listing.stdout.strip().splitlines()
-    return json.loads(lines[-1]) if listing.returncode == 0 and lines else []
-
-
-def _start_node(arguments: list[str], env: dict) -> subprocess.Popen:
-    """`ray start --block` in a session of its own, so that the teardown stops these nodes only (`ray stop`
-    would stop every Ray on the machine, a study running beside the tests included)."""
-    return subprocess.Popen([RAY, "start", "--block", "--disable-usage-stats", *arguments], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
-def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
-    """SIGTERM to every node at once, then SIGKILL to what is left."""
-    for sig, wait in ((signal.SIGTERM, 60), (signal.SIGKILL, 30)):
-        for node in nodes:
-            if node.poll() is None:
-                try:
-                    os.killpg(node.pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.time() + wait
-        for node in nodes:
-            try:
-                node.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                pass
-        if all(node.poll() is not None for node in nodes):
-            return
-
-
-@pytest.fixture
-def two_node_cluster():
-    """A head node and a worker node on this machine (2 logical CPUs each), torn down afterwards."""
-    # a node that gets SIGTERM drains for 30 s first (RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S): nothing to drain here
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
-    port = stable_free_port()
-    address = f"127.0.0.1:{port}"
-    nodes: list[subprocess.Popen] = []
-    try:
-        for arguments, count in ((["--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=true",
-                                   "--dashboard-host=127.0.0.1", f"--dashboard-port={stable_free_port()}"], 1),
-                                 ([f"--address={address}", "--num-cpus=2"], 2)):
-            nodes.append(_start_node(arguments, env))
-            deadline = time.time() + 180
-            while len(alive := _alive_nodes(address, env)) < count:
-                assert nodes[-1].poll() is None, nodes[-1].communicate()[1][-3000:]
-                assert time.time() < deadline, f"the Ray node {arguments} did not join in 180 s"
-                time.sleep(2)
-        yield address, set(alive)
-    finally:
-        _stop_nodes(nodes)
-
-
-@pytest.mark.e2e
-def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_path, two_node_cluster):
-    """4 trials at once on a head + worker node started with `ray start`, all logging to one SQLite file.
-    0.9 CPU per trial on 2-CPU nodes: a node holds at most two trials, so both nodes must train."""
-    address, node_ids = two_node_cluster
-    db = tmp_path / "mlflow.db"
-    mlflow_sqlite(tmp_path)
-    result = run_script([SWEEP, "--smoke", "--num-samples", "3", "--max-concurrent", "4", "--cpus-per-trial", "0.9",
-                         "--address", address, "--output-dir", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{db}"],
-                        cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "Started a local Ray instance" not in result.stderr  # it joined the running cluster
-    assert "database is locked" not in result.stderr + result.stdout
-    from apao_ray.tracking import Tracker
-
-    tracker = Tracker(f"sqlite:///{db}", "apao-synthetic")
-    children = _children(tracker)
-    assert len(children) == 4 and all(c.info.status == "FINISHED" for c in children.values())
-    assert {c.data.tags["apao.node_id"] for c in children.values()} == node_ids  # trained on both nodes
-    # trials really ran at once: some two were between their start (Tune launched them) and their test at the
-    # same time; run one after the other, none would be. Not their training alone: a smoke trial trains ~4 s
-    # once its worker is up, and the four workers' starts (torch imports on 2 CPUs) were seen in CI staggered
-    # by more than that. The run's end is later than its test by the driver's model logging, one trial at a time.
-    tested = [tracker.client.get_metric_history(c.info.run_id, "test/ndcg_at_10")[0].timestamp for c in children.values()]
-    spans = [(c.info.start_time, end) for c, end in zip(children.values(), tested)]
-    assert any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1:]), spans
-    # four writers on one SQLite file lost nothing and doubled nothing: no (run, key, step) is stored twice,
-    # and every run holds the same metric keys as the runs of its loss, each per-epoch one at both epochs
-    run_ids = [c.info.run_id for c in children.values()]
-    loss_of = {c.info.run_id: c.data.tags["loss"] for c in children.values()}
-    marks = ",".join("?" * len(run_ids))
-    with sqlite3.connect(db) as connection:
-        doubled = connection.execute(f"select run_uuid, key, step, count(*) from metrics where run_uuid in ({marks}) "
-                                     "group by run_uuid, key, step having count(*) > 1", run_ids).fetchall()
-        stored = connection.execute(f"select run_uuid, key, group_concat(step) from metrics where run_uuid in ({marks}) "
-                                    "group by run_uuid, key", run_ids).fetchall()
-    assert doubled == [], doubled
-    keys = {run: {key: sorted(map(int, steps.split(","))) for r, key, steps in stored if r == run} for run in run_ids}
-    for run in run_ids:
-        same_loss = [other for other in run_ids if loss_of[other] == loss_of[run]]
-        assert all(set(keys[other]) == set(keys[run]) for other in same_loss), (loss_of[run], keys)
-        per_epoch = [key for key in keys[run] if key.startswith(("train/", "val/", "perf/epoch"))]
-        assert len(per_epoch) >= 15 and all(keys[run][key] == [1, 2] for key in per_epoch), keys[run]  # CE: 19
-    for run in children.values():
-        assert [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")] == [1, 2]
-        assert len(tracker.metric_history(run.info.run_id, "test/recall_at_10")) == 1
 
 
 @pytest.fixture

@@ -63,6 +63,10 @@ def study_slots(spec: StudySpec, setup: StudySetup, start_ray: bool) -> int:
     workers = spec.workers_per_trial
     if workers > 1:
         Resources(workers, setup.cpus_per_trial, spec.gpus_per_trial).check_placeable(nodes, where)
+    if spec.driver_resource and not any(node.get(spec.driver_resource) for node in nodes):
+        raise ValueError(f"--driver-resource {spec.driver_resource}: no node of {where} carries that resource; start "
+                         f"the nodes for trial drivers with `ray start ... --resources '{{\"{spec.driver_resource}\": "
+                         "1}'` and join them with --address")
     if spec.max_concurrent:
         return spec.max_concurrent
     return max(1, int(cpus // (setup.cpus_per_trial * workers)))

@@ -144,6 +144,9 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
         # where the files were found: the trial's workers read them there, from any working directory
         config = config.replace(data=config.data.replace(data_dir=dataset.data_dir))
         check_against_catalog(config, dataset.catalog, args.num_negatives)
+        from ..cluster.ray_cluster import check_ray_address
+
+        check_ray_address(args.address)  # a head that does not answer, or refuses this machine's token, in one line
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))
     output_dir = Path(args.output_dir).resolve()

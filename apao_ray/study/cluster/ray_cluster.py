@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ...names import PLUGINS_ENV
 from ...training.memory import ALLOCATOR_ENV, allocator_env
+from .token_auth import TOKEN_FIX, enable_token_mode, is_refused_token, local_auth_notice_to_log, needs_token_mode
 
 QUIET_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0",
                  "RAY_TRAIN_V2_ENABLED": "1", "RAY_AIR_NEW_OUTPUT": "0",
@@ -83,11 +84,16 @@ def match_session_niceness() -> str | None:
             "for the rest of the session")
 
 
-def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
+def check_ray_address(address: str | None, timeout: float = 5.0) -> bool:
     """Fails in seconds, naming the address, when a ``host:port`` Ray head does not answer
-    (``ray.init`` itself retries for a minute). ``auto``, ``local`` and ``ray://`` pass through."""
+    (``ray.init`` itself retries for a minute) or refuses this machine for its token (token_auth.py).
+    ``auto``, ``local`` and ``ray://`` pass through.
+
+    Returns:
+        Whether joining it takes Ray's token mode (the head asks for the token this machine holds).
+    """
     if not address or address in ("auto", "local") or "://" in address:
-        return
+        return False
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"Ray address {address!r} must be HOST:PORT (the head's GCS port, 6379 by default), "
@@ -97,6 +103,7 @@ def check_ray_address(address: str | None, timeout: float = 5.0) -> None:
     except OSError as error:
         raise ConnectionError(f"Ray address {address!r} is unreachable ({error}); start the head with "
                               f"`ray start --head --port {port}` or fix --address / $RAY_ADDRESS") from None
+    return needs_token_mode(address, timeout)
 
 
 def free_port() -> int:
@@ -176,7 +183,8 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
 
     if ray.is_initialized():
         return
-    check_ray_address(address)
+    if check_ray_address(address):
+        enable_token_mode()  # the head wants the token this machine holds: Ray sends it in token mode only
     if local and (matched := match_session_niceness()):
         print(f"{matched}, so it yields to work in other sessions as nice asks (Linux autogroups)",
               file=sys.stderr)
@@ -191,7 +199,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
         if not local:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
         elif not dashboard:
-            with agent_port_chosen_by_the_os():
+            with agent_port_chosen_by_the_os(), local_auth_notice_to_log(session_log):
                 ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env,
                          log_to_driver=True)
         else:
@@ -205,7 +213,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
             # address "local": a new Ray of our own. ray.init() with no address joins the newest cluster
             # that `ray start` recorded in /tmp/ray/ray_current_cluster (another user's study, or a dead
             # one whose GCS it then waits on for minutes)
-            with agent_port_chosen_by_the_os():
+            with agent_port_chosen_by_the_os(), local_auth_notice_to_log(session_log):
                 context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=True,
                                    dashboard_host="127.0.0.1", dashboard_port=port, runtime_env=runtime_env,
                                    log_to_driver=True)
@@ -213,7 +221,20 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
                 print(f"warning: Ray's dashboard took {context.dashboard_url}, not port {port} (taken meanwhile); "
                       "with another Ray on this machine, pruned trials may not free their CPUs", file=sys.stderr)
     except ConnectionError as error:
+        if is_refused_token(error):  # an address check_ray_address cannot ask (auto, RAY_ADDRESS's cluster)
+            raise ConnectionError(f"the Ray cluster at address {address!r} refused this machine's Ray token or "
+                                  f"its absence: set RAY_AUTH_MODE=token and {TOKEN_FIX}") from None
         raise ConnectionError(f"cannot reach the Ray cluster at address {address!r}: {error}") from None
+
+
+def session_log() -> str | None:
+    """A file among the logs of the Ray session this process started or joined (None where Ray hides them)."""
+    try:
+        from ray._private.worker import _global_node
+
+        return os.path.join(_global_node.get_logs_dir_path(), "apao_driver.log")
+    except (ImportError, AttributeError):
+        return None
 
 
 def cluster_cpus() -> float:

@@ -61,15 +61,16 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Resources
     return apao_trial
 
 
-def make_trainable(base: TrialConfig, train_root: str, resources: Resources) -> Any:
+def make_trainable(base: TrialConfig, train_root: str, resources: Resources,
+                   driver_resource: str | None = None) -> Any:
     """The Tune trainable with its reservation: a trial's (``Resources.tune_resources``), a cohort's for a cohort
-    leader, a sliver for a follower (run/cohorts.py)."""
+    leader, a sliver for a follower (run/cohorts.py); on nodes carrying ``driver_resource`` where given."""
     from ray import tune
-    from ray.tune.execution.placement_groups import resource_dict_to_pg_factory
 
     trial = resources.tune_resources()
     return tune.with_resources(make_trial_function(base, train_root, resources),
-                               lambda config: resource_dict_to_pg_factory(cohorts.tune_resources(config, trial)))
+                               lambda config: Resources.placement(cohorts.tune_resources(config, trial),
+                                                                  driver_resource))
 
 
 def code_version() -> str:
@@ -223,7 +224,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                           memory_bytes(spec))
     callbacks = make_callbacks(plan.search.num_trials)
     recorder = callbacks[0]
-    trainable = make_trainable(plan.base, train_root, resources)
+    trainable = make_trainable(plan.base, train_root, resources, spec.driver_resource)
     storage_url = setup.optuna_storage or optuna_storage.resolve_storage_url(None, setup.tracking_uri,
                                                                               setup.output_dir)
     optuna_name = optuna_storage.optuna_study_name(plan.base.data.dataset, setup.study_name)

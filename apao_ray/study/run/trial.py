@@ -33,6 +33,8 @@ MAX_START_RETRIES = 3
 # holds 1 CPU unless told otherwise, and 2 such trials starve their workers on 2 CPUs)
 TRIAL_DRIVER_CPUS = 0.01
 RAY_TRAIN_LOG_LEVEL = "WARNING"  # on the console; $APAO_RAY_TRAIN_LOG_LEVEL=INFO brings Ray Train's lines back
+# what a trial's driver takes of the custom resource of --driver-resource: a node given 1 of it holds 100 drivers
+DRIVER_RESOURCE_SHARE = 0.01
 
 
 class TrialStartError(RuntimeError):
@@ -62,6 +64,19 @@ class Resources:
         if self.memory_bytes:
             resources["memory"] = self.memory_bytes
         return resources
+
+    @staticmethod
+    def placement(reservation: dict[str, float], driver_resource: str | None = None) -> Any:
+        """A Tune trial's placement group (one bundle) for ``reservation`` (``tune_resources``' keys: cpu, gpu,
+        memory), with ``DRIVER_RESOURCE_SHARE`` of ``driver_resource`` where given: the trial's driver then runs
+        only on nodes that carry it."""
+        from ray import tune
+
+        bundle = {"CPU": reservation.get("cpu", 0.0), "GPU": reservation.get("gpu", 0.0),
+                  "memory": reservation.get("memory", 0.0)}
+        if driver_resource:
+            bundle[driver_resource] = DRIVER_RESOURCE_SHARE
+        return tune.PlacementGroupFactory([bundle])
 
     def for_ray_train(self) -> "Resources":
         """A data-parallel study trial's workers: each gives up ``TRIAL_DRIVER_CPUS`` for its Tune driver, so

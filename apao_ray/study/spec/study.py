@@ -25,6 +25,7 @@ QUICK_SETTINGS = {"model_size": "tiny", "epochs": 2, "max_train_samples": 2048, 
                   "batch_size": 128, "effective_batch_size": 256, "losses": ("ce", "apao_pointwise"),
                   "retention_users": 32}
 QUICK_NEGATIVES = (10, 20)
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 # the flags that give a paper knob's range, aliases of --knob NAME=LOW:HIGH
@@ -181,6 +182,12 @@ class StudySpec:
                                  "holds ~1.1 GiB of memory in 12 processes; the progress lines, MLflow and "
                                  "optuna-dashboard show the study); a cluster given by --address keeps its own; "
                                  "always on with --workers-per-trial > 1", kind="switch")
+    driver_resource: str | None = option(None, "on a cluster, run each trial's driver (Tune's trial actor) only on "
+                                         "nodes that carry this custom Ray resource (Ray's 'safe nodes': "
+                                         "`ray start --resources '{\"NAME\": 1}'` on nodes that are not "
+                                         "preempted); each driver takes 0.01 of it. A one-worker trial trains in "
+                                         "its driver, so it trains there too; --workers-per-trial > 1 puts its "
+                                         "workers wherever they fit (default: any node)", metavar="NAME")
     # where it is recorded, and what happens to an earlier study of the same name
     study_name: str | None = option(None, "default <dataset>-study; re-running the same name resumes it")
     tracking_uri: str | None = option(None, "MLflow store the study records to (--tracking-uri)", cli=False)
@@ -260,6 +267,10 @@ class StudySpec:
                              "cohort trains on one worker; give one of them")
         if self.resume and self.overwrite:
             raise ValueError("--resume and --overwrite contradict each other; give one")
+        if self.driver_resource is not None and (self.driver_resource in RAY_BUILTIN_RESOURCES
+                                                 or not self.driver_resource.replace("_", "").isalnum()):
+            raise ValueError(f"--driver-resource {self.driver_resource!r} must name a custom Ray resource (letters, "
+                             f"digits, _), not one of Ray's own {RAY_BUILTIN_RESOURCES}, e.g. trial_driver")
         apply_protocol(TrialConfig(), self.protocol, self.protocol_knobs)  # unknown knobs or values, named
 
     @property
