@@ -55,3 +55,23 @@ def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, caps
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and problem in stderr, stderr[-2000:]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("flag", ["--tracking-uri", "--optuna-storage"])
+def test_a_postgresql_store_without_its_driver_is_refused_naming_the_extra(tmp_path, monkeypatch, capsys, flag):
+    """Without the driver an MLflow client or Optuna fails with a traceback once the study runs (and an MLflow server
+    never answers): the study stops first, in one line naming the postgres extra and the URL form it serves."""
+    import sys
+
+    from apao_ray.study.cli.sweep import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # `import psycopg` fails, as where the extra is not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--smoke", "--output-dir", str(tmp_path / "runs"), flag, "postgresql://apao:pw@127.0.0.1:9/apao"])
+    stderr = capsys.readouterr().err
+    (line,) = [line for line in stderr.splitlines() if "psycopg" in line]
+    assert exit_info.value.code == 2 and "'postgresql://apao:***@127.0.0.1:9/apao': its database driver psycopg is " \
+        "not installed" in line and "[postgres]" in line and "give postgresql+psycopg://USER@HOST:PORT/DATABASE" in line
+    assert "Traceback" not in stderr and "pw@" not in stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()

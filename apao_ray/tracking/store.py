@@ -17,7 +17,11 @@ import mlflow
 from mlflow.tracking import MlflowClient
 
 from ..data.files import dataset_label
-from ..paths import DEFAULT_DB_NAME, TRACKING_URI_ENV
+from ..paths import DEFAULT_DB_NAME, TRACKING_URI_ENV, pip_install_hint
+
+# the one PostgreSQL URL form (docs/running.md, the postgres extra): SQLAlchemy 2.1 reads a bare postgresql:// as
+# psycopg 3 too, SQLAlchemy 2.0 (which MLflow also accepts) as psycopg2, which the extra does not install
+POSTGRES_URL_FORM = "postgresql+psycopg://USER@HOST:PORT/DATABASE"
 
 
 def resolve_tracking_uri(uri: str | None = None) -> str:
@@ -56,6 +60,28 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         directory = Path(uri[len("sqlite:///"):]).parent
         if not directory.is_dir() or not os.access(directory, os.W_OK):
             raise ValueError(f"tracking URI {uri!r}: directory {directory} does not exist or is not writable")
+    elif "://" in uri and not uri.startswith("databricks"):
+        require_database_driver(uri, "tracking URI")
+
+
+def require_database_driver(url: str, what: str) -> None:
+    """Fails in one line when the Python driver of the SQLAlchemy URL ``url`` is not installed, naming it and the
+    extra that installs it (for PostgreSQL), instead of a traceback from MLflow or Optuna later; ``what`` names
+    the URL in the message (``--optuna-storage``)."""
+    import sqlalchemy.engine
+
+    try:
+        dialect = sqlalchemy.engine.make_url(url).get_dialect()  # an unknown database name fails here
+    except Exception as error:  # sqlalchemy.exc.ArgumentError / NoSuchModuleError, or a bad port
+        raise ValueError(f"{what} {redact(url)!r} is not a SQLAlchemy URL ({error}); give e.g. "
+                         f"sqlite:////abs/file.db or {POSTGRES_URL_FORM}") from None
+    try:
+        (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # SQLAlchemy 1.4 names it dbapi
+    except ImportError as error:
+        fix = (f"install apao_ray's postgres extra ({pip_install_hint('postgres')}) and give {POSTGRES_URL_FORM}"
+               if dialect.name == "postgresql" else "install the Python package that provides it")
+        raise ValueError(f"{what} {redact(url)!r}: its database driver {dialect.driver} is not installed "
+                         f"({error}); {fix}") from None
 
 
 _URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@/\s]+@")

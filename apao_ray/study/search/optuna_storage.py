@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 from ray.tune.search.optuna import OptunaSearch
 
 from ...paths import tool_command
-from ...tracking import redact
+from ...tracking import redact, require_database_driver
 from .scheduler import TIME_ATTR
 from ..spec.space import SEPARATOR, SearchSpec
 
@@ -54,13 +54,7 @@ def resolve_storage_url(url: str | None, tracking_uri: str, output_dir: Path) ->
     if url.startswith("sqlite:///"):
         path = url[len("sqlite:///"):]
         return url if path.startswith("/") else "sqlite:///" + str(Path(path).expanduser().resolve())
-    import sqlalchemy.engine
-
-    try:
-        sqlalchemy.engine.make_url(url).get_dialect()  # an unknown database name fails here, before Ray starts
-    except Exception as error:  # sqlalchemy.exc.ArgumentError / NoSuchModuleError, or a bad port
-        raise ValueError(f"--optuna-storage {redact(url)!r} is not a SQLAlchemy URL ({error}); give e.g. "
-                         "sqlite:////abs/optuna.db, postgresql://host/db or a path to a SQLite file") from None
+    require_database_driver(url, "--optuna-storage")  # a bad URL or a missing driver: refused before Ray starts
     return url
 
 
