@@ -1,0 +1,160 @@
+"""PostgreSQL as a team shares it: an MLflow server on PostgreSQL and the Optuna storage in PostgreSQL, two
+studies started at once into both. A real PostgreSQL server (Debian's `postgresql` package; .ci/run installs it)
+that the test starts on a loopback port and stops by its pid; the --smoke configuration. A store whose driver is
+missing: tests/test_sweep_input.py."""
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from apao_ray.study.cluster.ray_cluster import stable_free_port
+from conftest import SWEEP, ROOT
+from test_study_reliability import serving_mlflow
+
+SERVER_BIN_DIRS = Path("/usr/lib/postgresql")  # Debian/Ubuntu: /usr/lib/postgresql/<major version>/bin
+
+
+def _server_bin_dir() -> Path | None:
+    """The newest installed PostgreSQL server's binaries (initdb, postgres), else None."""
+    found = [path.parent for path in SERVER_BIN_DIRS.glob("*/bin/initdb") if (path.parent / "postgres").is_file()]
+    return max(found, key=lambda path: int(re.sub(r"\D", "", path.parent.name) or 0), default=None)
+
+
+def _as_server_user() -> dict:
+    """Popen arguments that run a PostgreSQL binary as the `postgres` OS user when this is root (initdb and
+    postgres refuse to run as root), else as this user."""
+    if os.geteuid() != 0:
+        return {}
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        pytest.skip("running as root, and there is no 'postgres' OS user to run PostgreSQL's server as (initdb "
+                    "refuses root; the postgresql package creates that user)")
+    return {"user": "postgres", "group": "postgres", "extra_groups": []}
+
+
+@pytest.fixture
+def postgres():
+    """A PostgreSQL server of its own on a loopback port, user `apao` with a password (scram-sha-256 over TCP),
+    databases `mlflow` and `optuna`; yields the URL prefix ``postgresql+psycopg://apao:PASSWORD@127.0.0.1:PORT``."""
+    psycopg = pytest.importorskip("psycopg", reason="PostgreSQL stores need the postgres extra "
+                                                    "(pip install -e '.[postgres]'; ./apao installs it)")
+    bin_dir = _server_bin_dir()
+    if bin_dir is None:
+        pytest.skip(f"PostgreSQL's server is not installed (no {SERVER_BIN_DIRS}/<version>/bin/initdb; Debian: "
+                    "apt-get install postgresql, which .ci/run does as root)")
+    as_server_user = _as_server_user()
+    # not under pytest's tmp_path: its parent directory is readable by this user only, and the server runs as postgres
+    directory = Path(tempfile.mkdtemp(prefix="apao-postgres-"))
+    server = None
+    try:
+        if as_server_user:
+            shutil.chown(directory, "postgres", "postgres")
+        password = secrets.token_hex(8)
+        (directory / "password").write_text(password)
+        if as_server_user:
+            shutil.chown(directory / "password", "postgres", "postgres")
+        subprocess.run([str(bin_dir / "initdb"), "--pgdata", str(directory / "data"), "--username", "apao",
+                        "--pwfile", str(directory / "password"), "--auth-local", "trust", "--auth-host",
+                        "scram-sha-256", "--encoding", "UTF8", "--no-sync"],
+                       check=True, capture_output=True, text=True, **as_server_user)
+        port = stable_free_port()
+        log = directory / "server.log"
+        with log.open("w") as output:
+            # fsync off: a test's database need not survive a power cut, and each commit's fsync costs ms
+            server = subprocess.Popen([str(bin_dir / "postgres"), "-D", str(directory / "data"), "-p", str(port),
+                                       "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={directory}",
+                                       "-c", "fsync=off"], stdout=output, stderr=subprocess.STDOUT,
+                                      start_new_session=True, **as_server_user)
+        url = f"postgresql+psycopg://apao:{password}@127.0.0.1:{port}"
+        deadline = time.time() + 60
+        while True:
+            try:
+                with psycopg.connect(f"{url.replace('+psycopg', '')}/postgres", connect_timeout=2,
+                                     autocommit=True) as connection:
+                    for database in ("mlflow", "optuna"):
+                        connection.execute(f"CREATE DATABASE {database}")
+                break
+            except psycopg.OperationalError:
+                assert server.poll() is None, log.read_text()[-3000:]
+                assert time.time() < deadline, f"PostgreSQL did not answer in 60 s: {log.read_text()[-3000:]}"
+                time.sleep(0.3)
+        yield url
+    finally:
+        if server is not None and server.poll() is None:
+            server.send_signal(signal.SIGINT)  # "fast shutdown": clients disconnected, no wait for them
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.mark.e2e
+def test_two_studies_at_once_into_mlflow_and_optuna_on_postgresql(tmp_path, postgres):
+    """Two smoke studies started together (each its own local Ray) record into one MLflow server on PostgreSQL and
+    one Optuna storage in PostgreSQL: each finishes both its trials, each trial is one MLflow child run under its
+    own study's parent and one COMPLETE Optuna trial of its own study, nothing doubled, lost or crossed over."""
+    import optuna
+
+    from apao_ray.tracking import Tracker
+
+    with serving_mlflow(f"{postgres}/mlflow", tmp_path) as port:
+        tracking_uri = f"http://127.0.0.1:{port}"
+        optuna_url = f"{postgres}/optuna"
+        studies = ("pg-a", "pg-b")
+        drivers = {}
+        for name in studies:
+            command = [SWEEP, "--smoke", "--losses", "apao_pointwise", "--num-samples", "2", "--epochs", "1",
+                       "--max-concurrent", "1", "--cpus-per-trial", "1", "--precision", "fp32", "--study-name", name,
+                       "--output-dir", str(tmp_path / name), "--tracking-uri", tracking_uri,
+                       "--optuna-storage", optuna_url]
+            log = (tmp_path / f"{name}.log").open("w")
+            drivers[name] = (subprocess.Popen([sys.executable, *command], cwd=tmp_path, stdout=log,
+                                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}), log)
+        for name, (driver, log) in drivers.items():
+            try:
+                driver.wait(timeout=600)
+            finally:
+                log.close()
+                if driver.poll() is None:
+                    driver.kill()
+            output = (tmp_path / f"{name}.log").read_text()
+            assert driver.returncode == 0, output[-4000:]
+            assert f"study {name}: 2 trials (0 failed)" in output, output[-4000:]
+
+        tracker = Tracker(tracking_uri, "apao-synthetic")
+        parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
+        assert sorted(run.data.tags["apao.study"] for run in parents) == sorted(studies)
+        all_children = tracker.child_runs()
+        assert len(all_children) == 4, [run.data.tags for run in all_children]
+        for parent in parents:
+            name = parent.data.tags["apao.study"]
+            children = tracker.child_runs(parent.info.run_id)
+            assert [run.info.status for run in children] == ["FINISHED", "FINISHED"], name
+            assert {run.data.tags["apao.study"] for run in children} == {name}
+            assert len({run.data.tags["apao.trial_id"] for run in children}) == 2
+            # the recorded command line and storage keep the database password out of what MLflow's users read
+            assert f"--optuna-storage {re.sub(r':[^:@]+@', ':***@', optuna_url)}" in parent.data.tags["command_line"]
+            assert urllib.parse.urlsplit(postgres).password not in str(parent.data.tags)
+
+            optuna_study = optuna.load_study(study_name=f"apao-synthetic/{name}", storage=optuna_url)
+            trials = optuna_study.get_trials(deepcopy=False)
+            assert sorted(t.number for t in trials) == [0, 1], name
+            assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials), [t.state for t in trials]
+            # each Optuna trial names its own study's MLflow run: none crossed over to the other study
+            assert sorted(t.user_attrs["mlflow_run_id"] for t in trials) == sorted(r.info.run_id for r in children)
+        assert sorted(optuna.get_all_study_names(optuna_url)) == [f"apao-synthetic/{name}" for name in studies]
