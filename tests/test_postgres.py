@@ -119,7 +119,7 @@ def test_two_studies_at_once_into_mlflow_and_optuna_on_postgresql(tmp_path, post
         drivers = {}
         for name in studies:
             command = [SWEEP, "--smoke", "--losses", "apao_pointwise", "--num-samples", "2", "--epochs", "1",
-                       "--max-concurrent", "1", "--cpus-per-trial", "1", "--precision", "fp32", "--study-name", name,
+                       "--max-concurrent", "2", "--cpus-per-trial", "0.5", "--study-name", name,
                        "--output-dir", str(tmp_path / name), "--tracking-uri", tracking_uri,
                        "--optuna-storage", optuna_url]
             log = (tmp_path / f"{name}.log").open("w")
