@@ -17,11 +17,12 @@ import time
 import urllib.parse
 from pathlib import Path
 
+import optuna
 import pytest
 
 from apao_ray.study.cluster.ray_cluster import stable_free_port
 from conftest import SWEEP, ROOT
-from test_study_reliability import serving_mlflow
+from test_study_reliability import _stop_nodes, serving_mlflow
 
 SERVER_BIN_DIRS = Path("/usr/lib/postgresql")  # Debian/Ubuntu: /usr/lib/postgresql/<major version>/bin
 
@@ -45,10 +46,19 @@ def _as_server_user() -> dict:
     return {"user": "postgres", "group": "postgres", "extra_groups": []}
 
 
-@pytest.fixture
+def create_databases(url: str, *names: str) -> None:
+    """New, empty databases ``names`` on the server of ``url`` (``postgresql+psycopg://USER:PASSWORD@HOST:PORT``)."""
+    import psycopg
+
+    with psycopg.connect(f"{url.replace('+psycopg', '')}/postgres", autocommit=True) as connection:
+        for name in names:
+            connection.execute(f"CREATE DATABASE {name}")
+
+
+@pytest.fixture(scope="module")
 def postgres():
-    """A PostgreSQL server of its own on a loopback port, user `apao` with a password (scram-sha-256 over TCP),
-    databases `mlflow` and `optuna`; yields the URL prefix ``postgresql+psycopg://apao:PASSWORD@127.0.0.1:PORT``."""
+    """A PostgreSQL server of its own on a loopback port, user `apao` with a password (scram-sha-256 over TCP);
+    yields the URL prefix ``postgresql+psycopg://apao:PASSWORD@127.0.0.1:PORT`` (each test creates its databases)."""
     psycopg = pytest.importorskip("psycopg", reason="PostgreSQL stores need the postgres extra "
                                                     "(pip install -e '.[postgres]'; ./apao installs it)")
     bin_dir = _server_bin_dir()
@@ -82,10 +92,7 @@ def postgres():
         deadline = time.time() + 60
         while True:
             try:
-                with psycopg.connect(f"{url.replace('+psycopg', '')}/postgres", connect_timeout=2,
-                                     autocommit=True) as connection:
-                    for database in ("mlflow", "optuna"):
-                        connection.execute(f"CREATE DATABASE {database}")
+                psycopg.connect(f"{url.replace('+psycopg', '')}/postgres", connect_timeout=2).close()
                 break
             except psycopg.OperationalError:
                 assert server.poll() is None, log.read_text()[-3000:]
@@ -108,33 +115,31 @@ def test_two_studies_at_once_into_mlflow_and_optuna_on_postgresql(tmp_path, post
     """Two smoke studies started together (each its own local Ray) record into one MLflow server on PostgreSQL and
     one Optuna storage in PostgreSQL: each finishes both its trials, each trial is one MLflow child run under its
     own study's parent and one COMPLETE Optuna trial of its own study, nothing doubled, lost or crossed over."""
-    import optuna
-
     from apao_ray.tracking import Tracker
 
+    create_databases(postgres, "mlflow", "optuna")
     with serving_mlflow(f"{postgres}/mlflow", tmp_path) as port:
         tracking_uri = f"http://127.0.0.1:{port}"
         optuna_url = f"{postgres}/optuna"
         studies = ("pg-a", "pg-b")
-        drivers = {}
-        for name in studies:
-            command = [SWEEP, "--smoke", "--losses", "apao_pointwise", "--num-samples", "2", "--epochs", "1",
-                       "--max-concurrent", "2", "--cpus-per-trial", "0.5", "--study-name", name,
-                       "--output-dir", str(tmp_path / name), "--tracking-uri", tracking_uri,
-                       "--optuna-storage", optuna_url]
-            log = (tmp_path / f"{name}.log").open("w")
-            drivers[name] = (subprocess.Popen([sys.executable, *command], cwd=tmp_path, stdout=log,
-                                              stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}), log)
-        for name, (driver, log) in drivers.items():
-            try:
+        drivers: dict[str, subprocess.Popen] = {}
+        try:
+            for name in studies:
+                command = [SWEEP, "--smoke", "--losses", "apao_pointwise", "--num-samples", "2", "--epochs", "1",
+                           "--max-concurrent", "2", "--cpus-per-trial", "0.5", "--study-name", name,
+                           "--output-dir", str(tmp_path / name), "--tracking-uri", tracking_uri,
+                           "--optuna-storage", optuna_url]
+                with (tmp_path / f"{name}.log").open("w") as log:  # a file: a pipe nobody reads would block them
+                    drivers[name] = subprocess.Popen([sys.executable, *command], cwd=tmp_path, stdout=log,
+                                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                                     env={**os.environ, "PYTHONPATH": str(ROOT)})
+            for name, driver in drivers.items():
                 driver.wait(timeout=600)
-            finally:
-                log.close()
-                if driver.poll() is None:
-                    driver.kill()
-            output = (tmp_path / f"{name}.log").read_text()
-            assert driver.returncode == 0, output[-4000:]
-            assert f"study {name}: 2 trials (0 failed)" in output, output[-4000:]
+                output = (tmp_path / f"{name}.log").read_text()
+                assert driver.returncode == 0, output[-4000:]
+                assert f"study {name}: 2 trials (0 failed)" in output, output[-4000:]
+        finally:  # a driver still running (the other failed, or a timeout): it and its Ray, by its process group
+            _stop_nodes([driver for driver in drivers.values() if driver.poll() is None])
 
         tracker = Tracker(tracking_uri, "apao-synthetic")
         parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
@@ -158,3 +163,30 @@ def test_two_studies_at_once_into_mlflow_and_optuna_on_postgresql(tmp_path, post
             # each Optuna trial names its own study's MLflow run: none crossed over to the other study
             assert sorted(t.user_attrs["mlflow_run_id"] for t in trials) == sorted(r.info.run_id for r in children)
         assert sorted(optuna.get_all_study_names(optuna_url)) == [f"apao-synthetic/{name}" for name in studies]
+
+
+def test_studies_that_open_a_new_optuna_storage_together_each_open_it(postgres):
+    """Optuna creates its tables when it first opens a database; four drivers doing so at once all get the storage
+    (bare RDBStorage: the later ones failed with a duplicate `CREATE TYPE studydirection`) and each its own study."""
+    import threading
+
+    from apao_ray.study.search.optuna_storage import open_storage
+
+    create_databases(postgres, "together")
+    url, barrier, studies, errors = f"{postgres}/together", threading.Barrier(4), [], []
+
+    def start(number: int) -> None:
+        barrier.wait()
+        try:
+            storage = open_storage(url)
+            studies.append(storage.create_new_study([optuna.study.StudyDirection.MAXIMIZE], f"study-{number}"))
+        except Exception as error:  # reported below, all four at once
+            errors.append(error)
+
+    threads = [threading.Thread(target=start, args=(number,)) for number in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors and len(studies) == 4, errors
+    assert sorted(optuna.get_all_study_names(url)) == [f"study-{number}" for number in range(4)]

@@ -16,6 +16,7 @@ Two things the storage changes, handled here:
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -63,14 +64,32 @@ def optuna_study_name(dataset: str, study_name: str) -> str:
     return f"apao-{dataset}/{study_name}"
 
 
-def open_storage(url: str) -> optuna.storages.RDBStorage:
-    """An ``RDBStorage`` (``OptunaSearch`` refuses a URL string); creates a SQLite file's directory."""
+def open_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
+    """An ``RDBStorage`` (``OptunaSearch`` refuses a URL string); creates a SQLite file's directory.
+
+    Optuna creates its tables when it first opens a database, and two studies that start together into a new one
+    (PostgreSQL: measured, two drivers a second apart) both try: the later one's ``CREATE TYPE`` or first row then
+    fails as a duplicate. By then the other's schema is committed, so opening again finds it."""
+    import sqlalchemy.exc
+
     if url.startswith("sqlite:///"):
         Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    try:
-        return optuna.storages.RDBStorage(url)
-    except Exception as error:  # a driver not installed, a server that does not answer
-        raise ValueError(f"cannot open the Optuna storage {redact(url)!r}: {error}") from None
+    for attempt in range(1, attempts + 1):
+        try:
+            return optuna.storages.RDBStorage(url)
+        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as error:  # duplicate type/table/row
+            if attempt < attempts:
+                time.sleep(0.5 * attempt)
+                continue
+            failure: Exception = error
+        except Exception as error:  # a server that does not answer, a password refused
+            failure = error
+        raise ValueError(f"cannot open the Optuna storage {redact(url)!r}: {_first_line(failure)}") from None
+
+
+def _first_line(error: Exception) -> str:
+    """SQLAlchemy's message without the SQL statement and the link it appends on further lines."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def drop_stale_study(storage: optuna.storages.RDBStorage, name: str) -> int:
