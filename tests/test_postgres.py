@@ -165,28 +165,81 @@ def test_two_studies_at_once_into_mlflow_and_optuna_on_postgresql(tmp_path, post
         assert sorted(optuna.get_all_study_names(optuna_url)) == [f"apao-synthetic/{name}" for name in studies]
 
 
-def test_studies_that_open_a_new_optuna_storage_together_each_open_it(postgres):
-    """Optuna creates its tables when it first opens a database; four drivers doing so at once all get the storage
-    (bare RDBStorage: the later ones failed with a duplicate `CREATE TYPE studydirection`) and each its own study."""
+def _together(start, count: int = 4) -> list[Exception]:
+    """``start(number)`` in ``count`` threads released at once; the errors they raised."""
     import threading
 
-    from apao_ray.study.search.optuna_storage import open_storage
+    barrier, errors = threading.Barrier(count), []
 
-    create_databases(postgres, "together")
-    url, barrier, studies, errors = f"{postgres}/together", threading.Barrier(4), [], []
-
-    def start(number: int) -> None:
+    def run(number: int) -> None:
         barrier.wait()
         try:
-            storage = open_storage(url)
-            studies.append(storage.create_new_study([optuna.study.StudyDirection.MAXIMIZE], f"study-{number}"))
-        except Exception as error:  # reported below, all four at once
+            start(number)
+        except Exception as error:  # reported by the caller, all at once
             errors.append(error)
 
-    threads = [threading.Thread(target=start, args=(number,)) for number in range(4)]
+    threads = [threading.Thread(target=run, args=(number,)) for number in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(timeout=120)
-    assert not errors and len(studies) == 4, errors
+        thread.join(timeout=300)
+    return errors
+
+
+def test_studies_that_open_a_new_optuna_storage_together_each_open_it(postgres):
+    """Optuna creates its tables when it first opens a database; four drivers doing so at once all get the storage
+    (bare RDBStorage: the later ones failed with a duplicate `CREATE TYPE studydirection`) and each its own study."""
+    from apao_ray.study.search.optuna_storage import open_storage
+
+    create_databases(postgres, "optuna_together")
+    url = f"{postgres}/optuna_together"
+
+    def start(number: int) -> None:
+        open_storage(url).create_new_study([optuna.study.StudyDirection.MAXIMIZE], f"study-{number}")
+
+    assert _together(start) == []
     assert sorted(optuna.get_all_study_names(url)) == [f"study-{number}" for number in range(4)]
+
+
+# a study's driver as far as the MLflow store goes: it checks --tracking-uri, then logs its parent run
+DRIVER_OPENING_MLFLOW = """
+import pathlib, sys, time
+from apao_ray.tracking import Tracker, check_tracking_uri
+url, number, gate = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
+(gate / f"ready-{number}").touch()
+while not (gate / "go").exists():
+    time.sleep(0.01)
+check_tracking_uri(url)
+tracker = Tracker(url, f"apao-together-{number}")
+tracker.client.log_metric(tracker.start_run(f"run-{number}", {"apao.role": "study"}), "val/ndcg_at_10", 0.5, step=1)
+"""
+
+
+@pytest.mark.e2e
+def test_studies_that_open_a_new_mlflow_database_together_each_open_it(tmp_path, postgres):
+    """A study's --tracking-uri straight to PostgreSQL: the check before it starts creates MLflow's tables, and three
+    drivers doing so at once into a new database each get the store and log their run (without the retry one
+    failed with a duplicate table or type; threads of one process did not meet it, so these are processes)."""
+    from apao_ray.tracking import Tracker
+
+    create_databases(postgres, "mlflow_together")
+    url = f"{postgres}/mlflow_together"
+    drivers = [subprocess.Popen([sys.executable, "-c", DRIVER_OPENING_MLFLOW, url, str(number), str(tmp_path)],
+                                env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+               for number in range(3)]
+    try:
+        deadline = time.time() + 120
+        while len(list(tmp_path.glob("ready-*"))) < 3:  # imported: released together
+            assert time.time() < deadline and all(d.poll() is None for d in drivers), "a driver did not start"
+            time.sleep(0.05)
+        (tmp_path / "go").touch()
+        failures = [d.communicate(timeout=300)[1][-2000:] for d in drivers]
+        assert [d.returncode for d in drivers] == [0, 0, 0], failures
+    finally:
+        for driver in drivers:
+            if driver.poll() is None:
+                driver.kill()
+    for number in range(3):
+        tracker = Tracker(url, f"apao-together-{number}")
+        (run,) = tracker.client.search_runs([tracker.experiment_id])
+        assert run.data.metrics == {"val/ndcg_at_10": 0.5}

@@ -3,6 +3,8 @@ named on stderr with exit code 2, and neither the output directory nor an MLflow
 itself: test_sweep.py)."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 
@@ -18,6 +20,9 @@ import pytest
     (["--beam-size", "400"], "beam_size=400 exceeds the 399 semantic IDs"),
     (["--tracking-uri", "http://127.0.0.1:9"], "MLflow tracking server 'http://127.0.0.1:9' is unreachable"),
     (["--tracking-uri", "file:./mlruns"], "is not supported"),
+    pytest.param(["--tracking-uri", "postgresql+psycopg://apao:pw@127.0.0.1:9/mlflow"],
+                 "tracking URI 'postgresql+psycopg://apao:***@127.0.0.1:9/mlflow': the database is unreachable",
+                 marks=pytest.mark.skipif(not importlib.util.find_spec("psycopg"), reason="needs the postgres extra")),
     (["--optuna-storage", "postgresql://u:pw@host:port/db"],
      "--optuna-storage 'postgresql://u:***@host:port/db' is not a SQLAlchemy URL"),  # the password never printed
     (["--optuna-storage", "postgress://host/db"], "--optuna-storage 'postgress://host/db' is not a SQLAlchemy URL"),

@@ -16,7 +16,6 @@ Two things the storage changes, handled here:
 from __future__ import annotations
 
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from ray.tune.search.optuna import OptunaSearch
 
 from ...paths import tool_command
 from ...tracking import redact, require_database_driver
+from ...tracking.store import first_line, opened_despite_schema_race
 from .scheduler import TIME_ATTR
 from ..spec.space import SEPARATOR, SearchSpec
 
@@ -64,32 +64,15 @@ def optuna_study_name(dataset: str, study_name: str) -> str:
     return f"apao-{dataset}/{study_name}"
 
 
-def open_storage(url: str, attempts: int = 5) -> optuna.storages.RDBStorage:
-    """An ``RDBStorage`` (``OptunaSearch`` refuses a URL string); creates a SQLite file's directory.
-
-    Optuna creates its tables when it first opens a database, and two studies that start together into a new one
-    (PostgreSQL: measured, two drivers a second apart) both try: the later one's ``CREATE TYPE`` or first row then
-    fails as a duplicate. By then the other's schema is committed, so opening again finds it."""
-    import sqlalchemy.exc
-
+def open_storage(url: str) -> optuna.storages.RDBStorage:
+    """An ``RDBStorage`` (``OptunaSearch`` refuses a URL string); creates a SQLite file's directory. Optuna creates
+    its tables when it first opens a database: two studies started together into a new one both do."""
     if url.startswith("sqlite:///"):
         Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-    for attempt in range(1, attempts + 1):
-        try:
-            return optuna.storages.RDBStorage(url)
-        except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError) as error:  # duplicate type/table/row
-            if attempt < attempts:
-                time.sleep(0.5 * attempt)
-                continue
-            failure: Exception = error
-        except Exception as error:  # a server that does not answer, a password refused
-            failure = error
-        raise ValueError(f"cannot open the Optuna storage {redact(url)!r}: {_first_line(failure)}") from None
-
-
-def _first_line(error: Exception) -> str:
-    """SQLAlchemy's message without the SQL statement and the link it appends on further lines."""
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    try:
+        return opened_despite_schema_race(lambda: optuna.storages.RDBStorage(url))
+    except Exception as error:  # a server that does not answer, a password refused
+        raise ValueError(f"cannot open the Optuna storage {redact(url)!r}: {first_line(error)}") from None
 
 
 def drop_stale_study(storage: optuna.storages.RDBStorage, name: str) -> int:
