@@ -75,8 +75,8 @@ def reach_database(url: str, what: str, timeout: float = 5.0) -> None:
     """Fails in seconds, naming ``url`` (its password masked), when its database does not take a connection."""
     import sqlalchemy
 
-    engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": max(1, round(timeout))}
-                                      if url.startswith("postgresql") else {})
+    is_libpq = url.startswith(("postgresql://", "postgresql+psycopg://", "postgresql+psycopg2://"))
+    engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": max(1, round(timeout))} if is_libpq else {})
     try:
         engine.connect().close()
     except Exception as error:  # refused, unknown host, password refused, no such database
@@ -121,7 +121,7 @@ def require_database_driver(url: str, what: str) -> None:
         dialect = sqlalchemy.engine.make_url(url).get_dialect()  # an unknown database name fails here
     except Exception as error:  # sqlalchemy.exc.ArgumentError / NoSuchModuleError, or a bad port
         raise ValueError(f"{what} {redact(url)!r} is not a SQLAlchemy URL ({error}); give e.g. "
-                         f"sqlite:////abs/file.db or {POSTGRES_URL_FORM}") from None
+                         f"sqlite:////abs/file.db, {POSTGRES_URL_FORM} or a path to a SQLite file") from None
     try:
         (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # SQLAlchemy 1.4 names it dbapi
     except ImportError as error:
