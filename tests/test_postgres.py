@@ -201,25 +201,29 @@ def test_studies_that_open_a_new_optuna_storage_together_each_open_it(postgres):
     assert sorted(optuna.get_all_study_names(url)) == [f"study-{number}" for number in range(4)]
 
 
-# a study's driver as far as the MLflow store goes: it checks --tracking-uri, then logs its parent run
+# a study's driver as far as the MLflow store goes: it checks --tracking-uri, then opens its dataset's experiment and
+# logs its parent run with the dataset as its input (the same dataset entity for every driver)
 DRIVER_OPENING_MLFLOW = """
 import pathlib, sys, time
-from apao_ray.tracking import Tracker, check_tracking_uri
+from apao_ray.tracking import Tracker, check_tracking_uri, dataset_record
 url, number, gate = sys.argv[1], sys.argv[2], pathlib.Path(sys.argv[3])
 (gate / f"ready-{number}").touch()
 while not (gate / "go").exists():
     time.sleep(0.01)
 check_tracking_uri(url)
-tracker = Tracker(url, f"apao-together-{number}")
-tracker.client.log_metric(tracker.start_run(f"run-{number}", {"apao.role": "study"}), "val/ndcg_at_10", 0.5, step=1)
+tracker = Tracker(url, "apao-together")
+run_id = tracker.start_run(f"study-{number}", {"apao.role": "study"})
+tracker.log_dataset(run_id, dataset_record("together", {}, {"train": 10}, "generated"))
+tracker.client.log_metric(run_id, "val/ndcg_at_10", 0.5, step=1)
 """
 
 
 @pytest.mark.e2e
 def test_studies_that_open_a_new_mlflow_database_together_each_open_it(tmp_path, postgres):
     """A study's --tracking-uri straight to PostgreSQL: the check before it starts creates MLflow's tables, and three
-    drivers doing so at once into a new database each get the store and log their run (without the retry one
-    failed with a duplicate table or type; threads of one process did not meet it, so these are processes)."""
+    drivers doing so at once into a new database each get the store, the one experiment and their run with its
+    dataset (without the retry one failed with a duplicate table or type; threads of one process did not meet it,
+    so these are processes)."""
     from apao_ray.tracking import Tracker
 
     create_databases(postgres, "mlflow_together")
@@ -239,7 +243,8 @@ def test_studies_that_open_a_new_mlflow_database_together_each_open_it(tmp_path,
         for driver in drivers:
             if driver.poll() is None:
                 driver.kill()
-    for number in range(3):
-        tracker = Tracker(url, f"apao-together-{number}")
-        (run,) = tracker.client.search_runs([tracker.experiment_id])
-        assert run.data.metrics == {"val/ndcg_at_10": 0.5}
+    tracker = Tracker(url, "apao-together")
+    runs = tracker.client.search_runs([tracker.experiment_id])
+    assert sorted(run.info.run_name for run in runs) == ["study-0", "study-1", "study-2"]
+    assert all(run.data.metrics == {"val/ndcg_at_10": 0.5} for run in runs)
+    assert {len(run.inputs.dataset_inputs) for run in runs} == {1}
