@@ -1,7 +1,8 @@
 """PostgreSQL as a team shares it: an MLflow server on PostgreSQL and the Optuna storage in PostgreSQL, two
-studies started at once into both. A real PostgreSQL server (Debian's `postgresql` package; .ci/run installs it)
-that the test starts on a loopback port and stops by its pid; the --smoke configuration. A store whose driver is
-missing: tests/test_sweep_input.py."""
+studies started at once into both; drivers that create MLflow's or Optuna's tables in a new database together. A
+real PostgreSQL server (Debian's `postgresql` package; .ci/run installs it) that the module starts on a loopback
+port and stops by its pid; the --smoke configuration. A store whose driver is missing or whose database does not
+answer: tests/test_sweep_input.py."""
 from __future__ import annotations
 
 import os
