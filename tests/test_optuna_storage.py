@@ -7,6 +7,7 @@ import hashlib
 import json
 import random
 import statistics
+import sys
 
 import optuna
 import pytest
@@ -34,9 +35,15 @@ def test_storage_url_defaults_beside_the_mlflow_database_and_refuses_a_bad_url(t
     monkeypatch.chdir(tmp_path)
     assert resolve("studies.db", "http://x", tmp_path) == f"sqlite:///{tmp_path}/studies.db"  # a path, made absolute
     assert resolve("sqlite:///rel.db", "http://x", tmp_path) == f"sqlite:///{tmp_path}/rel.db"
-    assert resolve("postgresql://u@host/optuna", "http://x", tmp_path) == "postgresql://u@host/optuna"
     with pytest.raises(ValueError, match=r"--optuna-storage 'postgresql://u:\*\*\*@host:port/db' is not a SQLAlchemy"):
         resolve("postgresql://u:secret@host:port/db", "http://x", tmp_path)  # the password never printed
+    # where the postgres extra is not installed: one line naming it and the URL form it serves (a server that
+    # answers: tests/test_postgres.py)
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # `import psycopg` now fails, as without the driver
+    with pytest.raises(ValueError, match=r"^--optuna-storage 'postgresql://u:\*\*\*@host/optuna': its database "
+                       r"driver psycopg is not installed \(.*\); install apao_ray's postgres extra \(.*-m pip install "
+                       r"-e .*\[postgres\]'?\) and give postgresql\+psycopg://USER@HOST:PORT/DATABASE$"):
+        resolve("postgresql://u:secret@host/optuna", "http://x", tmp_path)
 
 
 def _run_searcher(searcher, trial_ids, values):

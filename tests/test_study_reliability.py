@@ -3,6 +3,7 @@ Real Ray, real MLflow stores, the --smoke configuration. Two Ray nodes (4 concur
 cluster recipe): tests/test_study_cluster.py. Resumes that must be refused: tests/test_study_resume_checks.py."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -67,16 +68,17 @@ def _wait_http(url: str, process: subprocess.Popen, log: Path | None = None, tim
             time.sleep(0.5)
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    """`mlflow server` on a loopback port with a SQLite backend and a local artifact root."""
+@contextlib.contextmanager
+def serving_mlflow(backend_store_uri: str, directory: Path):
+    """`mlflow server` on a loopback port over ``backend_store_uri``, its artifacts in ``directory/artifacts``;
+    yields the port."""
     port = stable_free_port()
     # its log goes to a file: a pipe nobody reads fills after ~64 KiB of request lines and blocks the server
     # mid-response (a study then hung in an MLflow call until its test timed out)
-    log = tmp_path / "server.log"
+    log = directory / "server.log"
     with log.open("w") as output:
-        server = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", mlflow_sqlite(tmp_path, "server.db"),
-                                   "--artifacts-destination", str(tmp_path / "artifacts"), "--host", "127.0.0.1",
+        server = subprocess.Popen([MLFLOW, "server", "--backend-store-uri", backend_store_uri,
+                                   "--artifacts-destination", str(directory / "artifacts"), "--host", "127.0.0.1",
                                    "--port", str(port), "--workers", "1"],
                                   stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
                                   # no GenAI job runner: its 7 huey consumer processes import MLflow while the study
@@ -84,10 +86,17 @@ def mlflow_server(tmp_path):
                                   env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
     try:
         _wait_http(f"http://127.0.0.1:{port}/health", server, log)
-        yield port, tmp_path / "artifacts"
+        yield port
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=60)
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """`mlflow server` on a loopback port with a SQLite backend and a local artifact root."""
+    with serving_mlflow(mlflow_sqlite(tmp_path, "server.db"), tmp_path) as port:
+        yield port, tmp_path / "artifacts"
 
 
 @pytest.mark.e2e

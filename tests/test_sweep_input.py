@@ -3,6 +3,8 @@ named on stderr with exit code 2, and neither the output directory nor an MLflow
 itself: test_sweep.py)."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
 
@@ -18,6 +20,9 @@ import pytest
     (["--beam-size", "400"], "beam_size=400 exceeds the 399 semantic IDs"),
     (["--tracking-uri", "http://127.0.0.1:9"], "MLflow tracking server 'http://127.0.0.1:9' is unreachable"),
     (["--tracking-uri", "file:./mlruns"], "is not supported"),
+    pytest.param(["--tracking-uri", "postgresql+psycopg://apao:pw@127.0.0.1:9/mlflow"],
+                 "tracking URI 'postgresql+psycopg://apao:***@127.0.0.1:9/mlflow': the database is unreachable",
+                 marks=pytest.mark.skipif(not importlib.util.find_spec("psycopg"), reason="needs the postgres extra")),
     (["--optuna-storage", "postgresql://u:pw@host:port/db"],
      "--optuna-storage 'postgresql://u:***@host:port/db' is not a SQLAlchemy URL"),  # the password never printed
     (["--optuna-storage", "postgress://host/db"], "--optuna-storage 'postgress://host/db' is not a SQLAlchemy URL"),
@@ -54,4 +59,24 @@ def test_bad_study_input_is_refused_before_any_trial(tmp_path, monkeypatch, caps
         main(["--dataset", "synthetic", "--output-dir", str(tmp_path / "runs"), *flags])  # a later --dataset wins
     stderr = capsys.readouterr().err
     assert exit_info.value.code == 2 and problem in stderr, stderr[-2000:]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.parametrize("flag", ["--tracking-uri", "--optuna-storage"])
+def test_a_postgresql_store_without_its_driver_is_refused_naming_the_extra(tmp_path, monkeypatch, capsys, flag):
+    """Without the driver an MLflow client or Optuna fails with a traceback once the study runs (and an MLflow server
+    never answers): the study stops first, in one line naming the postgres extra and the URL form it serves."""
+    import sys
+
+    from apao_ray.study.cli.sweep import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "psycopg", None)  # `import psycopg` fails, as where the extra is not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--smoke", "--output-dir", str(tmp_path / "runs"), flag, "postgresql://apao:pw@127.0.0.1:9/apao"])
+    stderr = capsys.readouterr().err
+    (line,) = [line for line in stderr.splitlines() if "psycopg" in line]
+    assert exit_info.value.code == 2 and "'postgresql://apao:***@127.0.0.1:9/apao': its database driver psycopg is " \
+        "not installed" in line and "[postgres]" in line and "give postgresql+psycopg://USER@HOST:PORT/DATABASE" in line
+    assert "Traceback" not in stderr and "pw@" not in stderr
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()

@@ -93,7 +93,14 @@ class Tracker(ModelLogging):
 
     def log_dataset(self, run_id: str, record: dict[str, Any], context: str = "training") -> None:
         """Logs a dataset (see ``dataset_record``) as the run's input: the runs table's Dataset column."""
-        self.client.log_inputs(run_id, [DatasetInput(dataset_entity(record), [InputTag(DATASET_CONTEXT_TAG, context)])])
+        inputs = [DatasetInput(dataset_entity(record), [InputTag(DATASET_CONTEXT_TAG, context)])]
+        try:
+            self.client.log_inputs(run_id, inputs)
+        except MlflowException:
+            # MLflow looks the dataset up, then inserts it: two studies of one dataset starting together on PostgreSQL
+            # both inserted it, and the later one failed on the duplicate (measured); now it is there to be found
+            time.sleep(1.0)
+            self.client.log_inputs(run_id, inputs)
 
     def metric_history(self, run_id: str, key: str) -> list[tuple[int, float]]:
         return [(m.step, m.value) for m in self.client.get_metric_history(run_id, key)]

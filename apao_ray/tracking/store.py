@@ -7,17 +7,23 @@ import contextlib
 import logging
 import os
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import mlflow
 from mlflow.tracking import MlflowClient
 
 from ..data.files import dataset_label
-from ..paths import DEFAULT_DB_NAME, TRACKING_URI_ENV
+from ..paths import DEFAULT_DB_NAME, TRACKING_URI_ENV, pip_install_hint
+
+# the one PostgreSQL URL form (docs/running.md, the postgres extra): SQLAlchemy 2.1 reads a bare postgresql:// as
+# psycopg 3 too, SQLAlchemy 2.0 (which MLflow also accepts) as psycopg2, which the extra does not install
+POSTGRES_URL_FORM = "postgresql+psycopg://USER@HOST:PORT/DATABASE"
+T = TypeVar("T")
 
 
 def resolve_tracking_uri(uri: str | None = None) -> str:
@@ -56,6 +62,73 @@ def check_tracking_uri(uri: str, timeout: float = 5.0) -> None:
         directory = Path(uri[len("sqlite:///"):]).parent
         if not directory.is_dir() or not os.access(directory, os.W_OK):
             raise ValueError(f"tracking URI {uri!r}: directory {directory} does not exist or is not writable")
+    elif "://" in uri and not uri.startswith("databricks"):
+        require_database_driver(uri, "tracking URI")
+        reach_database(uri, "tracking URI", timeout)  # MLflow's own client retries an unreachable one for ~2 min
+        try:  # creates MLflow's tables in a new database, while no other study can be halfway through it
+            opened_despite_schema_race(lambda: MlflowClient(uri).search_experiments(max_results=1))
+        except Exception as error:  # a server that does not answer, a password refused
+            raise ValueError(f"tracking URI {redact(uri)!r}: {first_line(error)}") from None
+
+
+def reach_database(url: str, what: str, timeout: float = 5.0) -> None:
+    """Fails in seconds, naming ``url`` (its password masked), when its database does not take a connection."""
+    import sqlalchemy
+
+    is_libpq = url.startswith(("postgresql://", "postgresql+psycopg://", "postgresql+psycopg2://"))
+    engine = sqlalchemy.create_engine(url, connect_args={"connect_timeout": max(1, round(timeout))} if is_libpq else {})
+    try:
+        engine.connect().close()
+    except Exception as error:  # refused, unknown host, password refused, no such database
+        raise ConnectionError(f"{what} {redact(url)!r}: the database is unreachable: {first_line(error)}") from None
+    finally:
+        engine.dispose()
+
+
+def opened_despite_schema_race(open_store: Callable[[], T], patience_s: float = 60.0) -> T:
+    """``open_store()``, tried again while it fails as another process creating the same database's schema leaves it:
+    a duplicate table, type or row, a table or column not there yet. Two studies started together into a new
+    PostgreSQL database both create Optuna's tables, or MLflow's (its 68 migrations take seconds); measured: the later
+    one failed with a duplicate ``CREATE TYPE``. Once the other's schema is committed, opening again finds it."""
+    import sqlalchemy.exc
+
+    races = (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.ProgrammingError)
+    deadline, wait = time.monotonic() + patience_s, 0.25
+    while True:
+        try:
+            return open_store()
+        except Exception as error:  # MLflow wraps SQLAlchemy's error in an MlflowException
+            if not isinstance(error, races) and not isinstance(error.__cause__, races) \
+                    or time.monotonic() + wait > deadline:
+                raise
+        time.sleep(wait)
+        wait = min(2 * wait, 4.0)
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first line: SQLAlchemy's messages go on with the SQL statement and a link."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def require_database_driver(url: str, what: str) -> None:
+    """Fails in one line when the Python driver of the SQLAlchemy URL ``url`` is not installed, naming it and the
+    extra that installs it (for PostgreSQL), instead of a traceback from MLflow or Optuna later; ``what`` names
+    the URL in the message (``--optuna-storage``)."""
+    import sqlalchemy.engine
+
+    try:
+        dialect = sqlalchemy.engine.make_url(url).get_dialect()  # an unknown database name fails here
+    except Exception as error:  # sqlalchemy.exc.ArgumentError / NoSuchModuleError, or a bad port
+        raise ValueError(f"{what} {redact(url)!r} is not a SQLAlchemy URL ({error}); give e.g. "
+                         f"sqlite:////abs/file.db, {POSTGRES_URL_FORM} or a path to a SQLite file") from None
+    try:
+        (getattr(dialect, "import_dbapi", None) or dialect.dbapi)()  # SQLAlchemy 1.4 names it dbapi
+    except ImportError as error:
+        fix = (f"install apao_ray's postgres extra ({pip_install_hint('postgres')}) and give {POSTGRES_URL_FORM}"
+               if dialect.name == "postgresql" else "install the Python package that provides it")
+        raise ValueError(f"{what} {redact(url)!r}: its database driver {dialect.driver} is not installed "
+                         f"({error}); {fix}") from None
 
 
 _URL_PASSWORD = re.compile(r"(?P<head>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*):[^@/\s]+@")

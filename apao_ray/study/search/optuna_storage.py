@@ -26,7 +26,8 @@ from optuna.trial import TrialState
 from ray.tune.search.optuna import OptunaSearch
 
 from ...paths import tool_command
-from ...tracking import redact
+from ...tracking import redact, require_database_driver
+from ...tracking.store import first_line, opened_despite_schema_race
 from .scheduler import TIME_ATTR
 from ..spec.space import SEPARATOR, SearchSpec
 
@@ -54,13 +55,7 @@ def resolve_storage_url(url: str | None, tracking_uri: str, output_dir: Path) ->
     if url.startswith("sqlite:///"):
         path = url[len("sqlite:///"):]
         return url if path.startswith("/") else "sqlite:///" + str(Path(path).expanduser().resolve())
-    import sqlalchemy.engine
-
-    try:
-        sqlalchemy.engine.make_url(url).get_dialect()  # an unknown database name fails here, before Ray starts
-    except Exception as error:  # sqlalchemy.exc.ArgumentError / NoSuchModuleError, or a bad port
-        raise ValueError(f"--optuna-storage {redact(url)!r} is not a SQLAlchemy URL ({error}); give e.g. "
-                         "sqlite:////abs/optuna.db, postgresql://host/db or a path to a SQLite file") from None
+    require_database_driver(url, "--optuna-storage")  # a bad URL or a missing driver: refused before Ray starts
     return url
 
 
@@ -70,13 +65,14 @@ def optuna_study_name(dataset: str, study_name: str) -> str:
 
 
 def open_storage(url: str) -> optuna.storages.RDBStorage:
-    """An ``RDBStorage`` (``OptunaSearch`` refuses a URL string); creates a SQLite file's directory."""
+    """An ``RDBStorage`` (``OptunaSearch`` refuses a URL string); creates a SQLite file's directory. Optuna creates
+    its tables when it first opens a database: two studies started together into a new one both do."""
     if url.startswith("sqlite:///"):
         Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
     try:
-        return optuna.storages.RDBStorage(url)
-    except Exception as error:  # a driver not installed, a server that does not answer
-        raise ValueError(f"cannot open the Optuna storage {redact(url)!r}: {error}") from None
+        return opened_despite_schema_race(lambda: optuna.storages.RDBStorage(url))
+    except Exception as error:  # a server that does not answer, a password refused
+        raise ValueError(f"cannot open the Optuna storage {redact(url)!r}: {first_line(error)}") from None
 
 
 def drop_stale_study(storage: optuna.storages.RDBStorage, name: str) -> int:
