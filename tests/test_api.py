@@ -254,7 +254,8 @@ def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_p
     """Probe rates injected through the cache: APAO-pointwise ~1,000x slower than CE, so its one epoch does not
     fit 5 minutes; CE runs, APAO-pointwise is a row without trials that says what it needs."""
     import apao_ray
-    from apao_ray.study.plan.plan import method_config, trial_threads
+    from apao_ray.study.plan.make import trial_threads
+    from apao_ray.study.plan.plan import method_config
     from apao_ray.study.plan.probe_cache import probe_key
 
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))

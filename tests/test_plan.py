@@ -10,7 +10,8 @@ import pytest
 from apao_ray.study.plan.budget import RAY_START_S, Fit, MethodCost, asha_rungs, fit_budget, makespan, study_seconds
 from apao_ray.study.spec.duration import format_duration, parse_duration
 from apao_ray.config import LossConfig, TrialConfig
-from apao_ray.study.plan.plan import Plan, cost_summary
+from apao_ray.study.plan.make import cost_summary
+from apao_ray.study.plan.plan import Plan
 from apao_ray.study.plan.probe_cache import probe_key
 
 CE = MethodCost("tiger", "ce", True, epoch_s=60.0, fixed_s=30.0, peak_bytes=2**30)
@@ -288,7 +289,8 @@ def test_the_plan_orders_methods_slowest_first_and_slows_probes_of_trials_side_b
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
     import apao_ray
-    from apao_ray.study.plan.plan import make_plan, method_config, trial_threads
+    from apao_ray.study.plan.make import make_plan, trial_threads
+    from apao_ray.study.plan.plan import method_config
     from apao_ray.study.plan.probe_cache import SIDE_BY_SIDE_SLOWDOWN
 
     def spec(max_concurrent):

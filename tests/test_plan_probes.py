@@ -8,7 +8,8 @@ import json
 import pytest
 
 from apao_ray.study.plan.budget import MethodCost, fit_budget
-from apao_ray.study.plan.plan import Plan, cost_summary
+from apao_ray.study.plan.make import cost_summary
+from apao_ray.study.plan.plan import Plan
 from apao_ray.study.plan.probe_cache import probe, probe_key
 
 

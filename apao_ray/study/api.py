@@ -7,7 +7,8 @@ from typing import Any
 
 from ..names import reached_test
 from .record.outcomes import short_reason
-from .plan.plan import Plan, cost_summary, make_plan, method_config, validation_users
+from .plan.make import cost_summary, make_plan, validation_users
+from .plan.plan import Plan, method_config
 from .plan.probe_cache import record_observed
 from .setup import StudySetup, prepare, study_state_exists
 from .spec.study import StudySpec

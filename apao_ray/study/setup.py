@@ -5,7 +5,7 @@ another question, answered once, when the study starts (``api.run_study`` and ``
 ``prepare``) or when asked (``apao_ray.prepare(spec)``, e.g. in a notebook before a long study): the dataset
 files load and hold what every loss needs, the MLflow store answers, the Ray cluster is reachable, a resumed
 study's dataset and Optuna storage are the ones it started with. What that finds is a ``StudySetup``; the
-plan (``plan.plan.make_plan``) then fits the trials' schedule to the budget.
+plan (``plan.make.make_plan``) then fits the trials' schedule to the budget.
 
 Where it sits: above ``cluster`` (``check_ray_address``), ``record`` (``dataset_record_of``: the dataset as each run
 logs it) and ``search`` (``resolve_storage_url``, ``STORAGE_TAG``), which it asks; below the plan and the driver,
