@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sqlite3
@@ -332,3 +333,38 @@ def study_runs(tracker) -> dict:
     return {"parent": (parent.info.status, parent.data.tags.get("apao.outcome", "")),
             "children": [(run.info.status, run.data.tags.get("apao.outcome", ""))
                          for run in tracker.child_runs(parent.info.run_id)]}
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """An S3 API server on loopback (moto's standalone server, in a process of its own, stopped by its pid) with
+    one empty bucket; the standard AWS variables point this process and the ones it starts (Ray's, a study's)
+    at it for the module. Returns ``s3://<bucket>``."""
+    if not shutil.which("moto_server", path=str(Path(sys.executable).parent)):
+        pytest.skip("moto_server is not installed (the test extra installs moto[server])")
+    port = closed_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test-key",
+           "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        deadline = time.time() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert server.poll() is None and time.time() < deadline, "moto_server did not start"
+            time.sleep(0.2)
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="apao-test")
+        yield "s3://apao-test"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.terminate()
+        server.wait(timeout=30)
