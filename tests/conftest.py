@@ -294,6 +294,20 @@ def descendant_pids(root: int, command: str) -> list[int]:
 
 # a study run as a user runs it, in a process of its own, watched through its MLflow store
 SWEEP = str(ROOT / "studies" / "sweep.py")
+BEST = str(ROOT / "studies" / "best.py")
+
+
+def best_rows(tracking_uri: str, cwd: Path) -> list[dict]:
+    """``best --format json`` on a --smoke study's store (registering each method's best model): its rows, each
+    method's best trial; the command must succeed."""
+    import json
+
+    result = run_script([BEST, "--dataset", "synthetic", "--tracking-uri", tracking_uri, "--format", "json"], cwd=cwd,
+                        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout)
+    assert {(row["backbone"], row["loss"]) for row in rows} == {("tiger", "ce"), ("tiger", "apao_pointwise")}
+    return rows
 
 
 def runs_state(db: Path) -> list[tuple[str, str, int]]:

@@ -112,9 +112,12 @@ def checked_output_dir(spec: StudySpec, tracking_uri: str) -> str:
     output_dir = storage.absolute(spec.output_dir)
     if not storage.is_remote(output_dir):
         return output_dir
+    scheme, rest = output_dir.split("://", 1)
+    root = f"{scheme}://{rest.split('/', 1)[0]}"  # the bucket: a study never creates one
     try:
-        storage.exists(output_dir)
-    except Exception as error:  # pyarrow's OSError / ValueError: an unknown scheme, no credentials, no bucket
+        if not storage.exists(root):
+            raise FileNotFoundError(f"{root} does not exist")
+    except Exception as error:  # pyarrow's OSError / ValueError: an unknown scheme, a store that does not answer
         reason = " ".join(str(error).split())[:300]
         raise ValueError(f"--output-dir {output_dir!r} cannot be read ({reason}); give a local directory or a URI "
                          "pyarrow reads (s3://bucket/prefix, gs://bucket/prefix) with its credentials (S3: "
