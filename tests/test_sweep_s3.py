@@ -79,6 +79,22 @@ def test_best_and_the_logged_model_read_the_study_on_s3(s3_study):
 
 
 @pytest.mark.e2e
+def test_a_pruned_trials_test_finds_and_loads_its_checkpoint_in_the_bucket(s3_study):
+    """What the driver does for a trial ASHA stopped: its newest epoch checkpoint up to the pruned epoch, found in
+    the bucket and tested from a local copy (here a finished trial's last epoch: the same best weights)."""
+    from apao_ray.study.run.pruned import evaluate_checkpoint, latest_checkpoint
+
+    run = next(run for run in s3_study["tracker"].child_runs() if run.data.tags["loss"] == "ce")
+    train_root = run.data.tags["apao.checkpoint"].split("/train-trial_id=")[0]
+    assert latest_checkpoint(train_root, run.data.tags["apao.trial_id"], up_to_epoch=2) is None  # two kept: 3, final
+    location = latest_checkpoint(train_root, run.data.tags["apao.trial_id"])
+    assert location.startswith(f"{s3_study['output']}/") and storage.name(location) == "epoch_0003", location
+    metrics = evaluate_checkpoint(location)
+    assert metrics["best/epoch"] == run.data.metrics["best/epoch"]
+    assert metrics["test/ndcg_at_10"] == pytest.approx(run.data.metrics["test/ndcg_at_10"], abs=1e-6)
+
+
+@pytest.mark.e2e
 def test_export_recomputes_a_per_user_table_from_a_checkpoint_on_s3(s3_study, tmp_path):
     from apao_ray.analysis.export import _recompute
 
