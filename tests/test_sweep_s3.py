@@ -122,3 +122,21 @@ def test_a_remote_output_dir_that_cannot_hold_the_study_is_refused_in_one_line(s
     assert "\n" not in str(error.value)
     fine = StudySpec(losses=("ce",), output_dir=f"{s3_bucket}/x/", optuna_storage="/tmp/optuna.db")
     assert checked_output_dir(fine, tracking_uri) == f"{s3_bucket}/x"
+
+
+def test_a_trials_failure_record_in_the_bucket_stops_its_restart_until_retry_failed_forgets_it(s3_bucket, tmp_path):
+    """The record a trial that failed for good leaves beside its checkpoints (a non-finite loss, out of memory)
+    is written to, read from and removed from the bucket, as from a local run directory."""
+    from apao_ray.study.run.trial import FAILURE_FILE, forget_failures
+    from apao_ray.training.steps import NonFiniteLossError
+    from apao_ray.training.worker import TrialFailedError, _start_in_tune_actor, leave_failure
+
+    train_root = f"{s3_bucket}/{tmp_path.name}/train_runs"
+    loop_config = {"failure_file": storage.join(train_root, "train-trial_id=a", FAILURE_FILE), "trial": {}}
+    reason = leave_failure(loop_config, NonFiniteLossError("loss is nan at step 3"))
+    assert storage.read_text(loop_config["failure_file"]) == reason and "nan" in reason
+    with pytest.raises(TrialFailedError, match="loss is nan at step 3"):
+        _start_in_tune_actor(loop_config)
+    storage.write_text(storage.join(train_root, "train-trial_id=b", "metrics.jsonl"), "{}\n")  # a run that did not fail
+    assert forget_failures(train_root) == 1 and not storage.exists(loop_config["failure_file"])
+    assert storage.exists(storage.join(train_root, "train-trial_id=b", "metrics.jsonl"))
