@@ -4,6 +4,7 @@
 
 A place is a *location*: a string, an absolute local path or a URI, that pickles into Ray configs and is given
 as it is to Ray Tune and Ray Train as their ``storage_path`` (they resolve it with pyarrow as this module does).
+A URI's options (``s3://bucket/prefix?endpoint_override=host:9000&scheme=http``) stay on every location under it.
 Every read and write of a run's files (checkpoints, reports, failure records) goes through the functions here;
 what must be a local file to be used (a checkpoint loaded by torch, logged to MLflow) is copied to a temporary
 directory by ``local_copy`` (a local location is used in place). Local locations keep plain file semantics
@@ -28,25 +29,32 @@ def is_remote(location: str | Path) -> bool:
     return "://" in str(location) and not str(location).startswith("file://")
 
 
+def _split_options(location: str) -> tuple[str, str]:
+    """(the URI without its options, ``?options`` or "")."""
+    path, _, options = location.partition("?")
+    return path.rstrip("/"), f"?{options}" if options else ""
+
+
 def absolute(location: str | Path) -> str:
     """``location`` in the one spelling every process agrees on: a URI without a trailing ``/``, or an absolute
     local path (``~`` expanded, relative to this process's working directory)."""
     text = str(location)
     if is_remote(text):
-        return text.rstrip("/")
+        return "".join(_split_options(text))
     return str(Path(text.removeprefix("file://")).expanduser().resolve())
 
 
 def join(location: str | Path, *parts: str) -> str:
-    """``location``/``parts``, a location of the same kind."""
+    """``location``/``parts``, a location of the same kind (a URI keeps its options)."""
     if is_remote(location):
-        return "/".join([str(location).rstrip("/"), *parts])
+        path, options = _split_options(str(location))
+        return "/".join([path, *parts]) + options
     return str(Path(location, *parts))
 
 
 def name(location: str | Path) -> str:
     """The last part of ``location`` (a directory's or file's name)."""
-    return str(location).rstrip("/").rsplit("/", 1)[-1]
+    return _split_options(str(location))[0].rsplit("/", 1)[-1]
 
 
 @functools.lru_cache(maxsize=256)
@@ -57,11 +65,18 @@ def _resolve(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
     return pyarrow.fs.FileSystem.from_uri(location)
 
 
+def bucket(location: str) -> str:
+    """The bucket (host) of a remote location, with the location's options: ``s3://bucket`` of ``s3://bucket/a/b``."""
+    path, options = _split_options(location)
+    scheme, rest = path.split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}{options}"
+
+
 def _remote_path(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """The filesystem and path of a remote location, resolved once per bucket (host) and joined from there."""
-    scheme, rest = location.split("://", 1)
-    root, _, path = rest.partition("/")
-    filesystem, root_path = _resolve(f"{scheme}://{root}")
+    root = bucket(location)
+    path = _split_options(location)[0].split("://", 1)[1].partition("/")[2]
+    filesystem, root_path = _resolve(root)
     return filesystem, "/".join(part for part in (root_path.rstrip("/"), path.rstrip("/")) if part)
 
 
@@ -152,7 +167,7 @@ def find(location: str | Path, pattern: str, recursive: bool = False, directorie
     filesystem, path = _remote_path(str(location))
     wanted = pyarrow.fs.FileType.Directory if directories else pyarrow.fs.FileType.File
     infos = filesystem.get_file_info(pyarrow.fs.FileSelector(path, recursive=recursive, allow_not_found=True))
-    return sorted(join(location, info.path[len(path):].strip("/")) for info in infos
+    return sorted(join(location, *info.path[len(path):].strip("/").split("/")) for info in infos
                   if info.type == wanted and fnmatch.fnmatchcase(info.base_name, pattern))
 
 

@@ -2,6 +2,8 @@
 server on loopback), so that every reader of a study's files works on both."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from apao_ray import storage
@@ -61,3 +63,17 @@ def test_locations_are_spelt_one_way_in_every_process(tmp_path, monkeypatch):
     assert storage.absolute("s3://bucket/prefix/") == "s3://bucket/prefix"
     assert storage.is_remote("gs://b/p") and not storage.is_remote("/abs") and not storage.is_remote("file:///abs")
     assert storage.join("s3://b/p", "x", "y") == "s3://b/p/x/y" and storage.name("s3://b/p/x/") == "x"
+
+
+def test_a_uri_keeps_its_options_on_every_location_under_it(s3_bucket, tmp_path, monkeypatch):
+    """pyarrow's URI options (``?endpoint_override=...&scheme=http``: an S3-compatible store named in the URI
+    instead of ``AWS_ENDPOINT_URL``) reach every file of the run."""
+    endpoint = os.environ["AWS_ENDPOINT_URL"].removeprefix("http://")
+    monkeypatch.delenv("AWS_ENDPOINT_URL")
+    root = f"{s3_bucket}/{tmp_path.name}?endpoint_override={endpoint}&scheme=http"
+    checkpoint = storage.join(root, "run", "epoch_0001")
+    assert checkpoint == f"{s3_bucket}/{tmp_path.name}/run/epoch_0001?endpoint_override={endpoint}&scheme=http"
+    assert storage.name(checkpoint) == "epoch_0001" and storage.bucket(checkpoint).startswith(f"{s3_bucket}?")
+    storage.write_text(storage.join(checkpoint, "trial_config.json"), "{}")
+    assert storage.find(root, "epoch_*", recursive=True) == [checkpoint]
+    assert storage.read_text(storage.join(checkpoint, "trial_config.json")) == "{}"

@@ -112,8 +112,7 @@ def checked_output_dir(spec: StudySpec, tracking_uri: str) -> str:
     output_dir = storage.absolute(spec.output_dir)
     if not storage.is_remote(output_dir):
         return output_dir
-    scheme, rest = output_dir.split("://", 1)
-    root = f"{scheme}://{rest.split('/', 1)[0]}"  # the bucket: a study never creates one
+    root = storage.bucket(output_dir)  # a study never creates one
     try:
         if not storage.exists(root):
             raise FileNotFoundError(f"{root} does not exist")
