@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -57,9 +58,14 @@ def name(location: str | Path) -> str:
     return _split_options(str(location))[0].rsplit("/", 1)[-1]
 
 
-@functools.lru_cache(maxsize=256)
 def _resolve(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
-    """(pyarrow filesystem, path on it) of a remote location; cached: an S3 filesystem asks for its bucket's region."""
+    """(pyarrow filesystem, path on it) of a remote location; cached (an S3 filesystem asks for its bucket's
+    region) while the AWS variables it was made under stay as they are."""
+    return _resolve_under(location, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))))
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_under(location: str, aws_variables: tuple[tuple[str, str], ...]) -> tuple[pyarrow.fs.FileSystem, str]:
     import pyarrow.fs
 
     return pyarrow.fs.FileSystem.from_uri(location)

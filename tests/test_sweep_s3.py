@@ -37,8 +37,11 @@ def s3_study(s3_bucket, tmp_path_factory):
 @pytest.mark.e2e
 def test_a_study_on_s3_finishes_every_trial_once_after_its_driver_is_killed(s3_study):
     tracker = s3_study["tracker"]
-    children = {run.data.tags["apao.trial_id"]: run for run in tracker.child_runs()}
-    assert len(children) == 2 and all(run.info.status == "FINISHED" for run in children.values()), children
+    runs = tracker.child_runs()
+    children = {run.data.tags["apao.trial_id"]: run for run in runs}
+    assert len(runs) == len(children) == 2 and all(run.info.status == "FINISHED" for run in runs), [
+        (run.data.tags["apao.trial_id"], run.info.status, run.data.tags.get("apao.outcome"), sorted(run.data.metrics))
+        for run in runs]
     assert {trial for trial, _, _ in s3_study["at_kill"]} <= set(children)  # Tune's state restored from S3
     for trial_id, run in children.items():  # every epoch logged once: nothing trained again from scratch
         steps = [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")]
