@@ -76,18 +76,21 @@ def train_run_name(trial_id: str) -> str:
 
 def read_reports(train_root: str | Path, trial_id: str) -> list[dict]:
     """The reports a trial's runs have written so far under ``train_root`` (none if it never ran), oldest first."""
-    path = Path(train_root) / train_run_name(trial_id) / REPORTS_FILE
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from . import storage
+
+    text = storage.read_text(storage.join(train_root, train_run_name(trial_id), REPORTS_FILE))
+    return [json.loads(line) for line in (text or "").splitlines() if line.strip()]
 
 
 def scratch_prefix(run_dir: str | Path) -> str:
     """The prefix of a run's scratch directories: its name and a digest of its absolute directory, so that two
-    runs of one name in different output directories (two checkouts trained side by side) never share one."""
-    run_dir = Path(run_dir).resolve()
-    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:10]
-    return f"{SCRATCH_PREFIX}{run_dir.name.replace('=', '_')}-{digest}-"
+    runs of one name in different output directories (two checkouts trained side by side) never share one. A
+    run on an object store (a URI) is named by its URI, the same in every process."""
+    from . import storage
+
+    location = storage.absolute(run_dir)
+    digest = hashlib.sha1(location.encode()).hexdigest()[:10]
+    return f"{SCRATCH_PREFIX}{storage.name(location).replace('=', '_')}-{digest}-"
 
 
 def remove_scratch(run_dir: str | Path) -> None:

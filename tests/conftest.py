@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 import signal
 import socket
 import sqlite3
@@ -62,7 +63,8 @@ MAX_WORKERS = 4       # beyond this the e2e tests' local Rays and MLflow servers
 
 # modules whose module-scoped fixture runs a study or trains a model: each is handed whole to one worker,
 # which builds that fixture once (xdist's own `xdist_group` marks are ignored under pytest 9: pytest-xdist#1386)
-ONE_WORKER_MODULES = frozenset({"test_sweep.py", "test_analysis_e2e.py", "test_api.py", "test_serve.py", "test_export.py"})
+ONE_WORKER_MODULES = frozenset({"test_sweep.py", "test_analysis_e2e.py", "test_api.py", "test_serve.py", "test_export.py",
+                                "test_sweep_s3.py", "test_storage.py"})  # the last two: one S3 server each
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -298,6 +300,20 @@ def descendant_pids(root: int, command: str) -> list[int]:
 
 # a study run as a user runs it, in a process of its own, watched through its MLflow store
 SWEEP = str(ROOT / "studies" / "sweep.py")
+BEST = str(ROOT / "studies" / "best.py")
+
+
+def best_rows(tracking_uri: str, cwd: Path) -> list[dict]:
+    """``best --format json`` on a --smoke study's store (registering each method's best model): its rows, each
+    method's best trial; the command must succeed."""
+    import json
+
+    result = run_script([BEST, "--dataset", "synthetic", "--tracking-uri", tracking_uri, "--format", "json"], cwd=cwd,
+                        timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = json.loads(result.stdout)
+    assert {(row["backbone"], row["loss"]) for row in rows} == {("tiger", "ce"), ("tiger", "apao_pointwise")}
+    return rows
 
 
 def runs_state(db: Path) -> list[tuple[str, str, int]]:
@@ -337,3 +353,38 @@ def study_runs(tracker) -> dict:
     return {"parent": (parent.info.status, parent.data.tags.get("apao.outcome", "")),
             "children": [(run.info.status, run.data.tags.get("apao.outcome", ""))
                          for run in tracker.child_runs(parent.info.run_id)]}
+
+
+@pytest.fixture(scope="module")
+def s3_bucket():
+    """An S3 API server on loopback (moto's standalone server, in a process of its own, stopped by its pid) with
+    one empty bucket; the standard AWS variables point this process and the ones it starts (Ray's, a study's)
+    at it for the module. Returns ``s3://<bucket>``."""
+    if not shutil.which("moto_server", path=str(Path(sys.executable).parent)):
+        pytest.skip("moto_server is not installed (the test extra installs moto[server])")
+    port = closed_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test-key",
+           "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        deadline = time.time() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            assert server.poll() is None and time.time() < deadline, "moto_server did not start"
+            time.sleep(0.2)
+        import boto3
+
+        boto3.client("s3").create_bucket(Bucket="apao-test")
+        yield "s3://apao-test"
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        server.terminate()
+        server.wait(timeout=30)

@@ -139,7 +139,7 @@ def test_a_spec_is_checked_without_io_and_the_plan_holds_the_schedule_it_fits(is
     assert fitted.base.train.epochs == 1 and fitted.search.num_trials == 2 and fitted.slots == 2
     assert fitted.fit.asha_grace_period == 1
     assert fitted.base.protocol.name == "reference" and fitted.base.model.d_model == 64
-    assert setup.output_dir == isolated / "runs" and setup.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
+    assert setup.output_dir == str(isolated / "runs") and setup.tracking_uri == f"sqlite:///{isolated}/mlflow.db"
     assert fitted.base.train.max_train_samples == 2048  # --quick's
     assert setup.base.train.epochs == 2 and spec.epochs == 2  # as asked: the plan's schedule is the plan's
     subset = plan(Fit(1, 1, 1, 100.0, train_samples=1024))

@@ -133,8 +133,8 @@ def test_a_pruned_trial_is_tested_on_a_checkpoint_the_scheduler_saw_not_one_save
     for epoch in (1, 2, 3):  # real (tiny) checkpoints: the reader verifies what it finds
         save_checkpoint(run_dir / f"epoch_{epoch:04d}", {"epoch": epoch}, {}, {})
     (run_dir / "epoch_0004-scratch").mkdir()  # a scratch dir, not a checkpoint
-    assert latest_checkpoint(tmp_path, "t1", up_to_epoch=2).name == "epoch_0002"
-    assert latest_checkpoint(tmp_path, "t1", up_to_epoch=1).name == "epoch_0001"
-    assert latest_checkpoint(tmp_path, "t1").name == "epoch_0003"
+    assert latest_checkpoint(tmp_path, "t1", up_to_epoch=2) == str(run_dir / "epoch_0002")
+    assert latest_checkpoint(tmp_path, "t1", up_to_epoch=1) == str(run_dir / "epoch_0001")
+    assert latest_checkpoint(tmp_path, "t1") == str(run_dir / "epoch_0003")
     assert latest_checkpoint(tmp_path, "t1", up_to_epoch=0) is None
     assert latest_checkpoint(tmp_path, "nope") is None

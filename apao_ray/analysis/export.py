@@ -106,35 +106,42 @@ def _download_per_user(client: Any, run_id: str, destination: Path, name: str = 
     return True
 
 
-def _checkpoint_for(run: Any) -> Path | None:
-    """The trial's final checkpoint: the local path tagged at its end when it loads (else it is said why, in one
-    line), else the logged model's copy."""
+def _checkpoint_for(run: Any) -> str | None:
+    """The trial's final checkpoint: the location tagged at its end (a local directory or a URI, ``storage``) when
+    it loads (a local one is checked here, a remote one where its local copy is loaded; a damaged one is said, in
+    one line), else the logged model's copy."""
+    from .. import storage
     from ..training.checkpoint import DamagedCheckpointError, check_checkpoint
 
     tagged = run.data.tags.get("apao.checkpoint")
-    if tagged and Path(tagged).is_dir():
-        try:
-            check_checkpoint(tagged)
-            return Path(tagged)
-        except DamagedCheckpointError as error:
-            print(f"{error}; reading the logged model's copy instead", file=sys.stderr)
+    with contextlib.suppress(Exception):  # a store that does not answer: the logged model's copy will do
+        if tagged and storage.is_dir(tagged):
+            if storage.is_remote(tagged):
+                return tagged
+            try:
+                check_checkpoint(tagged)
+                return tagged
+            except DamagedCheckpointError as error:
+                print(f"{error}; reading the logged model's copy instead", file=sys.stderr)
     model_uri = run.data.tags.get("apao.model_uri")
     if model_uri:
         from ..tracking import load_checkpoint_dir_from_model  # lazy: mlflow, as in snapshot
 
         with contextlib.suppress(Exception):  # an unreadable model: reported as "no per-user table"
-            return Path(load_checkpoint_dir_from_model(model_uri))
+            return load_checkpoint_dir_from_model(model_uri)
     return None
 
 
 def _recompute(run: Any, destination: Path, num_threads: int) -> str:
     """Writes the per-user table recomputed from the run's checkpoint; returns how it went (a sentence)."""
+    from .. import storage
     from ..training.evaluation import write_per_user  # lazy: torch, only when a table is recomputed
 
     checkpoint = _checkpoint_for(run)
     if checkpoint is None:
         return "no per-user table: no checkpoint or logged model to recompute it from"
-    metrics, table = recompute_per_user(checkpoint, num_threads)
+    with storage.local_copy(checkpoint) as directory:
+        metrics, table = recompute_per_user(directory, num_threads)
     write_per_user(destination, table)
     logged = run.data.metrics.get("test/ndcg_at_10")
     again = metrics.get("test/ndcg_at_10")

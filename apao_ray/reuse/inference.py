@@ -15,6 +15,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from .. import storage
 from ..config import TrialConfig
 from ..data import Catalog
 from ..data.batches import encode_histories
@@ -58,7 +59,11 @@ class Recommender:
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, device: str = "cpu", precision: str | None = None) -> "Recommender":
-        """Loads a final checkpoint directory (best weights, trial config, catalog)."""
+        """Loads a final checkpoint directory (best weights, trial config, catalog): a local one, or one on a
+        filesystem pyarrow reads (``s3://...``, ``storage``), read from a temporary copy."""
+        if storage.is_remote(directory):
+            with storage.local_copy(directory) as local:
+                return cls.from_checkpoint(local, device, precision)
         directory = Path(directory)
         _, best_weights, _ = load_checkpoint(directory)  # verified: a damaged one is refused, saying why
         config = TrialConfig.from_dict(json.loads((directory / CONFIG_FILE).read_text()))

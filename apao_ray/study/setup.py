@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import storage
 from ..config import LossConfig, TrialConfig
 from ..hardware import available_cpus
 from .spec.study import StudySpec, with_pretrain
@@ -39,7 +40,8 @@ class StudySetup:
         study_name: the study's name (``StudySpec.study_label``).
         tracking_uri: the MLflow store, resolved (``$MLFLOW_TRACKING_URI``, else ``sqlite:///$PWD/mlflow.db``)
             and answering.
-        output_dir: Ray Tune's state and checkpoints, absolute.
+        output_dir: Ray Tune's state and checkpoints: an absolute local directory, or a URI of a filesystem pyarrow
+            reads (``s3://bucket/prefix``; ``storage``), where every read and write of the study's files goes.
         optuna_storage: the searcher's Optuna storage URL (given, else beside a SQLite MLflow database).
         dataset_record: the dataset as each MLflow run logs it.
         cpus_per_trial: CPUs (and torch threads) per trial worker: as given, else what this machine affords.
@@ -49,14 +51,14 @@ class StudySetup:
     base: TrialConfig
     study_name: str
     tracking_uri: str
-    output_dir: Path
+    output_dir: str
     optuna_storage: str
     dataset_record: dict[str, Any]
     cpus_per_trial: float
 
     @property
-    def study_dir(self) -> Path:
-        return self.output_dir / self.study_name
+    def study_dir(self) -> str:
+        return storage.join(self.output_dir, self.study_name)
 
 
 def prepare(spec: StudySpec) -> StudySetup:
@@ -81,7 +83,7 @@ def prepare(spec: StudySpec) -> StudySetup:
     tracking_uri = resolve_tracking_uri(spec.tracking_uri)
     check_tracking_uri(tracking_uri)
     check_ray_address(spec.address)  # an unreachable cluster is refused here, before any trial
-    output_dir = Path(spec.output_dir).resolve()
+    output_dir = checked_output_dir(spec, tracking_uri)
     cpus_per_trial = spec.cpus_per_trial
     if cpus_per_trial is None:
         cpus_per_trial = 1.0 if spec.address else local_cpus_per_trial(spec.search.num_trials, spec.max_concurrent,
@@ -97,6 +99,37 @@ def prepare(spec: StudySpec) -> StudySetup:
     check_resumable(setup, spec)  # a changed dataset is the first thing to say on a resume
     check_select_by(base)  # e.g. ndcg_at_10 with --beam-size 2 names the metrics there are
     return setup
+
+
+def checked_output_dir(spec: StudySpec, tracking_uri: str) -> str:
+    """``--output-dir`` as a location (``storage.absolute``); a remote one must answer, and hold what the study
+    keeps there: no fused cohorts (their members meet in files on one disk) and no default Optuna store when
+    MLflow's is not a local SQLite file (``resolve_storage_url`` puts it beside that file, else in the output
+    directory, where SQLite cannot live on an object store).
+
+    Raises:
+        ValueError: naming the output directory and what would do.
+    """
+    output_dir = storage.absolute(spec.output_dir)
+    if not storage.is_remote(output_dir):
+        return output_dir
+    root = storage.bucket(output_dir)  # a study never creates one
+    try:
+        if not storage.exists(root):
+            raise FileNotFoundError(f"{root} does not exist")
+    except Exception as error:  # pyarrow's OSError / ValueError: an unknown scheme, a store that does not answer
+        reason = " ".join(str(error).split())[:300]
+        raise ValueError(f"--output-dir {output_dir!r} cannot be read ({reason}); give a local directory or a URI "
+                         "pyarrow reads (s3://bucket/prefix, gs://bucket/prefix) with its credentials (S3: "
+                         "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY; AWS_ENDPOINT_URL for an S3-compatible store)") from None
+    if spec.cohort_size > 1:
+        raise ValueError(f"--cohort-size {spec.cohort_size} with --output-dir {output_dir!r}: a fused cohort's trials "
+                         "meet in files on one disk; give a local or shared --output-dir, or drop --cohort-size")
+    if spec.optuna_storage is None and not tracking_uri.startswith("sqlite:///"):
+        raise ValueError(f"--output-dir {output_dir!r}: the Optuna store cannot default to a SQLite file there (the "
+                         "MLflow store is not a local SQLite file to keep it beside); pass --optuna-storage, e.g. "
+                         "postgresql://host/db or a path on this machine")
+    return output_dir
 
 
 def trial_base(spec: StudySpec, data_dir: str) -> TrialConfig:
@@ -122,7 +155,7 @@ def local_cpus_per_trial(num_trials: int, max_concurrent: int | None, workers_pe
     return float(max(1, min(cpus // (at_once * workers_per_trial), (cpus - busy) // workers_per_trial)))
 
 
-def study_state_exists(study_dir: Path) -> bool:
+def study_state_exists(study_dir: str | Path) -> bool:
     """Whether Tune saved a study's state in ``study_dir`` (``<output_dir>/<study name>``): it can be resumed."""
     from ray import tune
 
@@ -154,8 +187,7 @@ def check_resumable(setup: StudySetup, spec: StudySpec) -> None:
                             for name in changed)
         raise ValueError(f"dataset files changed since study {setup.study_name!r} started ({details}); restore "
                          "the original files, or start a new study with --study-name NAME or --overwrite")
-    study_dir = setup.output_dir / setup.study_name
-    if spec.optuna_storage is not None and study_state_exists(study_dir):
+    if spec.optuna_storage is not None and study_state_exists(setup.study_dir):
         from .search.optuna_storage import STORAGE_TAG
 
         storage = run.data.tags.get(STORAGE_TAG)

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import storage
 from ..names import REPORTS_FILE
 from .checkpoint import RESTARTS, check_checkpoint, latest_checkpoint_in
 
 
-def append_report(run_dir: Path, metrics: dict[str, Any]) -> None:
-    """Appends a report to the run's ``REPORTS_FILE`` (a resumed study's scheduler reads it back)."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / REPORTS_FILE, "a") as handle:
-        handle.write(json.dumps(metrics) + "\n")
+def append_report(run_dir: str | Path, metrics: dict[str, Any]) -> None:
+    """Appends a report to the run's ``REPORTS_FILE`` (a resumed study's scheduler reads it back); ``run_dir``
+    a local directory or a URI (``storage``)."""
+    storage.append_text(storage.join(run_dir, REPORTS_FILE), json.dumps(metrics) + "\n")
 
 
 class TrainingHooks:

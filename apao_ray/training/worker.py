@@ -15,6 +15,7 @@ import ray
 import torch
 from torch import nn
 
+from .. import storage
 from ..config import TrialConfig
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
 from .checkpoint import RESTARTS, SET_ASIDE_FILE, check_checkpoint, checkpoints_in, is_set_aside, newest_loadable
@@ -41,11 +42,28 @@ def worker_facts(node_id: str) -> dict[str, Any]:
 class ScratchCheckpoints:
     """Hooks of a trial run in Ray: new checkpoints are written in a scratch directory of this node's system temp
     directory (named from ``scratch_prefix``, so the driver can remove what a killed worker left) and moved or
-    uploaded from there; ``close`` removes it."""
+    uploaded from there; ``close`` removes it.
+
+    A run directory on an object store (a URI, ``storage``) is trained in a local copy in the scratch directory:
+    copied from the store when the trial starts (the checkpoints a restarted trial continues from, its reports),
+    mirrored back after each report, before anyone hears of it (``_mirrored``)."""
+
+    remote_dir: str | None = None
 
     def _open_scratch(self, scratch_prefix: str) -> None:
         self._scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix))
         self.node_id = ray.get_runtime_context().get_node_id()  # where the trial trained, for the record
+
+    def _local_run_dir(self, output_dir: str | Path) -> str | Path:
+        """Where the trial writes its run directory ``output_dir``: in place, or a copy of a remote one."""
+        if not storage.is_remote(output_dir):
+            return output_dir
+        self.remote_dir = str(output_dir)
+        return storage.download(output_dir, self._scratch / "run")
+
+    def _mirrored(self) -> None:
+        if self.remote_dir is not None:
+            storage.mirror(self.output_dir, self.remote_dir)
 
     def close(self) -> None:
         """Removes the scratch directory (restored checkpoint, checkpoints before upload)."""
@@ -62,13 +80,15 @@ class TuneTrialHooks(ScratchCheckpoints, TrainingHooks):
 
     def __init__(self, output_dir: str | Path, device: torch.device, verbose: bool = True,
                  scratch_prefix: str = SCRATCH_PREFIX) -> None:
-        super().__init__(output_dir, device=device, keep_checkpoints=2, resume=True, verbose=verbose)
         self._open_scratch(scratch_prefix)
+        super().__init__(self._local_run_dir(output_dir), device=device, keep_checkpoints=2, resume=True,
+                         verbose=verbose)
 
     def report(self, metrics: dict[str, Any], checkpoint_dir: Path | None) -> None:
         from ray import tune  # lazy: Tune, only in a trial's Tune actor; Ray Train's workers never load it
 
         super().report(metrics, checkpoint_dir)  # the checkpoint is in place before Tune's callbacks hear of it
+        self._mirrored()
         tune.report({**metrics, **worker_facts(self.node_id)})
 
 
@@ -190,18 +210,16 @@ def leave_failure(loop_config: dict[str, Any], error: BaseException, cap: Memory
         noted = (f"out of memory ({cap.describe()}; allocator {allocator_in_use()})" if cap is not None
                  else "out of memory")
         reason = f"{TrialOutOfMemoryError.__name__}: {noted}{message.removeprefix('out of memory')}"
-    failure_file = Path(loop_config["failure_file"])
-    failure_file.parent.mkdir(parents=True, exist_ok=True)
-    failure_file.write_text(reason)
+    storage.write_text(loop_config["failure_file"], reason)
     return reason
 
 
 def _start_in_tune_actor(loop_config: dict[str, Any]) -> tuple[MemoryCap | None, torch.device]:
     """Refuses a trial whose earlier attempt failed for good (its failure file), then sets the worker up;
     returns the memory cap and the device the trial trains on."""
-    failure_file = Path(loop_config["failure_file"])
-    if failure_file.exists():
-        raise TrialFailedError(failure_file.read_text())
+    failure = storage.read_text(loop_config["failure_file"])
+    if failure is not None:
+        raise TrialFailedError(failure)
     cap = setup_worker(loop_config)
     use_gpu = TrialConfig.from_dict(loop_config["trial"]).train.use_gpu
     return cap, torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")

@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
+from ... import storage
 from ...cli.types import non_negative_float, non_negative_int, positive_int
 from ...config import BACKBONE_NAMES, LossConfig, TrialConfig
 from ...data import dataset_label
@@ -149,14 +149,14 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
         check_ray_address(args.address)  # a head that does not answer, or refuses this machine's token, in one line
     except (ValueError, FileNotFoundError, ConnectionError) as error:
         parser.error(str(error))
-    output_dir = Path(args.output_dir).resolve()
+    output_dir = storage.absolute(args.output_dir)  # a local directory or a URI (s3://...): Ray Train writes there
     name = args.run_name or f"train-{dataset_label(config.data.dataset)}-{args.backbone}-{args.loss}-seed{args.seed}"
-    run_dir = output_dir / name
-    if run_dir.exists() and not args.resume:
+    run_dir = storage.join(output_dir, name)
+    if storage.exists(run_dir) and not args.resume:
         if not args.overwrite:
             parser.error(f"run {name!r} already exists in {output_dir}; pass --resume to continue it, "
                          "--overwrite to start again, or --run-name for a new one")
-        shutil.rmtree(run_dir)
+        storage.delete(run_dir)
     if not args.quiet:
         knobs = " ".join(f"{k}={v}" for k, v in resolved_knobs(config).items())
         print(f"protocol {protocol_tag(config)}: {knobs}", file=sys.stderr)
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
         print(f"trial {name} failed: {error}", file=sys.stderr)
         return 1
     except RunInterrupted as stop:
-        kept = sorted(path.name for path in run_dir.glob("epoch_*"))
+        kept = [storage.name(location) for location in storage.find(run_dir, "epoch_*")]
         print(f"run {name} stopped by {stop}: " + (f"its checkpoints are kept (the newest: {kept[-1]}); "
               if kept else "no epoch had finished; ") + "continue it with the same command and --resume",
               file=sys.stderr)

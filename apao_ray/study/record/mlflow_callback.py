@@ -10,6 +10,7 @@ from typing import Any
 
 from ray import tune
 
+from ... import storage
 from ...config import TrialConfig
 from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, REPEATS_TAG,
                      RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
@@ -26,10 +27,16 @@ from ..spec.space import trial_choices, trial_config
 MODEL_METRICS = ("test/", "best/val/")  # what a trial's logged model shows on its page: how it tests, why chosen
 
 
-def final_checkpoint_dir(train_root: Path, trial_id: str) -> Path | None:
-    """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished and it loads (a
-    damaged one is set aside, saying so)."""
-    return latest_checkpoint_in(train_root / train_run_name(trial_id), say_on_stderr, final=True)
+def final_checkpoint_dir(train_root: str, trial_id: str) -> str | None:
+    """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished: a location
+    (``storage``) under ``train_root``. A local one must load (a damaged one is set aside, saying so); a remote one
+    is checked where its local copy is loaded."""
+    run = storage.join(train_root, train_run_name(trial_id))
+    if not storage.is_remote(run):
+        found = latest_checkpoint_in(Path(run), say_on_stderr, final=True)
+        return str(found) if found else None
+    matches = storage.find(run, "epoch_*_final", recursive=True)
+    return matches[-1] if matches else None
 
 
 def child_params(config: TrialConfig, choices: dict[str, Any]) -> dict[str, Any]:
@@ -50,7 +57,7 @@ class MlflowStudyCallback(tune.Callback):
                  run_tags: dict[str, str] | None = None, dataset_record: dict[str, Any] | None = None) -> None:
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.parent_run_id, self.study_name = parent_run_id, study_name
-        self.train_root = Path(train_root)
+        self.train_root = str(train_root)
         self.trial_params = trial_params
         self.example_history = example_history
         self.run_tags = dict(run_tags or {})  # on every child run (apao.protocol, apao.schedule)
@@ -141,8 +148,8 @@ class MlflowStudyCallback(tune.Callback):
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         run_id = self._run_for(trial)
         # left by its workers if the scheduler killed them
-        remove_scratch(self.train_root / train_run_name(trial.trial_id))
-        checkpoint = final_checkpoint_dir(self.train_root, trial.trial_id)
+        remove_scratch(storage.join(self.train_root, train_run_name(trial.trial_id)))
+        location = final_checkpoint_dir(self.train_root, trial.trial_id)
         if not self._finished(trial):
             epoch = pruned_epoch(trial.trial_id)
             tags = {OUTCOME_TAG: f"{PRUNED} {epoch}", PRUNED_EPOCH_TAG: epoch} if epoch is not None else \
@@ -150,6 +157,24 @@ class MlflowStudyCallback(tune.Callback):
             self.tracker.set_tags(run_id, tags)
             self.tracker.end_run(run_id, "KILLED")
             return
+        with storage.local_copy(location) as checkpoint:  # a copy of a checkpoint on an object store
+            model_uri = self._log_checkpoint(run_id, trial, checkpoint)
+        weights = {key: self.tracker.metric_history(run_id, key) for key in
+                   (f"train/apao_weight_m{m}" for m in range(1, 5))}
+        if any(weights.values()):
+            figure = plots.adaptive_weights_figure({k: v for k, v in weights.items() if v})
+            self.tracker.log_figure(run_id, figure, "adaptive_weights.png")
+            plots.close(figure)
+        self.tracker.set_tags(run_id, {OUTCOME_TAG: "finished", "apao.checkpoint": location,
+                                       "apao.model_uri": model_uri})
+        self.tracker.end_run(run_id, "FINISHED")
+        # the study's row answers while it runs: each method's best trial so far (the study's end logs it again)
+        log_study_summary(self.tracker, self.parent_run_id, self.study_name,
+                          f"best/val/{self.trial_params['base']['train']['metric']}")
+
+    def _log_checkpoint(self, run_id: str, trial: Any, checkpoint: Path) -> str:
+        """Logs a finished trial's final checkpoint (a local directory): its metrics, config and per-user tables
+        as artifacts, its model unless a run before a resume logged it; returns the model's URI."""
         self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
         self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
         for table in (PER_USER_FILE, PER_USER_VALID_FILE):
@@ -163,18 +188,7 @@ class MlflowStudyCallback(tune.Callback):
             config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
             model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history,
                                                      child_params(config, trial_choices(trial.config)), MODEL_METRICS)
-        weights = {key: self.tracker.metric_history(run_id, key) for key in
-                   (f"train/apao_weight_m{m}" for m in range(1, 5))}
-        if any(weights.values()):
-            figure = plots.adaptive_weights_figure({k: v for k, v in weights.items() if v})
-            self.tracker.log_figure(run_id, figure, "adaptive_weights.png")
-            plots.close(figure)
-        self.tracker.set_tags(run_id, {OUTCOME_TAG: "finished", "apao.checkpoint": str(checkpoint),
-                                       "apao.model_uri": model_uri})
-        self.tracker.end_run(run_id, "FINISHED")
-        # the study's row answers while it runs: each method's best trial so far (the study's end logs it again)
-        log_study_summary(self.tracker, self.parent_run_id, self.study_name,
-                          f"best/val/{self.trial_params['base']['train']['metric']}")
+        return model_uri
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         run_id = self._run_for(trial)
@@ -208,7 +222,7 @@ class MlflowStudyCallback(tune.Callback):
             elif trial.status == "ERROR":
                 self.on_trial_error(0, trials, trial)
         for trial in trials:  # workers that Tune's cleanup killed left theirs (this node only)
-            remove_scratch(self.train_root / train_run_name(trial.trial_id))
+            remove_scratch(storage.join(self.train_root, train_run_name(trial.trial_id)))
         log_cost_per_method(self.tracker, self.parent_run_id)
         for run_id in running.values():  # created just before a kill, never saved by Tune
             self.tracker.set_tags(run_id, {OUTCOME_TAG: "lost: the driver was killed before Tune recorded this "

@@ -3,7 +3,6 @@ Optuna TPE, early-stopped by ASHA, recorded in MLflow (one parent run, a child p
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import storage
 from ...config import TrialConfig
 from ...protocol import run_tags
 from ...tracking import redact
@@ -176,8 +176,8 @@ def run_study(study: Study, example_history: list[str]) -> StudyOutcome:
 
     spec, setup, plan = study.spec, study.setup, study.plan
     study_dir = study.study_dir
-    if spec.overwrite and study_dir.exists():
-        shutil.rmtree(study_dir)
+    if spec.overwrite:
+        storage.delete(study_dir)
     # before our handlers: ray.init installs a SIGTERM handler of its own
     init_ray(spec.address, dashboard=spec.starts_ray_dashboard)
     with interrupt.stop_signals():
@@ -210,7 +210,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
     study_dir = study.study_dir
     started = time.monotonic()
     metric = f"best/val/{plan.base.train.metric}"
-    train_root = str(study_dir / "train_runs")
+    train_root = storage.join(study_dir, "train_runs")
 
     def make_callbacks(num_trials: int) -> list[Any]:  # the recorder first (repeats.py reads it)
         recorder = MlflowStudyCallback(setup.tracking_uri, experiment_name(plan.base.data.dataset), parent_id,
@@ -257,7 +257,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
         tuner = tune.Tuner(trainable, tune_config=tune.TuneConfig(
             search_alg=searcher, scheduler=scheduler, num_samples=plan.search.num_trials,
             max_concurrent_trials=plan.slots, time_budget_s=spec.budget_s),
-            run_config=tune.RunConfig(name=setup.study_name, storage_path=str(setup.output_dir),
+            run_config=tune.RunConfig(name=setup.study_name, storage_path=setup.output_dir,
                                       callbacks=run_callbacks(str(study_dir)), verbose=0,
                                       # a crashed trial restarts from its last checkpoint (trial.py)
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures)))

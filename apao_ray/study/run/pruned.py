@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ... import storage
 from ...names import reached_test, train_run_name
 from ...training.checkpoint import latest_checkpoint_in, say_on_stderr
 from ..record.outcomes import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
@@ -20,15 +21,27 @@ TESTED_TAG = "apao.tested_on"
 TEST_TIMEOUT_S = 3600
 
 
-def latest_checkpoint(train_root: str | Path, trial_id: str, up_to_epoch: int | None = None) -> Path | None:
+def latest_checkpoint(train_root: str | Path, trial_id: str, up_to_epoch: int | None = None) -> str | None:
     """The newest per-epoch checkpoint of a trial's Train run (``epoch_XXXX``) at or before ``up_to_epoch``
-    (any epoch if None) that loads, if one was saved (a damaged one is set aside, saying so)."""
-    return latest_checkpoint_in(Path(train_root) / train_run_name(trial_id), say_on_stderr, up_to_epoch=up_to_epoch,
-                                final=False)
+    (any epoch if None), if one was saved: a location (``storage``) under ``train_root``. A local one must load (a
+    damaged one is set aside, saying so); a remote one is checked where its local copy is loaded."""
+    run_dir = storage.join(train_root, train_run_name(trial_id))
+    if not storage.is_remote(run_dir):
+        found = latest_checkpoint_in(Path(run_dir), say_on_stderr, up_to_epoch=up_to_epoch, final=False)
+        return str(found) if found else None
+    matches = [location for location in storage.find(run_dir, "epoch_[0-9][0-9][0-9][0-9]", recursive=True)
+               if up_to_epoch is None or int(storage.name(location).removeprefix("epoch_")) <= up_to_epoch]
+    return max(matches, key=storage.name) if matches else None
 
 
-def evaluate_checkpoint(directory: str, num_threads: int = 1) -> dict[str, float]:
-    """Test metrics of the best weights in a checkpoint directory, plus ``best/epoch`` (their epoch)."""
+def evaluate_checkpoint(location: str, num_threads: int = 1) -> dict[str, float]:
+    """Test metrics of the best weights in a checkpoint directory (a location, ``storage``), plus ``best/epoch``
+    (their epoch)."""
+    with storage.local_copy(location) as directory:
+        return _evaluate(directory, num_threads)
+
+
+def _evaluate(directory: Path, num_threads: int) -> dict[str, float]:
     import torch
 
     from ...config import TrialConfig
@@ -63,7 +76,7 @@ def evaluate_pruned_trials(tracker: Any, parent_run_id: str, train_root: str, nu
         pruned_at = run.data.tags.get(PRUNED_EPOCH_TAG)
         checkpoint = latest_checkpoint(train_root, run.data.tags[TRIAL_TAG], int(pruned_at) if pruned_at else None)
         if checkpoint is not None:  # pruned before its first checkpoint: nothing to test
-            pending[run.info.run_id] = remote.remote(str(checkpoint), max(1, round(num_cpus)))
+            pending[run.info.run_id] = remote.remote(checkpoint, max(1, round(num_cpus)))
     for run_id, task in pending.items():
         try:
             metrics = ray.get(task, timeout=TEST_TIMEOUT_S)

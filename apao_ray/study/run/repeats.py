@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ... import storage
 from ..spec.space import REPEATS_KEY, SEED_KEY, knobs_of, param_name
 from . import cohorts
 
@@ -48,10 +49,10 @@ def run_repeats(study: Study, tracker: Tracker, trainable: Any, callbacks: list[
     from ..record.outcomes import summarize_results
 
     spec, setup, plan = study.spec, study.setup, study.plan
-    directory = study.study_dir / REPEATS_DIR
-    live_callbacks.register(str(directory), callbacks)  # what the run's LiveCallbacks call, also after a restore
-    if tune.Tuner.can_restore(str(directory)):  # the configurations were chosen when the phase started
-        tuner = tune.Tuner.restore(str(directory), trainable, resume_unfinished=True,
+    directory = storage.join(study.study_dir, REPEATS_DIR)
+    live_callbacks.register(directory, callbacks)  # what the run's LiveCallbacks call, also after a restore
+    if tune.Tuner.can_restore(directory):  # the configurations were chosen when the phase started
+        tuner = tune.Tuner.restore(directory, trainable, resume_unfinished=True,
                                    resume_errored=spec.retry_failed)
     else:
         configs = repeat_configs(best_rows(tracker, metric, setup.study_name), plan.run_repeat_seeds)
@@ -70,8 +71,8 @@ def run_repeats(study: Study, tracker: Tracker, trainable: Any, callbacks: list[
         searcher = BasicVariantGenerator(points_to_evaluate=configs, max_concurrent=plan.slots * plan.cohort_size)
         tuner = tune.Tuner(trainable, param_space=space, tune_config=tune.TuneConfig(
             search_alg=searcher, num_samples=len(configs), time_budget_s=time_budget_s),
-            run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=str(directory.parent),
-                                      callbacks=run_callbacks(str(directory)),
+            run_config=tune.RunConfig(name=REPEATS_DIR, storage_path=study.study_dir,
+                                      callbacks=run_callbacks(directory),
                                       verbose=0, failure_config=tune.FailureConfig(max_failures=spec.max_failures)))
     with interrupt.tune_running():
         results = tuner.fit()

@@ -39,7 +39,7 @@ class Study:
     command_line: list[str] = field(default_factory=lambda: invocation(sys.argv))
 
     @property
-    def study_dir(self) -> Path:
+    def study_dir(self) -> str:
         return self.setup.study_dir
 
     @property

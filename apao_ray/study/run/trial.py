@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ... import storage
 from ...config import TrialConfig
 from ...names import remove_scratch, scratch_prefix
 from ...training.checkpoint import FINAL_METRICS_FILE
@@ -120,11 +121,12 @@ class Resources:
 
 def make_loop_config(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
                      verbose: bool, progress_label: str) -> dict[str, Any]:
-    """What the process that trains a trial is given (training/worker.py reads it)."""
-    run_dir = Path(storage_path).resolve() / name
+    """What the process that trains a trial is given (training/worker.py reads it); ``storage_path`` a local
+    directory or a URI (``storage``)."""
+    run_dir = storage.join(storage.absolute(storage_path), name)
     return {"trial": config.to_dict(), "verbose": verbose, "progress_label": progress_label,
-            "max_memory_bytes": resources.memory_bytes, "output_dir": str(run_dir),
-            "failure_file": str(run_dir / FAILURE_FILE),
+            "max_memory_bytes": resources.memory_bytes, "output_dir": run_dir,
+            "failure_file": storage.join(run_dir, FAILURE_FILE),
             "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(run_dir)}
 
 
@@ -163,10 +165,10 @@ def run_in_ray_train(config: TrialConfig, *, name: str, storage_path: str | Path
 
 def forget_failures(storage_path: str | Path) -> int:
     """Removes the failure records of the trials under ``storage_path`` so that they run again; returns how many."""
-    paths = list(Path(storage_path).glob(f"*/{FAILURE_FILE}"))
-    for path in paths:
-        path.unlink()
-    return len(paths)
+    runs = [run for run in storage.find(storage_path, "*") if storage.exists(storage.join(run, FAILURE_FILE))]
+    for run in runs:
+        storage.delete(storage.join(run, FAILURE_FILE))
+    return len(runs)
 
 
 def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
@@ -184,7 +186,7 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
     loop_config = {**make_loop_config(config, name=name, storage_path=storage_path, resources=resources,
                                       verbose=verbose, progress_label=progress_label), "ray_log_level": log_level}
     run_config = ray.train.RunConfig(
-        name=name, storage_path=str(Path(storage_path).resolve()),
+        name=name, storage_path=storage.absolute(storage_path),  # a URI: Ray Train uploads the checkpoints
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
         failure_config=ray.train.FailureConfig(max_failures=max_failures, controller_failure_limit=MAX_START_RETRIES),
         callbacks=callbacks or None,
@@ -212,16 +214,17 @@ def fit(trainer: TorchTrainer) -> ray.train.Result:
     (it leaves the reason in the run's ``failure_file``, next to the checkpoints)."""
     import ray.train
 
-    path = Path(trainer.train_loop_config["failure_file"])
-    path.unlink(missing_ok=True)  # from an earlier attempt of a resumed run
+    failure_file = trainer.train_loop_config["failure_file"]
+    storage.delete(failure_file)  # from an earlier attempt of a resumed run
     try:
         result = trainer.fit()
     except ray.train.ControllerError as error:  # the worker group could not be (re)started, on every try
         raise TrialStartError(start_failure_message(trainer.run_config.name, error.controller_failure)) from error
     finally:  # what workers on this node left when killed mid-way (a restart, a stop)
         remove_scratch(trainer.train_loop_config["output_dir"])
-    if path.exists():
-        raise TrialFailedError(path.read_text())
+    failure = storage.read_text(failure_file)
+    if failure is not None:
+        raise TrialFailedError(failure)
     return result
 
 

@@ -68,8 +68,9 @@ class StudySpec:
                                   "(no download, no fall-back)", group="trial")
     address: str | None = option(None, "Ray cluster to join, e.g. 'auto' or ray://host:10001 (default: $RAY_ADDRESS, "
                                  "else a local Ray on this machine)", env="RAY_ADDRESS", group="trial")
-    output_dir: str = option("apao_runs", "where runs and checkpoints are stored (default ./%(default)s; must be "
-                             "shared storage on a multi-node cluster)", group="trial")
+    output_dir: str = option("apao_runs", "where runs and checkpoints are stored: a directory (default "
+                             "./%(default)s; shared storage on a multi-node cluster) or a URI such as "
+                             "s3://bucket/prefix or gs://bucket/prefix (docs/running.md)", group="trial")
     max_train_samples: int | None = option(None, "train on a fixed random subset (quick runs)", low=1, integer=True,
                                            group="trial")
     eval_max_users: int | None = option(None, "validate on a fixed random subset of users", low=1, integer=True,
