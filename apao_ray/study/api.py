@@ -98,7 +98,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
 
     log = log if log is not None else sys.stderr
 
-    from ..analysis.results import popularity_ndcg
+    from ..analysis.bar import TRAINING_FREE, heuristic_tables
     from ..tracking import Tracker, experiment_name
     from ..names import CONVERGED_TAG
     from .record.report import DESCRIPTION_TAG, RECORDED_KNOBS, study_description, table_rows
@@ -121,7 +121,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(setup.tracking_uri, experiment_name(setup.base.data.dataset))
-    rows = table_rows(tracker, study=setup.study_name, popularity=popularity_ndcg(dataset))
+    rows = table_rows(tracker, study=setup.study_name, heuristics=heuristic_tables(dataset))
     for row in rows:  # the verdict computed here with the dataset, for best and report to read
         if row.get("run_id") and row.get("converged"):
             tracker.set_tags(row["run_id"], {CONVERGED_TAG: row["converged"]})
@@ -129,7 +129,7 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
         tracker.set_tags(outcome.parent_run_id, {DESCRIPTION_TAG: study_description(setup.study_name, rows)})
     record_rates(spec, setup, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
-              for row in rows}
+              for row in rows if row.get("status") != TRAINING_FREE}
     return StudyResult(table=pd.DataFrame(rows).drop(columns=[RECORDED_KNOBS], errors="ignore"), trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
                        parent_run_id=outcome.parent_run_id, plan=plan, study_name=setup.study_name,
                        tracking_uri=setup.tracking_uri, interrupted=outcome.interrupted,
