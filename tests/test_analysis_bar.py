@@ -20,19 +20,19 @@ from apao_ray.training.evaluation import write_per_user
 from test_analysis_report import _per_user, _section, _trial
 
 
-def _export(root: Path, seed: int, users: list[str], ranks: dict[str, np.ndarray]) -> Path:
-    """One seed's study export on dataset ``synthetic``: a trial per loss with the given per-user ranks."""
-    directory = root / f"synthetic-s{seed}"
+def _export(root: Path, seed: int, users: list[str], ranks: dict[str, np.ndarray], dataset: str = "synthetic") -> Path:
+    """One seed's study export on ``dataset``: a trial per loss with the given per-user ranks."""
+    directory = root / f"{dataset}-s{seed}"
     (directory / "per_user").mkdir(parents=True)
     trials, rows = [], []
     for loss, loss_ranks in ranks.items():
         record, table = _trial(f"{loss}{seed}", loss, seed, loss_ranks, "paper", {})
-        record["params"]["base.data.dataset"] = "synthetic"
+        record["params"]["base.data.dataset"] = dataset
         table["user"] = np.array(users, dtype=object)
         write_per_user(directory / record["per_user"], table)
         trials.append(record)
         rows += [(record["run_id"], "val/ndcg_at_10", epoch, value) for epoch, value in ((1, 0.01), (2, 0.0198), (3, 0.02))]
-    record = {"format_version": 1, "study": f"synthetic-s{seed}", "experiment": "apao-synthetic",
+    record = {"format_version": 1, "study": f"{dataset}-s{seed}", "experiment": f"apao-{dataset}",
               "tracking_uri": "sqlite:///x", "exported_at": "2026-12-01T00:00:00Z",
               "parents": [{"run_id": f"p{seed}", "tags": {"command_line": "sweep", "code_version": "abc"}}],
               "trials": trials}
