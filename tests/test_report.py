@@ -148,7 +148,8 @@ def test_the_studys_answer_table_has_the_heuristics_as_rows_and_a_method_below_t
     import pandas as pd
 
     from apao_ray.names import PER_USER_FILE
-    from apao_ray.study.record.report import format_rows, study_description, table_rows
+    from apao_ray.study.record.report import DESCRIPTION_LIMIT, SUBSETS_ARTIFACT, format_rows, study_description, \
+        subset_lines, table_rows
     from apao_ray.tracking import Tracker
     from apao_ray.training.evaluation import write_per_user
     from test_analysis_report import _per_user
@@ -160,13 +161,14 @@ def test_the_studys_answer_table_has_the_heuristics_as_rows_and_a_method_below_t
     users = 2000
     for trial_id, loss, ranks in (("t1", "ce", np.where(rng.random(users) < 0.2, 2, 0)),
                                   ("t2", "apao_pointwise", np.ones(users, int))):
-        table = _per_user(ranks)
+        table = {**_per_user(ranks), "is_memorization": (np.arange(users) < 300).astype(int),  # as a trial writes it
+                 "is_seen_target": np.ones(users, int)}
         run = tracker.start_run(trial_id, {"apao.study": "s", "apao.trial_id": trial_id, "backbone": "tiger",
                                            "loss": loss, "apao.outcome": "finished"}, {"beta": 0.3}, parent_run_id=parent)
         for epoch, value in ((1, 0.01), (2, 0.0199), (3, 0.02)):
             tracker.log_metrics(run, {"val/ndcg_at_10": value}, epoch)
         tracker.log_metrics(run, {"best/val/ndcg_at_10": 0.02, **{f"test/{k}": float(v.mean()) for k, v in table.items()
-                                                                  if k not in ("user", "rank")}}, 3)
+                                                                  if k.endswith(("_at_10", "_at_20"))}}, 3)
         (tmp_path / trial_id).mkdir()
         tracker.log_artifact(run, write_per_user(tmp_path / trial_id / PER_USER_FILE, table))
         tracker.end_run(run, "FINISHED")
@@ -185,5 +187,16 @@ def test_the_studys_answer_table_has_the_heuristics_as_rows_and_a_method_below_t
     assert [row["loss"] for row in rows][-2:] == ["popularity (training-free)", "last-item transitions (training-free)"]
     table = format_rows(rows)
     assert "| - | last-item transitions (training-free) |" in table and "below the last-item heuristic" in table
-    description = study_description("s", rows)
+    subsets = subset_lines(tracker, "s", None, heuristics, num_resamples=100)  # the labels the tables hold
+    assert "labels read from the per-user tables" in subsets[0]
+    memorization = [line for line in subsets if line.startswith("| memorization | 300 |")]
+    on_memo = heuristics["last_item"]["ndcg_at_10"][:300].mean()
+    assert memorization[1] == f"| memorization | 300 | last-item transitions (training-free) | - | {on_memo:.4f} | " \
+        f"{heuristics['last_item']['recall_at_10'][:300].mean():.4f} | |"
+    assert any(line.startswith("| memorization | 300 | tiger/apao_pointwise ") and "over seeds" not in line
+               and "1 seed" in line for line in memorization)  # one seed: users only, said so
+    description = study_description("s", rows, subsets)
     assert "last-item transitions (training-free)" in description and "below the last-item heuristic" in description
+    assert "| generalization | 1700 | tiger/ce b=0.3 |" in description and len(description) <= DESCRIPTION_LIMIT
+    crowded = study_description("s", rows, subsets * 40)  # too long to fit: the artifact is named instead
+    assert crowded.endswith(f"the parent run's artifact `{SUBSETS_ARTIFACT}`") and len(crowded) <= DESCRIPTION_LIMIT
