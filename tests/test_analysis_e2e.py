@@ -39,6 +39,8 @@ def _cli(args: list[str], cwd: Path):
 
 def test_every_finished_trial_logs_a_per_user_table_that_averages_to_its_test_metrics(studies, tmp_path):
     from apao_ray.analysis.per_user import read_per_user
+    from apao_ray.analysis.subsets import transition_labels
+    from apao_ray.data import load_dataset
 
     tracker = studies["tracker"]
     runs = tracker.child_runs()
@@ -51,6 +53,8 @@ def test_every_finished_trial_logs_a_per_user_table_that_averages_to_its_test_me
         assert table["prefix_hit_m4"].mean() == pytest.approx(run.data.metrics["test/prefix_recall_at_20_m4"], abs=1e-9)
         hits = table["rank"].between(1, 10)
         assert (hits == (table["recall_at_10"] == 1)).all() and (table.loc[~table["rank"].between(1, 20), "rank"] == -1).all()
+        labels = transition_labels(load_dataset("synthetic")).set_index("user").loc[table["user"]]
+        assert (table["is_memorization"].to_numpy() == labels["is_memorization"].to_numpy()).all()  # as the trial wrote them
 
 
 def test_every_trial_records_its_cost_and_the_parent_sums_it_per_method(studies):

@@ -67,3 +67,34 @@ def test_report_grid_command_reads_the_queue_beside_the_exports(tmp_path, capsys
     assert "queue.json" in capsys.readouterr().out
     assert _rows((tmp_path / "grid" / "grid.md").read_text())[("grocery", "tiger", "ce")][3].startswith("queued #1")
     assert main(["report", "--grid", "--tracking-uri", "sqlite:///x.db", "--out", str(tmp_path / "g2")]) == 2
+
+
+def test_the_grid_holds_the_heuristics_and_a_cell_below_the_last_item_heuristic_says_so(tmp_path):
+    """On Office's real test users (its files needed: the grid's cells are paper datasets): CE fabricated with a
+    hit at rank 2 for 2% of the users (N@10 ~0.013), APAO at rank 1 for all; the last-item heuristic (N@10 ~0.048)
+    stands between them."""
+    import numpy as np
+    import pytest
+
+    from apao_ray.analysis.bar import dataset_heuristics
+    from test_analysis_bar import _export
+    from test_heuristics import SHARED
+
+    if not (SHARED / "Office").is_dir():
+        pytest.skip(f"Office's files are not at {SHARED} (set APAO_DATA_DIR)")
+    tables = dataset_heuristics(["office"], str(SHARED))["office"]
+    users = sorted(tables["last_item"]["user"])
+    exports = []
+    for seed in (0, 1):
+        ce = np.where(np.random.default_rng(seed).random(len(users)) < 0.02, 2, 0)
+        exports.append(load_export(_export(tmp_path / "exports", seed, users,
+                                           {"ce": ce, "apao_pointwise": np.ones(len(users), int)}, "office")))
+    rows = _rows(build_grid(exports, tmp_path / "out", num_resamples=200, data_dir=str(SHARED)).read_text())
+    bar = tables["last_item"]
+    assert "below the last-item heuristic: test ndcg_at_10 0.01" in rows[("office", "tiger", "ce")][3]
+    assert rows[("office", "tiger", "apao_pointwise")][3] == "done (seeds 0,1)"
+    heuristic = rows[("office", "tiger", "last-item transitions (training-free)")]
+    assert heuristic[0] == f"{bar['recall_at_10'].mean():.4f} / {bar['ndcg_at_10'].mean():.4f}"
+    assert heuristic[1].startswith("heuristic - CE: +0.03") and "p_holm" in heuristic[1]
+    assert heuristic[2:] == ["-", "training-free"]
+    assert ("office", "tiger", "popularity (training-free)") in rows

@@ -53,3 +53,40 @@ def test_subset_table_shows_each_subsets_difference_with_its_interval(tmp_path):
     assert any(f"+{expected:.4f} [" in r and "over seeds and users (2 seeds), p_holm = " in r for r in memo)
     assert not any(r.startswith("| unseen target |") for r in rows)  # no user in it: no rows
     assert len([r for r in rows if r.startswith(f"| generalization | {NUM_USERS - len(memorized)} |")]) == 3
+
+
+def test_the_report_reads_the_labels_a_trial_stored_and_computes_them_for_older_tables(tmp_path):
+    """Exports on the synthetic dataset's test users: tables carrying labels that differ from the dataset's (every
+    user with an even number is memorization) are read as stored; the same tables without the columns (written
+    before they existed) get the dataset's."""
+    import gzip
+
+    from apao_ray.analysis.report import build_report
+    from test_analysis_bar import _export
+    from test_analysis_report import _section
+
+    dataset = load_dataset("synthetic")
+    computed = transition_labels(dataset)
+    users = sorted(computed["user"])
+    stored = [int(u[1:]) % 2 == 0 for u in users]
+    assert stored != computed.set_index("user").loc[users, "is_memorization"].tolist()  # the two can be told apart
+    ranks = {"ce": np.where(np.arange(len(users)) % 3 == 0, 1, 0), "apao_pointwise": np.ones(len(users), int)}
+    labelled = _export(tmp_path / "labelled", 0, users, ranks)
+    for path in (labelled / "per_user").iterdir():
+        table = pd.read_csv(path, dtype={"user": str})
+        table["is_memorization"], table["is_seen_target"] = np.array(stored, int), 1
+        with gzip.open(path, "wt") as handle:
+            table.to_csv(handle, index=False)
+    text = build_report([load_export(labelled)], tmp_path / "out", num_resamples=200).read_text()
+    section = text.split("## Memorization and generalization", 1)[1]
+    assert "Labels read from the per-user tables." in section
+    assert f"| memorization | {sum(stored)} | tiger/ce |" in section
+    assert f"| generalization | {len(users) - sum(stored)} | tiger/ce |" in section
+    assert "| unseen target |" not in section  # every stored target seen: no such users
+
+    older = _export(tmp_path / "older", 0, users, ranks)
+    text = build_report([load_export(older)], tmp_path / "out-older", num_resamples=200).read_text()
+    section = text.split("## Memorization and generalization", 1)[1]
+    assert "Labels computed from the dataset's files." in section
+    assert f"| memorization | {int(computed['is_memorization'].sum())} | tiger/ce |" in section
+    assert _section(text, "Memorization and generalization")  # the table is there

@@ -138,3 +138,65 @@ def test_a_command_given_no_study_reads_the_stores_only_one_and_names_them_where
     tracker.start_run("study t", {"apao.study": "t", "apao.role": "study"}, {})
     with pytest.raises(ValueError, match=r"--study NAME is needed: sqlite:///.* holds 2 studies \['s', 't'\]"):
         sole_study(tracker.tracking_uri)
+
+
+def test_the_studys_answer_table_has_the_heuristics_as_rows_and_a_method_below_the_bar_says_so(tmp_path):
+    """CE's per-user tables (logged as a trial logs them) hit at rank 2 for a fifth of the users, APAO's at rank 1
+    for all; a last-item heuristic fabricated between them: CE's verdict names it, APAO's does not, and both
+    heuristics stand as rows with the same test columns, in the table and in the MLflow description."""
+    import numpy as np
+    import pandas as pd
+
+    from apao_ray.names import PER_USER_FILE
+    from apao_ray.study.record.report import DESCRIPTION_LIMIT, SUBSETS_ARTIFACT, format_rows, study_description, \
+        subset_lines, table_rows
+    from apao_ray.tracking import Tracker
+    from apao_ray.training.evaluation import write_per_user
+    from test_analysis_report import _per_user
+
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
+    space = {"backbones": ["tiger"], "losses": ["ce", "apao_pointwise"]}
+    parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study"}, {"space": json.dumps(space)})
+    rng = np.random.default_rng(0)
+    users = 2000
+    for trial_id, loss, ranks in (("t1", "ce", np.where(rng.random(users) < 0.2, 2, 0)),
+                                  ("t2", "apao_pointwise", np.ones(users, int))):
+        table = {**_per_user(ranks), "is_memorization": (np.arange(users) < 300).astype(int),  # as a trial writes it
+                 "is_seen_target": np.ones(users, int)}
+        run = tracker.start_run(trial_id, {"apao.study": "s", "apao.trial_id": trial_id, "backbone": "tiger",
+                                           "loss": loss, "apao.outcome": "finished"}, {"beta": 0.3}, parent_run_id=parent)
+        for epoch, value in ((1, 0.01), (2, 0.0199), (3, 0.02)):
+            tracker.log_metrics(run, {"val/ndcg_at_10": value}, epoch)
+        tracker.log_metrics(run, {"best/val/ndcg_at_10": 0.02, **{f"test/{k}": float(v.mean()) for k, v in table.items()
+                                                                  if k.endswith(("_at_10", "_at_20"))}}, 3)
+        (tmp_path / trial_id).mkdir()
+        tracker.log_artifact(run, write_per_user(tmp_path / trial_id / PER_USER_FILE, table))
+        tracker.end_run(run, "FINISHED")
+    heuristics = {"popularity": pd.DataFrame(_per_user(np.where(rng.random(users) < 0.01, 1, 0))),
+                  "last_item": pd.DataFrame(_per_user(np.where(rng.random(users) < 0.5, 1, 0)))}
+    rows = table_rows(tracker, study="s", num_resamples=100, heuristics=heuristics)
+    by_loss = {row["loss"]: row for row in rows}
+    bar = heuristics["last_item"]["ndcg_at_10"].mean()
+    assert re.fullmatch(rf"converged; below the last-item heuristic: test ndcg_at_10 0\.1\d{{3}} vs {bar:.4f}",
+                        by_loss["ce"]["converged"])
+    assert by_loss["apao_pointwise"]["converged"] == "converged"
+    last = by_loss["last-item transitions (training-free)"]
+    assert last["test/ndcg_at_10"] == pytest.approx(bar) and last["status"] == "training-free"
+    assert by_loss["popularity (training-free)"]["test/recall_at_10"] == pytest.approx(
+        heuristics["popularity"]["recall_at_10"].mean())
+    assert [row["loss"] for row in rows][-2:] == ["popularity (training-free)", "last-item transitions (training-free)"]
+    table = format_rows(rows)
+    assert "| - | last-item transitions (training-free) |" in table and "below the last-item heuristic" in table
+    subsets = subset_lines(tracker, "s", None, heuristics, num_resamples=100)  # the labels the tables hold
+    assert "labels read from the per-user tables" in subsets[0]
+    memorization = [line for line in subsets if line.startswith("| memorization | 300 |")]
+    on_memo = heuristics["last_item"]["ndcg_at_10"][:300].mean()
+    assert memorization[1] == f"| memorization | 300 | last-item transitions (training-free) | - | {on_memo:.4f} | " \
+        f"{heuristics['last_item']['recall_at_10'][:300].mean():.4f} | |"
+    assert any(line.startswith("| memorization | 300 | tiger/apao_pointwise ") and "over seeds" not in line
+               and "1 seed" in line for line in memorization)  # one seed: users only, said so
+    description = study_description("s", rows, subsets)
+    assert "last-item transitions (training-free)" in description and "below the last-item heuristic" in description
+    assert "| generalization | 1700 | tiger/ce b=0.3 |" in description and len(description) <= DESCRIPTION_LIMIT
+    crowded = study_description("s", rows, subsets * 40)  # too long to fit: the artifact is named instead
+    assert crowded.endswith(f"the parent run's artifact `{SUBSETS_ARTIFACT}`") and len(crowded) <= DESCRIPTION_LIMIT

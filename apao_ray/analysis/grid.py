@@ -10,6 +10,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_paired, metric_means, with_bar
 from .export import StudyExport
 from .heuristics import baseline_sections, recorded_datasets
 from .paper import TABLE1
@@ -23,6 +24,7 @@ GRID_FILE = "grid.md"
 GRID_CELLS = tuple(key for key in TABLE1 if key[0] in ("office", "grocery", "beauty")
                    and key[2] in ("ce", "apao_pointwise", "apao_pairwise"))
 GRID_METRICS = ("test/recall_at_10", "test/ndcg_at_10")
+GRID_METRICS_PER_USER = tuple(metric.removeprefix("test/") for metric in GRID_METRICS)
 COMPARED_METRIC = "ndcg_at_10"  # a per-user table column
 
 
@@ -113,6 +115,8 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
         (p.method.dataset.lower(), p.method.backbone, p.method.loss): p
         for p in compare_methods(list(paper_methods.values()), "ce", metrics=(COMPARED_METRIC,),
                                  num_resamples=num_resamples)}
+    bars = dataset_heuristics({d for d, _, _ in GRID_CELLS}, data_dir)
+    bar_rows = heuristic_paired(list(paper_methods.values()), bars, "ce", (COMPARED_METRIC,), num_resamples)
     running: dict[tuple[str, str, str, str], list[Trial]] = {}
     for trial in unfinished_trials(exports):
         if _is_full_length(trial):
@@ -129,7 +133,8 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
         in_progress = running.get((dataset, backbone, loss, "paper"), [])
         paired = compared.get((dataset, backbone, loss))
         if method is not None:
-            kind, status = "done", f"done (seeds {','.join(map(str, method.seeds))})"
+            kind, status = "done", with_bar(f"done (seeds {','.join(map(str, method.seeds))})",
+                                            bar_words(method, bars.get(dataset)))
             if in_progress:
                 status += "; in progress " + _progress(in_progress)
         elif in_progress:
@@ -140,6 +145,12 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
         difference = "-" if paired is None or paired.over_seeds is None else paired.over_seeds.text()
         lines.append("| " + " | ".join([dataset, backbone, loss, _ours(method) if method else "-", difference,
                                         f"{recall:.4f} / {ndcg:.4f}", status]) + " |")
+    for paired in bar_rows:  # the bar: each heuristic on the same users, minus CE of the grid's backbone
+        recall, ndcg = metric_means(bars[paired.method.dataset.lower()][paired.method.loss], GRID_METRICS_PER_USER)
+        difference = "-" if paired.over_seeds is None else f"heuristic - CE: {paired.over_seeds.text()}"
+        lines.append("| " + " | ".join([paired.method.dataset.lower(), paired.method.backbone,
+                                        paired.method.label, f"{recall:.4f} / {ndcg:.4f}",
+                                        difference, "-", TRAINING_FREE]) + " |")
 
     others = group_methods([t for t in finished if not _is_paper_cell(t)])
     other_lines = [f"- {m.dataset} {m.backbone} {m.label}, protocol `{m.tag_values('apao.protocol')}`: "
@@ -156,7 +167,9 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
         f"{counts['in progress']} in progress, {counts['queued']} not started.", "",
         "Ours: test Recall@10 / NDCG@10 (beam 20) at the paper's full protocol (preset `paper`, up to 200 epochs, "
         "patience 20), best trial per study, mean ± sample std over seeds. The difference is APAO minus CE. "
-        f"{INTERVALS_NOTE} Paper: Table 1.", "",
+        f"{INTERVALS_NOTE} Paper: Table 1. The training-free heuristics stand below the cells, on the same "
+        "test users, with their difference to CE; a cell whose test NDCG@10 is below the last-item heuristic's by more "
+        "than two standard errors says so in its status (`apao_ray/analysis/bar.py`).", "",
         *lines, "",
         "## Other full-length runs (not paper cells)", "", *(other_lines or ["(none)"]), "",
         *baseline_sections({**{d: None for d, _, _ in GRID_CELLS}, **recorded_datasets(exports)}, data_dir),

@@ -20,6 +20,8 @@ from ..names import PLAN_TAG, PLUGINS_ENV, counted
 from ..paths import add_tracking_uri_argument
 from .export import STUDY_FILE, StudyExport, export_study, load_export, sole_study
 from .grid import build_grid, load_queue, queue_path_default
+from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_method, heuristic_paired, metric_means, \
+    with_bar
 from .heuristics import baseline_sections, recorded_datasets
 from .subsets import subset_sections
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
@@ -52,7 +54,8 @@ def _paper_cell(method: Method) -> str:
     return f"{recall:.4f} / {ndcg:.4f}" if method.is_paper_protocol else f"({recall:.4f} / {ndcg:.4f}) n/c"
 
 
-def _metrics_table(methods: list[Method]) -> list[str]:
+def _metrics_table(methods: list[Method], bars: dict[str, dict[str, Any]]) -> list[str]:
+    """One row per method, then per dataset the training-free heuristics (``bar``) with the same metrics."""
     header = ["dataset", "backbone", "method", "seeds", "R@10", "R@20", "N@10", "N@20", "paper R@10 / N@10",
               "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)", "converged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -62,8 +65,14 @@ def _metrics_table(methods: list[Method]) -> list[str]:
                  method.tag_values("apao.protocol", "paper"), method.tag_values("apao.schedule"),
                  method.tag_values("apao.precision"), _mean_std(method, "best/epoch", 1, whole=True),
                  ",".join(str(n) for n in map(_epochs_trained, method.trials) if n is not None) or "-",
-                 _epoch_seconds(method), method.convergence]
+                 _epoch_seconds(method),
+                 with_bar(method.convergence, bar_words(method, bars.get(method.dataset.lower())))]
         lines.append("| " + " | ".join(cells) + " |")
+    for dataset in dict.fromkeys(m.dataset for m in methods):
+        for name, table in bars.get(dataset.lower(), {}).items():
+            row = heuristic_method(dataset, "-", name)
+            lines.append("| " + " | ".join([dataset, "-", row.label, "-", *map(_number, metric_means(table)),
+                                            *["-"] * 7, TRAINING_FREE]) + " |")
     return lines
 
 
@@ -203,6 +212,7 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
         names = [e.name for e in exports]
         raise ValueError(f"studies {names} have no trial that trained an epoch: nothing to report on")
     compared = compare_methods(methods, baseline, num_resamples=num_resamples)
+    bars = dataset_heuristics({m.dataset for m in methods}, data_dir)
     plans = _plans(exports)
     unknown = unknown_knobs([trial for method in methods for trial in method.trials])
     lines = [f"# Study report: {', '.join(e.name for e in exports)}", "",
@@ -214,7 +224,7 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
                 + "; ".join(f"`{loss}`: {', '.join(names)}" for loss, names in unknown.items())
                 + ". They label and group the methods as recorded; their ranges and meaning are unknown here.", ""]
                if unknown else []),
-             "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods), "",
+             "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods, bars), "",
              "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
              "parentheses with `n/c` (not comparable) otherwise. `s/epoch (median)`: each trial's median epoch "
@@ -223,7 +233,10 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              "shared machine would pull a mean up (the cost table has the totals). `converged`: `not converged` where a "
              f"seed's validation NDCG@10 was still rising by more than {STEEP_LAST_GAIN:.0%} at its last epoch (or it "
              f"trained one epoch); a paired difference involving such a method is labelled `{EARLY_LEARNING}`: a "
-             "comparison of early learning, not of trained models.", "",
+             "comparison of early learning, not of trained models. The training-free heuristics (popularity, last-item "
+             "transitions; `apao_ray/analysis/bar.py`) stand in the table on the same test users; a method whose test "
+             "NDCG@10 is below the last-item heuristic's by more than two standard errors says `below the last-item "
+             "heuristic` (`within noise of` it: above by less than two).", "",
              "## Cost per method (summed over seeds, or per seed where their epochs differ by more than 2x, as between a "
              "CPU and a GPU; peak memory: the largest)", "", *_cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
@@ -231,7 +244,9 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
         lines += [f"`over seeds`: {INTERVALS_NOTE} `seed N`: that seed alone, 95% bootstrap CI over test users only (no verdict). A one-seed "
                   "comparison whose cell another study measured with >= 2 seeds says how many seeds a verdict would "
                   "need at that spread (80% power for the difference seen).", "",
-                  *_significance_table(compared), ""]
+                  *_significance_table(compared + heuristic_paired(methods, bars, baseline, num_resamples=num_resamples)),
+                  "", "A training-free heuristic's row compares it with each seed of the baseline on the same users "
+                  "(Holm over the heuristics' rows of one dataset and metric, apart from the trained methods').", ""]
     else:
         lines += [f"No method to compare: each (dataset, backbone) needs a `{baseline}` trial and another method.", ""]
     lines += baseline_sections(recorded_datasets(exports), data_dir)

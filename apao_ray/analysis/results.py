@@ -57,27 +57,31 @@ def convergence(curve: list[float]) -> str:
     return "converged"
 
 
-def popularity_ndcg(dataset: Any, split: str = "test") -> np.ndarray:
-    """Per user of ``split``, NDCG@10 of the popularity baseline (``heuristics``: the 10 semantic IDs most often
-    a training target, for everyone)."""
-    from .heuristics import heuristic_per_user  # lazy: the metric code imports torch; a report needs it only here
+def pooled_test_values(method: "Method", metric: str = "ndcg_at_10") -> np.ndarray:
+    """The method's per-user test ``metric``, its seeds' tables pooled (empty without per-user tables)."""
+    tables = [t for t in (trial.per_user() for trial in method.trials) if t is not None and metric in t]
+    return np.concatenate([t[metric].to_numpy(float) for t in tables]) if tables else np.array([])
 
-    return heuristic_per_user(dataset, "popularity", split)["ndcg_at_10"].to_numpy(float)
+
+def standing(values: np.ndarray, other: np.ndarray) -> str:
+    """``below`` / ``within noise of`` when ``values``' mean is under ``other``'s by more than two standard errors
+    of the difference / above it by less than two; ``""`` when clearly above (or too few values to say)."""
+    if values.size < 2 or other.size < 2:
+        return ""
+    error = math.sqrt(values.var(ddof=1) / values.size + other.var(ddof=1) / other.size)
+    gap = values.mean() - other.mean()
+    if gap < 2 * error:
+        return "below" if gap < -2 * error else "within noise of"
+    return ""
 
 
 def popularity_check(method: "Method", popularity: np.ndarray, metric: str = "ndcg_at_10") -> str:
     """``not converged: ...`` when the method's per-user test ``metric`` (its seeds pooled) is above the popularity
     baseline's by less than two standard errors of the difference ("within noise of" it, or "below" it by more
     than two), else ``""`` (also without per-user tables)."""
-    tables = [trial.per_user() for trial in method.trials]
-    values = np.concatenate([t[metric].to_numpy(float) for t in tables if t is not None and metric in t]) \
-        if any(t is not None for t in tables) else np.array([])
-    if values.size < 2 or popularity.size < 2:
-        return ""
-    error = math.sqrt(values.var(ddof=1) / values.size + popularity.var(ddof=1) / popularity.size)
-    gap = values.mean() - popularity.mean()
-    if gap < 2 * error:
-        where = "below" if gap < -2 * error else "within noise of"
+    values = pooled_test_values(method, metric)
+    where = standing(values, popularity)
+    if where:
         return f"not converged: test {metric} {values.mean():.4f} {where} popularity's {popularity.mean():.4f}"
     return ""
 
@@ -328,7 +332,7 @@ def compare_methods(methods: list[Method], baseline_loss: str = "ce", metrics: t
                 over_seeds = seeds_comparison([p[0] for p in pairs], [p[1] for p in pairs], num_resamples=num_resamples)
             note = f"seeds {missing}: no paired per-user tables" if missing else ""
             results.append(Paired(method, baseline, metric, over_seeds, per_seed, note))
-    _holm(results)
+    holm_per_dataset(results)
     _seeds_needed(results)
     return results
 
@@ -337,7 +341,7 @@ def _cell(r: Paired) -> tuple[str, str, str, str, str]:
     return r.method.dataset, r.method.backbone, r.method.loss, r.baseline.loss, r.metric
 
 
-def _holm(results: list[Paired]) -> None:
+def holm_per_dataset(results: list[Paired]) -> None:
     """Holm over ``HOLM_FAMILY``: per (dataset, metric), the comparisons with >= 2 seeds."""
     for dataset, metric in {(r.method.dataset, r.metric) for r in results}:
         family = [r for r in results if (r.method.dataset, r.metric) == (dataset, metric)

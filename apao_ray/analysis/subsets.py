@@ -17,26 +17,29 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from ..data.transitions import MEMORIZATION_COLUMN, SEEN_TARGET_COLUMN, transition_flags
 from .results import Method, seeds_text
 from .stats import Comparison, seeds_comparison, with_holm
 
-SUBSETS = {"memorization": "is_memorization", "generalization": "~is_memorization",
-           "seen target": "is_seen_target", "unseen target": "~is_seen_target"}
+SUBSETS = {"memorization": MEMORIZATION_COLUMN, "generalization": f"~{MEMORIZATION_COLUMN}",
+           "seen target": SEEN_TARGET_COLUMN, "unseen target": f"~{SEEN_TARGET_COLUMN}"}
 SUBSET_METRICS = ("ndcg_at_10", "recall_at_10")
 
 
 def transition_labels(dataset: Any, split: str = "test") -> pd.DataFrame:
     """(``user``, ``is_memorization``, ``is_seen_target``) per user of ``split``, by item (module doc)."""
-    train, evaluated = dataset.splits["train"], dataset.splits[split]
-    num_items = int(max(train.targets.max(), evaluated.targets.max(), train.histories.max())) + 1
-    has_previous = train.histories[:, -1] >= 0
-    seen_pairs = np.unique(train.histories[has_previous, -1].astype(np.int64) * num_items
-                           + train.targets[has_previous])                           # (P,) training transitions
-    last = evaluated.histories[:, -1].astype(np.int64)                                  # (S,) -1: empty history
-    pairs = last * num_items + evaluated.targets
-    return pd.DataFrame({"user": np.asarray(dataset.user_ids, dtype=object)[evaluated.users],
-                         "is_memorization": (last >= 0) & np.isin(pairs, seen_pairs),
-                         "is_seen_target": np.isin(evaluated.targets, np.unique(train.targets))})
+    return pd.DataFrame({"user": np.asarray(dataset.user_ids, dtype=object)[dataset.splits[split].users],
+                         **transition_flags(dataset.splits, split)})
+
+
+def stored_labels(tables: list[pd.DataFrame]) -> pd.DataFrame | None:
+    """The labels the per-user tables hold (a trial writes them), one row per user; None when any table lacks
+    them (written before they existed: the labels then come from the dataset's files)."""
+    columns = ["user", MEMORIZATION_COLUMN, SEEN_TARGET_COLUMN]
+    if not tables or any(c not in table for table in tables for c in columns[1:]):
+        return None
+    labels = pd.concat([table[columns] for table in tables]).drop_duplicates("user")
+    return labels.astype({MEMORIZATION_COLUMN: bool, SEEN_TARGET_COLUMN: bool}).sort_values("user", kind="stable")
 
 
 def _mask(labels: pd.DataFrame, subset: str) -> np.ndarray:
@@ -111,29 +114,50 @@ def subset_table(methods: list[Method], labels: pd.DataFrame, heuristics: dict[s
     return lines
 
 
+def method_labels(tables: list[pd.DataFrame], dataset: Any) -> tuple[pd.DataFrame, str] | None:
+    """The labels of the users of per-user ``tables`` and where they came from: the tables' own (``stored_labels``),
+    else computed from ``dataset`` (None: not here); None when neither, or the tables hold other users."""
+    labels, source = stored_labels(tables), "read from the per-user tables"
+    if labels is None:
+        if dataset is None:
+            return None
+        labels, source = transition_labels(dataset), "computed from the dataset's files"
+    if not tables or not set(tables[0]["user"]) & set(labels["user"]):
+        return None  # tables of other users than these files'
+    return labels, source
+
+
 def subset_sections(methods: list[Method], data_dir: str | None, baseline_loss: str = "ce",
                     num_resamples: int = 10_000) -> list[str]:
-    """The report's section: per dataset whose files are here, :func:`subset_table`; nothing where none is."""
+    """The report's section: per dataset, :func:`subset_table` with the labels the per-user tables hold (a trial
+    writes them), else computed from the dataset's files; the training-free baselines where those files are
+    here. Nothing for a dataset with neither."""
     from ..data import load_dataset  # lazy: loading a dataset imports torch
     from .heuristics import HEURISTIC_LABELS, heuristic_per_user
 
     lines: list[str] = []
     for name in sorted({m.dataset.lower() for m in methods}):
+        ours = [m for m in methods if m.dataset.lower() == name]
+        tables = [t for m in ours for t in (trial.per_user() for trial in m.trials) if t is not None]
+        if not tables:
+            continue
         try:
             dataset = load_dataset(name, data_dir, allow_download=False)
         except (FileNotFoundError, ValueError):
-            continue  # the training-free section already says which datasets are not here
-        labels = transition_labels(dataset)
-        ours = [m for m in methods if m.dataset.lower() == name]
-        tables = [t for m in ours for t in (trial.per_user() for trial in m.trials) if t is not None]
-        if not tables or not set(tables[0]["user"]) & set(labels["user"]):
-            continue  # no per-user tables, or tables of other users than these files'
-        heuristics = {HEURISTIC_LABELS[h]: heuristic_per_user(dataset, h) for h in HEURISTIC_LABELS}
-        lines += [f"### {name}", "", *subset_table(ours, labels, heuristics, baseline_loss, num_resamples), ""]
+            dataset = None  # the training-free section already says which datasets are not here
+        found = method_labels(tables, dataset)
+        if found is None:
+            continue
+        labels, source = found
+        heuristics = {HEURISTIC_LABELS[h]: heuristic_per_user(dataset, h) for h in HEURISTIC_LABELS} \
+            if dataset is not None else {}
+        note = "" if dataset is not None else " (the training-free baselines need its files: give `--data-dir`)"
+        lines += [f"### {name}", "", f"Labels {source}{note}.", "",
+                  *subset_table(ours, labels, heuristics, baseline_loss, num_resamples), ""]
     if not lines:
         return []
     return ["## Memorization and generalization (test)", "",
             "A test case is `memorization` when its history's last item followed by its target occurs in training, "
             "`generalization` when it does not; `seen target` / `unseen target`: whether the target was ever a "
-            "training target (`apao_ray/analysis/subsets.py`). Differences: intervals as above, Holm over the "
-            "methods compared on one subset.", "", *lines]
+            "training target (`apao_ray/data/transitions.py`; a trial writes both labels into its per-user test "
+            "table). Differences: intervals as above, Holm over the methods compared on one subset.", "", *lines]

@@ -103,10 +103,11 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
 
     log = log if log is not None else sys.stderr
 
-    from ..analysis.results import popularity_ndcg
+    from ..analysis.bar import TRAINING_FREE, heuristic_tables
     from ..tracking import Tracker, experiment_name
     from ..names import CONVERGED_TAG
-    from .record.report import DESCRIPTION_TAG, RECORDED_KNOBS, study_description, table_rows
+    from .record.report import DESCRIPTION_TAG, RECORDED_KNOBS, SUBSETS_ARTIFACT, study_description, subset_lines, \
+        table_rows
     from .run.driver import StudyOutcome, check_same_schedule
     from .run.study import Study, invocation
     from .run.driver import run_study as run_planned
@@ -126,15 +127,19 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     except KeyboardInterrupt:  # outside Tune's own handler (start-up, figures): the saved state still holds
         outcome = StudyOutcome([], interrupted=True)
     tracker = Tracker(setup.tracking_uri, experiment_name(setup.base.data.dataset))
-    rows = table_rows(tracker, study=setup.study_name, popularity=popularity_ndcg(dataset))
+    heuristics = heuristic_tables(dataset)
+    rows = table_rows(tracker, study=setup.study_name, heuristics=heuristics)
     for row in rows:  # the verdict computed here with the dataset, for best and report to read
         if row.get("run_id") and row.get("converged"):
             tracker.set_tags(row["run_id"], {CONVERGED_TAG: row["converged"]})
     if outcome.parent_run_id and rows:  # the answer on the study's page in the MLflow UI
-        tracker.set_tags(outcome.parent_run_id, {DESCRIPTION_TAG: study_description(setup.study_name, rows)})
+        subsets = subset_lines(tracker, setup.study_name, dataset, heuristics)
+        if subsets:
+            tracker.log_text(outcome.parent_run_id, "\n".join(subsets) + "\n", SUBSETS_ARTIFACT)
+        tracker.set_tags(outcome.parent_run_id, {DESCRIPTION_TAG: study_description(setup.study_name, rows, subsets)})
     record_rates(spec, setup, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
-              for row in rows}
+              for row in rows if row.get("status") != TRAINING_FREE}
     return StudyResult(table=pd.DataFrame(rows).drop(columns=[RECORDED_KNOBS], errors="ignore"), trials=pd.DataFrame([trial_row(row) for row in outcome.rows]),
                        parent_run_id=outcome.parent_run_id, plan=plan, study_name=setup.study_name,
                        tracking_uri=setup.tracking_uri, interrupted=outcome.interrupted,

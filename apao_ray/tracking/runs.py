@@ -111,6 +111,9 @@ class Tracker(ModelLogging):
     def log_dict(self, run_id: str, data: Any, artifact_file: str) -> None:
         self.client.log_dict(run_id, data, artifact_file)
 
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self.client.log_text(run_id, text, artifact_file)
+
     def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
         self.client.log_figure(run_id, figure, artifact_file)
 

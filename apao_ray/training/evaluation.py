@@ -13,6 +13,7 @@ from torch import nn
 
 from ..config import TrainConfig
 from ..data import CatalogTensors, Dataset, iter_batches
+from ..data.transitions import transition_flags
 from .. import metrics as metric_fns
 from ..decoding import PerUser, evaluate_per_user
 from ..decoding.evaluate import summarize
@@ -79,14 +80,18 @@ def evaluate_split_per_user(model: nn.Module, dataset: Dataset, split_name: str,
         metrics[metric_fns.metric_name("beam_retention", train.beam_size)] = float(retained.retention.mean())
     metrics["loss_ce"] = float(-per_user.label_log_probs.double().mean())  # the targets' mean token CE
     named = {f"{prefix}/{name}": float(value) for name, value in metrics.items()}
-    return named, per_user_table(per_user, dataset.user_ids, split.users)
+    # the test table carries what training holds of each case, for the report's memorization/generalization split
+    labels = transition_flags(dataset.splits, split_name) if split_name == "test" else {}
+    return named, per_user_table(per_user, dataset.user_ids, split.users, labels=labels)
 
 
 def per_user_table(per_user: PerUser, user_ids: tuple[str, ...], split_users: np.ndarray,
-                   cutoffs: tuple[int, ...] = PER_USER_CUTOFFS) -> dict[str, np.ndarray]:
+                   cutoffs: tuple[int, ...] = PER_USER_CUTOFFS,
+                   labels: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """One row per evaluated user, sorted by user index: ``user`` (external id), ``rank`` (1-based rank
     of the target's semantic ID in the beam, -1 when absent), ``recall_at_{k}`` / ``ndcg_at_{k}`` and
-    ``prefix_hit_m{m}``, whose means are the split's metrics (SPEC §4)."""
+    ``prefix_hit_m{m}``, whose means are the split's metrics (SPEC §4); each of ``labels`` (per sample of the
+    split, e.g. ``data.transitions.transition_flags``) as a 0/1 column."""
     user_index = split_users[per_user.sample_index.numpy()]
     order = np.argsort(user_index, kind="stable")
     ranks = per_user.ranks[torch.as_tensor(order)]
@@ -101,6 +106,9 @@ def per_user_table(per_user: PerUser, user_ids: tuple[str, ...], split_users: np
             table[f"full_sort_ndcg_at_{k}"] = metric_fns.ndcg_from_ranks(full_ranks, k).double().numpy()
     for m in range(1, per_user.prefix_hits.shape[1] + 1):
         table[f"prefix_hit_m{m}"] = per_user.prefix_hits[torch.as_tensor(order), m - 1].numpy().astype(np.int8)
+    samples = per_user.sample_index.numpy()[order]
+    for name, flags in (labels or {}).items():
+        table[name] = np.asarray(flags)[samples].astype(np.int8)
     return table
 
 

@@ -6,6 +6,8 @@ import io
 import json
 from typing import Any
 
+from ...analysis.bar import TRAINING_FREE, bar_words, metric_means, with_bar
+from ...analysis.heuristics import HEURISTIC_LABELS
 from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check, recorded_knobs, \
     seeds_text
 from ...names import PLAN_TAG, REPEATS_TAG, reached_test
@@ -55,18 +57,26 @@ def _schedule(params: dict[str, str]) -> str:
 
 # MLflow keeps a tag value of up to 8,000 characters; the description is the run's page's first text
 DESCRIPTION_TAG, DESCRIPTION_LIMIT = "mlflow.note.content", 8000
+SUBSETS_ARTIFACT = "memorization_generalization.md"  # on the parent run: the subsets, whole
 
 
-def study_description(study: str, rows: list[dict[str, Any]]) -> str:
+def study_description(study: str, rows: list[dict[str, Any]], subsets: list[str] | None = None) -> str:
     """The study's answer as the MLflow UI shows it on the parent run's page (its description): the table
     ``sweep`` and ``best`` print (the same best trial, verdicts and intervals), what the intervals cover, and
-    whether the test columns compare with paper Table 1."""
+    whether the test columns compare with paper Table 1; then ``subsets`` (``subset_lines``) where they fit,
+    else a line naming the parent's artifact ``SUBSETS_ARTIFACT`` that holds them."""
     from ...analysis.stats import INTERVALS_NOTE
 
     note = paper_comparability(rows)
     tail = f"\n\n{note}\n\n{INTERVALS_NOTE}"
     table = format_rows(rows, "markdown").removesuffix(f"\n\n{note}")  # it ends with the note: said once, in the tail
-    text = f"**{study}**: best trial per (backbone, loss) by validation\n\n{table}{tail}"
+    head = f"**{study}**: best trial per (backbone, loss) by validation\n\n"
+    if subsets:
+        section = "\n\n" + "\n".join(subsets)
+        if len(head) + len(table) + len(tail) + len(section) > DESCRIPTION_LIMIT:
+            section = f"\n\nMemorization and generalization (test): the parent run's artifact `{SUBSETS_ARTIFACT}`"
+        tail += section
+    text = head + table + tail
     if len(text) > DESCRIPTION_LIMIT:
         cut = f"\n\n(table cut: `{apao_command()} best --study-name {study}` prints it whole)"
         text = text[:DESCRIPTION_LIMIT - len(tail) - len(cut)].rsplit("\n", 1)[0] + cut + tail
@@ -90,7 +100,7 @@ def paper_comparability(rows: list[dict[str, Any]]) -> str:
 
 def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None,
                baseline: str | None = "ce", num_resamples: int = 10_000,
-               popularity: Any = None) -> list[dict[str, Any]]:
+               heuristics: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """A row for every (backbone, loss) that the studies asked for: the best finished trial's, else one
     whose ``status`` says why none finished ("all 3 trials pruned", "failed: <reason>", ...).
 
@@ -99,24 +109,22 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     paired difference against ``baseline`` on the test metric that matches ``metric`` (over seeds and users with
     a Holm-corrected p, or users only labelled ``1 seed``: ``analysis.stats``; None: not computed; labelled ``early learning (not converged)`` when either method had not
     converged), ``converged`` (``analysis.results.convergence`` of its seeds' validation curves; with
-    ``popularity``, the popularity baseline's per-user test NDCG@10, also ``popularity_check``), and the
+    ``heuristics``, the training-free baselines' per-user test tables by name (``analysis.bar.heuristic_tables``),
+    also ``popularity_check`` and the last-item bar, ``analysis.bar``), and the
     ``cost/*`` of every trial of the method summed (peak memory: the largest). A method the plan deferred has a
     row whose ``status`` is the plan's reason. A method whose trials were all pruned keeps the validation (and,
     once tested on its best checkpoint, test) metrics of its best pruned trial, so the table shows how far behind
-    it was.
+    it was. With ``heuristics``, each heuristic follows as a row of its own (``status`` ``training-free``) with
+    the same test columns.
     """
-    from ...analysis.export import trial_record
     from ...analysis.per_user import PER_USER_METRICS
 
-    rows = [{**row, "status": "finished"} for row in best_rows(tracker, metric, study)]
+    rows, children, records, methods = _best_methods(tracker, metric, study)
     study_filter = f" and tags.`apao.study` = '{study}'" if study else ""
-    children = tracker.child_runs(filter_string=study_filter[len(" and "):])
-    records = [trial_record(run) for run in children]
-    methods = seed_methods(RunSource(study or "all", records, tracker), [row["run_id"] for row in rows])
     # the test metric that matches the selection metric (per-user tables hold Recall/NDCG@10/20)
     compared = metric.rsplit("/", 1)[-1] if metric.rsplit("/", 1)[-1] in PER_USER_METRICS else "ndcg_at_10"
     cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}
-    converged = {(m.backbone, m.loss): _convergence(m, popularity) for m in methods}
+    converged = {(m.backbone, m.loss): _convergence(m, heuristics) for m in methods}
     for row, method in zip(rows, methods):  # both in best_rows' order
         row.update(seed_columns(method))
         row["converged"] = converged[(method.backbone, method.loss)]
@@ -130,16 +138,55 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     costs = cost_totals(records)
     for row in rows:
         row.update({key: costs.get((row["backbone"], row["loss"]), {}).get(key) for key in COST_COLUMNS})
-    return rows
+    return rows + _heuristic_rows(heuristics)
 
 
-def _convergence(method: Any, popularity: Any) -> str:
+def _best_methods(tracker: Tracker, metric: str, study: str | None) -> tuple[list[dict[str, Any]], list[Any],
+                                                                       list[dict[str, Any]], list[Any]]:
+    """The best rows (``best_rows``, status ``finished``), the study's child runs, their records, and a ``Method``
+    per best row with its seeds (in the rows' order)."""
+    from ...analysis.export import trial_record
+
+    rows = [{**row, "status": "finished"} for row in best_rows(tracker, metric, study)]
+    children = tracker.child_runs(filter_string=f"tags.`apao.study` = '{study}'" if study else "")
+    records = [trial_record(run) for run in children]
+    return rows, children, records, seed_methods(RunSource(study or "all", records, tracker),
+                                                 [row["run_id"] for row in rows])
+
+
+def subset_lines(tracker: Tracker, study: str, dataset: Any, heuristics: dict[str, Any],
+                 metric: str = "best/val/ndcg_at_10", baseline: str = "ce", num_resamples: int = 10_000) -> list[str]:
+    """The study's best methods on memorization and generalization test cases (``analysis.subsets``) beside the
+    training-free baselines (per-user tables ``heuristics`` by name), as markdown; nothing without per-user tables."""
+    from ...analysis.subsets import method_labels, subset_table
+
+    methods = _best_methods(tracker, metric, study)[3]
+    tables = [t for m in methods for t in (trial.per_user() for trial in m.trials) if t is not None]
+    found = method_labels(tables, dataset) if tables else None
+    if found is None:
+        return []
+    labels, source = found
+    named = {HEURISTIC_LABELS[name]: table for name, table in heuristics.items()}
+    return [f"**Memorization and generalization (test)**: a case is `memorization` when its history's last item "
+            f"followed by its target occurs in training (labels {source})", "",
+            *subset_table(methods, labels, named, baseline, num_resamples)]
+
+
+def _heuristic_rows(heuristics: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The training-free baselines as rows with the methods' test columns: the bar the table is read against."""
+    metrics = [column.removeprefix("test/") for column in TEST_COLUMNS]
+    return [{"backbone": "-", "loss": HEURISTIC_LABELS[name], **dict(zip(TEST_COLUMNS, metric_means(table, metrics))),
+             "converged": TRAINING_FREE, "status": TRAINING_FREE} for name, table in (heuristics or {}).items()]
+
+
+def _convergence(method: Any, heuristics: dict[str, Any] | None) -> str:
     """A method still learning steeply at its last epoch, or no better than recommending the most popular
-    items (per-user test NDCG@10 ``popularity``, when given), has not converged."""
+    items (``heuristics``' popularity, when given), has not converged; one not clearly above the last-item
+    heuristic says so too (``analysis.bar``)."""
     curve = method.convergence
-    if curve != "converged" or popularity is None:
-        return curve
-    return popularity_check(method, popularity) or curve
+    if curve == "converged" and heuristics and "popularity" in heuristics:
+        curve = popularity_check(method, heuristics["popularity"]["ndcg_at_10"].to_numpy(float)) or curve
+    return with_bar(curve, bar_words(method, heuristics))
 
 
 def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list[Any], metric: str,
