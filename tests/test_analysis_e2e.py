@@ -106,10 +106,13 @@ def test_per_user_table_recomputed_from_the_checkpoint_for_runs_that_predate_it(
     """A copy of the store whose trials never logged the table (as before it existed) and whose checkpoints
     lack it: --recompute-per-user tests the best weights again and gets the same table."""
     from apao_ray.analysis.per_user import read_per_user
+    from apao_ray.training.checkpoint import MANIFEST_FILE
 
     copy = tmp_path / "old"
     shutil.copytree(studies["dir"], copy, ignore=shutil.ignore_patterns("mlflow.db-*"))
     for path in copy.rglob("per_user_test.csv.gz"):
+        path.unlink()
+    for path in copy.rglob(MANIFEST_FILE):  # checkpoints from before the table predate their manifests too
         path.unlink()
     # the copied store still points at the original artifact and checkpoint paths: repoint them into the copy
     import sqlite3
