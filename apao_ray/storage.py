@@ -115,7 +115,7 @@ def read_text(location: str | Path) -> str | None:
     if not exists(location):
         return None
     filesystem, path = _remote_path(str(location))
-    with filesystem.open_input_stream(path) as handle:
+    with filesystem.open_input_stream(path, compression=None) as handle:
         return handle.read().decode()
 
 
@@ -126,7 +126,7 @@ def write_text(location: str | Path, text: str) -> None:
         Path(location).write_text(text)
         return
     filesystem, path = _remote_path(str(location))
-    with filesystem.open_output_stream(path) as handle:
+    with filesystem.open_output_stream(path, compression=None) as handle:
         handle.write(text.encode())
 
 
@@ -216,25 +216,41 @@ def upload(local_path: str | Path, location: str | Path) -> None:
     _copy_tree(str(local_path), path, pyarrow.fs.LocalFileSystem(), filesystem)
 
 
-def mirror(local_dir: str | Path, location: str | Path) -> None:
-    """Makes the remote directory ``location`` hold what ``local_dir`` holds: files that are new or changed in
-    size are uploaded (a checkpoint's files, a grown reports file), files gone locally are removed there (a
-    checkpoint past those kept). A checkpoint's files go up before any removal, so an interrupted mirror leaves
-    the older checkpoints in place."""
+def file_stats(local_dir: str | Path) -> dict[str, tuple[int, int]]:
+    """Each file under ``local_dir`` (relative path) -> (size, modification time in ns): what ``mirror`` compares."""
+    root = Path(local_dir)
+    return {str(path.relative_to(root)): (stat.st_size, stat.st_mtime_ns) for path in sorted(root.rglob("*"))
+            if path.is_file() and (stat := path.stat())}
+
+
+def mirror(local_dir: str | Path, location: str | Path, synced: dict[str, tuple[int, int]] | None = None) -> None:
+    """Makes the remote directory ``location`` hold what ``local_dir`` holds: files that are new or changed are
+    uploaded (a checkpoint's files, a grown reports file), files gone locally are removed there (a checkpoint past
+    those kept). A checkpoint's files go up before any removal, so an interrupted mirror leaves the older
+    checkpoints in place.
+
+    ``synced``: each file's ``file_stats`` when it was last downloaded or uploaded, kept by the caller across calls
+    and updated here; a file rewritten since (a checkpoint written again under its name after a restart, its
+    manifest the same size) goes up even where its size did not change. Without it, a changed size decides."""
     import pyarrow.fs
 
     filesystem, root = _remote_path(str(location))
     local_root = Path(local_dir)
     remote = {info.path[len(root):].strip("/"): info.size for info in filesystem.get_file_info(
         pyarrow.fs.FileSelector(root, recursive=True, allow_not_found=True)) if info.type == pyarrow.fs.FileType.File}
-    local = {str(path.relative_to(local_root)): path for path in sorted(local_root.rglob("*")) if path.is_file()}
-    for relative, path in local.items():
-        if remote.get(relative) != path.stat().st_size:
+    local = file_stats(local_root)
+    for relative, stats in local.items():
+        if remote.get(relative) != stats[0] or (synced is not None and synced.get(relative) != stats):
             filesystem.create_dir(f"{root}/{relative}".rsplit("/", 1)[0])
-            with open(path, "rb") as source, filesystem.open_output_stream(f"{root}/{relative}") as target:
+            with open(local_root / relative, "rb") as source, \
+                    filesystem.open_output_stream(f"{root}/{relative}", compression=None) as target:
                 shutil.copyfileobj(source, target, 1 << 20)
+            if synced is not None:
+                synced[relative] = stats
     for relative in sorted(set(remote) - set(local)):
         filesystem.delete_file(f"{root}/{relative}")
+        if synced is not None:
+            synced.pop(relative, None)
     for directory in sorted({relative.rsplit("/", 1)[0] for relative in set(remote) - set(local) if "/" in relative},
                             reverse=True):  # a removed checkpoint's (object stores keep directory markers)
         if not (local_root / directory).exists():

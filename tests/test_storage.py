@@ -2,6 +2,7 @@
 server on loopback), so that every reader of a study's files works on both."""
 from __future__ import annotations
 
+import gzip
 import os
 
 import pytest
@@ -55,6 +56,21 @@ def test_a_mirror_uploads_new_and_grown_files_and_removes_what_is_gone(s3_bucket
     again = storage.download(root, tmp_path / "again")  # what a restarted trial starts from
     assert sorted(str(p.relative_to(again)) for p in again.rglob("*") if p.is_file()) == [
         "checkpoints/epoch_0002/state.pt", "metrics.jsonl"]
+    # a restarted trial writes a checkpoint again under its name: a file of the same size but other bytes (its
+    # manifest) must go up too, or the store holds the new tables beside the old manifest
+    synced = storage.file_stats(again)
+    (again / "checkpoints" / "epoch_0002" / "state.pt").write_bytes(b"TWO")
+    storage.mirror(again, root, synced)
+    assert storage.read_text(storage.join(root, "checkpoints", "epoch_0002", "state.pt")) == "TWO"
+    assert synced == storage.file_stats(again)
+    storage.mirror(again, root, synced)  # nothing changed since: nothing sent (the stats say so)
+    assert synced == storage.file_stats(again)
+    # a .gz file goes up byte for byte (pyarrow's streams would gzip it again by its name: its manifest then failed)
+    table = again / "checkpoints" / "epoch_0002" / "per_user_test.csv.gz"
+    table.write_bytes(gzip.compress(b"user,rank\n0,3\n"))
+    storage.mirror(again, root, synced)
+    back = storage.download(root, tmp_path / "back")
+    assert (back / "checkpoints" / "epoch_0002" / "per_user_test.csv.gz").read_bytes() == table.read_bytes()
 
 
 def test_locations_are_spelt_one_way_in_every_process(tmp_path, monkeypatch):

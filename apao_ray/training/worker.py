@@ -59,11 +59,13 @@ class ScratchCheckpoints:
         if not storage.is_remote(output_dir):
             return output_dir
         self.remote_dir = str(output_dir)
-        return storage.download(output_dir, self._scratch / "run")
+        local = storage.download(output_dir, self._scratch / "run")
+        self._synced = storage.file_stats(local)  # what the store holds already: not sent back unless rewritten
+        return local
 
     def _mirrored(self) -> None:
         if self.remote_dir is not None:
-            storage.mirror(self.output_dir, self.remote_dir)
+            storage.mirror(self.output_dir, self.remote_dir, self._synced)
 
     def close(self) -> None:
         """Removes the scratch directory (restored checkpoint, checkpoints before upload)."""
