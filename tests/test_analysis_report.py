@@ -18,6 +18,15 @@ NUM_USERS = 3000
 SELECTION = "best/val/ndcg_at_10"
 
 
+@pytest.fixture(autouse=True)
+def no_dataset_files(tmp_path, monkeypatch):
+    """The exports here are fabricated 'office' studies: the paper's Office files, where a machine has them
+    (``$APAO_DATA_DIR``, CI's ../shared, the user cache), would add the training-free rows and the heuristic's
+    verdict to every table (tests/test_analysis_bar.py and the grid's tests check those)."""
+    monkeypatch.delenv("APAO_DATA_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))
+
+
 def _per_user(ranks: np.ndarray) -> dict[str, np.ndarray]:
     hit = lambda k: ((ranks > 0) & (ranks <= k)).astype(float)  # noqa: E731
     gain = lambda k: np.where(hit(k) > 0, 1 / np.log2(np.maximum(ranks, 1) + 1), 0.0)  # noqa: E731

@@ -49,7 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from apao_ray.analysis.export import load_export as _load_export  # noqa: E402
-from apao_ray.analysis.results import finished_trials, group_methods, popularity_ndcg, unfinished_trials  # noqa: E402
+from apao_ray.analysis.heuristics import heuristic_per_user  # noqa: E402
+from apao_ray.analysis.results import finished_trials, group_methods, unfinished_trials  # noqa: E402
 from apao_ray.names import DIAGNOSIS_PREFIX  # noqa: E402
 from apao_ray.data import load_dataset  # noqa: E402
 
@@ -65,7 +66,7 @@ def split_popularity(dataset) -> dict:
     out = {}
     for name in ("valid", "test"):
         targets = splits[name].targets
-        baseline = popularity_ndcg(dataset, name)
+        baseline = heuristic_per_user(dataset, "popularity", name)["ndcg_at_10"].to_numpy(float)
         out[name] = {"mean_log1p_train_count": float(np.log1p(counts[targets]).mean()),
                      "median_train_count": float(np.median(counts[targets])),
                      "share_never_a_train_target": float((counts[targets] == 0).mean()),
