@@ -201,21 +201,6 @@ def download(location: str | Path, local_dir: str | Path) -> Path:
     return local
 
 
-def upload(local_path: str | Path, location: str | Path) -> None:
-    """Copies a local file or directory (with what it holds) to ``location``."""
-    import pyarrow.fs
-
-    if not is_remote(location):
-        if Path(local_path).is_dir():
-            shutil.copytree(local_path, location, dirs_exist_ok=True)
-        else:
-            Path(location).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(local_path, location)
-        return
-    filesystem, path = _remote_path(str(location))
-    _copy_tree(str(local_path), path, pyarrow.fs.LocalFileSystem(), filesystem)
-
-
 def file_stats(local_dir: str | Path) -> dict[str, tuple[int, int]]:
     """Each file under ``local_dir`` (relative path) -> (size, modification time in ns): what ``mirror`` compares."""
     root = Path(local_dir)
