@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from .. import storage
 from ..data.files import sha256_of
 
 STATE_FILE = "state.pt"
@@ -199,6 +200,20 @@ def latest_checkpoint_in(root: str | os.PathLike, say: Callable[[str], None] | N
     """The newest checkpoint under ``root`` that loads (``checkpoints_in`` selects with ``which``), damaged newer
     ones set aside (``newest_loadable``)."""
     return newest_loadable(checkpoints_in(root, **which), say, if_none)
+
+
+def newest_checkpoint_at(run: str | os.PathLike, say: Callable[[str], None] | None, up_to_epoch: int | None = None,
+                         final: bool = False) -> str | None:
+    """The newest final (``final``) or per-epoch checkpoint of a run directory (a location, ``storage``), at or
+    before ``up_to_epoch``: on a local disk the newest that loads (``latest_checkpoint_in``: a damaged one set
+    aside, saying so); on an object store the newest by name, verified where its local copy is loaded."""
+    if not storage.is_remote(run):
+        found = latest_checkpoint_in(run, say, up_to_epoch=up_to_epoch, final=final)
+        return str(found) if found else None
+    matches = [location for location in storage.find(run, "epoch_*_final" if final else "epoch_[0-9][0-9][0-9][0-9]",
+                                                     recursive=True)
+               if up_to_epoch is None or int(storage.name(location)[len("epoch_"):][:4]) <= up_to_epoch]
+    return max(matches, key=storage.name) if matches else None
 
 
 def say_on_stderr(line: str) -> None:

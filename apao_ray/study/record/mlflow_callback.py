@@ -15,7 +15,7 @@ from ...config import TrialConfig
 from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, REPEATS_TAG,
                      RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ...tracking import Tracker
-from ...training.checkpoint import latest_checkpoint_in, say_on_stderr
+from ...training.checkpoint import newest_checkpoint_at, say_on_stderr
 from ..cluster import interrupt
 from . import plots
 from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
@@ -31,12 +31,7 @@ def final_checkpoint_dir(train_root: str, trial_id: str) -> str | None:
     """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished: a location
     (``storage``) under ``train_root``. A local one must load (a damaged one is set aside, saying so); a remote one
     is checked where its local copy is loaded."""
-    run = storage.join(train_root, train_run_name(trial_id))
-    if not storage.is_remote(run):
-        found = latest_checkpoint_in(Path(run), say_on_stderr, final=True)
-        return str(found) if found else None
-    matches = storage.find(run, "epoch_*_final", recursive=True)
-    return matches[-1] if matches else None
+    return newest_checkpoint_at(storage.join(train_root, train_run_name(trial_id)), say_on_stderr, final=True)
 
 
 def child_params(config: TrialConfig, choices: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ... import storage
 from ...names import reached_test, train_run_name
-from ...training.checkpoint import latest_checkpoint_in, say_on_stderr
+from ...training.checkpoint import newest_checkpoint_at, say_on_stderr
 from ..record.outcomes import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
 
 TESTED_TAG = "apao.tested_on"
@@ -25,13 +25,7 @@ def latest_checkpoint(train_root: str | Path, trial_id: str, up_to_epoch: int | 
     """The newest per-epoch checkpoint of a trial's Train run (``epoch_XXXX``) at or before ``up_to_epoch``
     (any epoch if None), if one was saved: a location (``storage``) under ``train_root``. A local one must load (a
     damaged one is set aside, saying so); a remote one is checked where its local copy is loaded."""
-    run_dir = storage.join(train_root, train_run_name(trial_id))
-    if not storage.is_remote(run_dir):
-        found = latest_checkpoint_in(Path(run_dir), say_on_stderr, up_to_epoch=up_to_epoch, final=False)
-        return str(found) if found else None
-    matches = [location for location in storage.find(run_dir, "epoch_[0-9][0-9][0-9][0-9]", recursive=True)
-               if up_to_epoch is None or int(storage.name(location).removeprefix("epoch_")) <= up_to_epoch]
-    return max(matches, key=storage.name) if matches else None
+    return newest_checkpoint_at(storage.join(train_root, train_run_name(trial_id)), say_on_stderr, up_to_epoch)
 
 
 def evaluate_checkpoint(location: str, num_threads: int = 1) -> dict[str, float]:
