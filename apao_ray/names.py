@@ -36,6 +36,12 @@ COHORT_TAG = "apao.cohort"  # on a repeat trained in a fused cohort (--cohort-si
 CONVERGED_TAG = "apao.converged"
 PLAN_TAG = "apao.plan"  # on a study's parent run: what its plan answers, its budget protocol, its deferred methods
 
+# on a study's parent run: its selection (protocol.Selection, as JSON), the one rule every surface names its best by
+SELECTION_TAG = "apao.selection"
+# on every child run: how it ended (a sentence: "finished", "pruned at epoch 3", "out of memory", ...); a failed run's error
+OUTCOME_TAG, ERROR_TAG = "apao.outcome", "apao.error"
+PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (study/run/pruned.py)
+
 # the metric a trial logs once it has tested its kept model: its presence is what "the trial reached its test" means
 TESTED_KEY = "test/ndcg_at_10"
 
@@ -54,6 +60,20 @@ REPORTS_FILE = "metrics.jsonl"
 TEST_BY = "test_by"
 # TrainConfig.test_every_epoch: the test split after every epoch, diagnosis/test/<metric>; no selection reads it
 DIAGNOSIS_PREFIX = "diagnosis/"
+
+# the epoch rules every trial follows besides its own (training/selection.py): the lowest validation loss, the last epoch
+LOSS_RULE, LAST_RULE = "loss", "last"
+
+
+def rule_name(rule: str) -> str:
+    """``val_ndcg_at_10``, ``val_loss``, ``last``: a rule as metric names and per-user columns spell it."""
+    return rule if rule == LAST_RULE else f"val_{rule}"
+
+
+def test_by_key(rule: str, metric: str) -> str:
+    """``test_by/val_loss/ndcg_at_10``: a test metric (``test/`` or not) at the epoch ``rule`` keeps."""
+    return f"{TEST_BY}/{rule_name(rule)}/{metric.removeprefix('test/')}"
+
 
 # files of a finished trial's final checkpoint
 PER_USER_FILE = "per_user_test.csv.gz"  # beside final_metrics.json; an MLflow artifact of every finished trial

@@ -8,10 +8,13 @@ from the run's preset (the ``apao.protocol`` tag says ``reference+select_by`` th
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import json
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Iterable
 
 from .config import PROTOCOL_NAMES, ProtocolConfig, TrialConfig
 from .data.catalog import EOS_TOKEN
+from .names import LOSS_RULE, SELECTION_TAG
 
 if TYPE_CHECKING:  # torch where a tensor is touched: the study's driver and `--help` import this module
     import torch
@@ -151,6 +154,75 @@ def schedule_label(epochs: int, patience: int) -> str:
 def run_tags(config: TrialConfig) -> dict[str, str]:
     """MLflow tags every study run carries: the protocol and the schedule."""
     return {PROTOCOL_TAG: protocol_tag(config), SCHEDULE_TAG: schedule_label(config.train.epochs, config.train.patience)}
+
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a smaller value of validation ``metric`` is the better one (the validation loss); every rule that keeps
+    an epoch or ranks trials reads its direction here."""
+    return metric == LOSS_RULE
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How a study names its best trial, defined once per study from its base config and recorded with it (the
+    parent run's tag ``apao.selection``, the Optuna study's user attribute ``selection``).
+
+    Each trial keeps the epoch ``rule`` picks (``protocol.select_by``: a validation metric, or ``loss``) and stops
+    early on it; trials are ranked by ``key`` (``best/val/<metric>``, the validation ``metric`` at the kept epoch),
+    best first in direction ``mode``, a tie going to the trial that started first (``analysis.results.best_of``).
+    Optuna, ASHA, the progress lines, the study's table, ``best``, ``report``, the registered ``@best`` model and the
+    parent run's answer all read this one value.
+    """
+
+    metric: str = "ndcg_at_10"  # TrainConfig.metric
+    rule: str = "ndcg_at_10"    # ProtocolConfig.select_by
+
+    @classmethod
+    def of(cls, config: TrialConfig) -> "Selection":
+        """The selection of a study whose trials run ``config`` (its base config)."""
+        return cls(config.train.metric, config.protocol.select_by)
+
+    @property
+    def key(self) -> str:
+        """``best/val/ndcg_at_10``: what each trial reports and every surface ranks trials by."""
+        return f"best/val/{self.metric}"
+
+    @property
+    def mode(self) -> str:
+        """``max`` or ``min`` (the validation loss), as Optuna and ASHA take it."""
+        return "min" if lower_is_better(self.metric) else "max"
+
+    def score(self, metrics: Any) -> float | None:
+        """The trial's ``key`` made larger-is-better (negated for ``min``); None when it has none."""
+        value = metrics.get(self.key)
+        return None if value is None else (-float(value) if self.mode == "min" else float(value))
+
+    def text(self) -> str:
+        """``best/val/ndcg_at_10 (max) at the epoch validation ndcg_at_10 keeps, a tie to the trial started first``."""
+        kept = "the lowest validation loss" if self.rule == LOSS_RULE else f"validation {self.rule}"
+        return f"{self.key} ({self.mode}) at the epoch {kept} keeps, a tie to the trial started first"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def recorded_selection(parents: Iterable[tuple[dict[str, str], dict[str, str]]]) -> Selection:
+    """The selection the studies of ``parents`` (each its parent run's ``(tags, params)``) recorded: the tag
+    ``apao.selection``, else (a study recorded before it) the base config's ``train.metric`` and ``select_by``
+    params, else the default. Raises ValueError, naming them, when the studies select differently (one winner per
+    method could not be named across them)."""
+    found: dict[Selection, None] = {}
+    for tags, params in parents:
+        if tags.get(SELECTION_TAG):
+            found[Selection(**json.loads(tags[SELECTION_TAG]))] = None
+        else:
+            default = Selection()
+            found[Selection(params.get("base.train.metric", default.metric),
+                            params.get("base.protocol.select_by", default.rule))] = None
+    if len(found) > 1:
+        raise ValueError(f"these studies select their best trial differently ({[s.text() for s in found]}); "
+                         "read one study at a time (--study-name)")
+    return next(iter(found), Selection())
 
 
 def with_end_token(tokens: torch.Tensor, label_eos: bool) -> torch.Tensor:

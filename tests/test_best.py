@@ -72,3 +72,62 @@ def test_best_prints_uris_registers_once_per_run_and_names_its_seeds(synthetic, 
     records = [trial_record(run) for run in tracker.child_runs()]
     for order in (records, records[::-1]):  # whatever order the runs are listed in
         assert [t.run_id for t in finished_trials([RunSource("s", order)])] == [better]
+
+
+def _tied_study(tracker, checkpoint, example, selected: str) -> tuple[str, str, str]:
+    """Study ``s`` recording the selection ``selected`` (its validation metric, at the epoch it keeps), with two
+    finished CE trials that tie on validation NDCG@10 and differ on validation Recall@20: ``first`` started first and
+    is behind on Recall@20. Returns (parent, first, second)."""
+    space = {"backbones": ["tiger"], "losses": ["ce"]}
+    parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study",
+                                           "apao.selection": json.dumps({"metric": selected, "rule": selected})},
+                               {"space": json.dumps(space)})
+    runs = []
+    for recall, test in ((0.5, 0.2), (0.7, 0.25)):
+        run = tracker.start_run(f"r{recall}", {"apao.study": "s", "backbone": "tiger", "loss": "ce"},
+                                {"base.train.seed": 0, "base.data.dataset": "synthetic"}, parent_run_id=parent)
+        tracker.log_metrics(run, {"best/val/ndcg_at_10": 0.4, "best/val/recall_at_20": recall,
+                                  "test/ndcg_at_10": test, "test/recall_at_10": 2 * test}, 1)
+        tracker.set_tags(run, {"apao.model_uri": tracker.log_recommender(run, checkpoint, example)})
+        tracker.end_run(run)
+        runs.append(run)
+    return parent, *runs
+
+
+def test_best_report_registry_and_parent_name_the_studys_winner_whatever_metric_says(synthetic, tmp_path, capsys):
+    """One selection per study, recorded with it, names the winner on every surface: ``best`` with or without
+    ``--metric``, the registered @best model, ``report`` (an export's best trials) and the parent run's answer (its
+    description and summary metrics). A tie goes to the trial that started first; ``--metric`` only shows."""
+    from apao_ray.analysis.export import export_study, load_export
+    from apao_ray.analysis.results import finished_trials
+    from apao_ray.study.record.mlflow_callback import log_study_summary
+    from apao_ray.study.record.report import study_description, table_rows
+    from apao_ray.tracking import Tracker
+
+    checkpoint = train_tiny("tiger", tmp_path / "trial", synthetic)
+    example = list(synthetic.catalog.item_ids[:3])
+    for selected in ("ndcg_at_10", "recall_at_20"):
+        tracker = Tracker(mlflow_sqlite(tmp_path / selected), "apao-synthetic")
+        parent, first, second = _tied_study(tracker, checkpoint, example, selected)
+        winner, loser = (first, second) if selected == "ndcg_at_10" else (second, first)
+        shown = {}
+        for metric in ((), ("--metric", "best/val/recall_at_20"), ("--metric", "ndcg_at_10")):
+            out, err = _best(tracker.tracking_uri, capsys, "--format", "json", *metric)
+            shown[metric] = json.loads(out)
+        assert {metric: [row.get("run_id") for row in rows] for metric, rows in shown.items()} == \
+            {metric: [winner] for metric in shown}, selected
+        assert shown[("--metric", "best/val/recall_at_20")][0]["best/val/recall_at_20"] is not None  # a column more
+        assert f"by the study's selection: best/val/{selected} (max)" in err and "it does not choose" in err, err
+        assert tracker.client.get_model_version_by_alias(NAME, "best").run_id == winner
+        export_study(tracker.tracking_uri, "s", tmp_path / f"export-{selected}")
+        assert [t.run_id for t in finished_trials([load_export(tmp_path / f"export-{selected}")])] == [winner]
+        rows = table_rows(tracker, "best/val/recall_at_20", "s", baseline=None)
+        assert [row["run_id"] for row in rows] == [winner]
+        description = study_description("s", table_rows(tracker, study="s", baseline=None))
+        assert winner in description and loser not in description
+        summary = log_study_summary(tracker, parent, "s")
+        expected = tracker.client.get_run(winner).data.metrics
+        assert summary["best/tiger/ce/test/ndcg_at_10"] == expected["test/ndcg_at_10"]
+        assert summary[f"best/tiger/ce/val/{selected}"] == expected[f"best/val/{selected}"]
+        versions = tracker.client.search_model_versions(f"name = '{NAME}'")
+        assert {v.run_id for v in versions} == {winner}  # no other trial was ever registered as @best

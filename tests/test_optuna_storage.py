@@ -12,13 +12,15 @@ import sys
 import optuna
 import pytest
 
+from apao_ray.protocol import Selection
 from apao_ray.study.search import optuna_storage, optuna_summary
 from apao_ray.study.spec.space import SearchSpec, param_name
 from apao_ray.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker, dataset_record
 from conftest import mlflow_sqlite
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
-METRIC = "best/val/ndcg_at_10"
+SELECTION = Selection()  # the default study's: best/val/ndcg_at_10, larger is better
+METRIC = SELECTION.key
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +60,7 @@ def _run_searcher(searcher, trial_ids, values):
 def test_a_restored_searcher_keeps_its_trials_and_asks_a_lost_trial_again_under_its_number(tmp_path):
     spec = SearchSpec(("tiger",), ("ce", "apao_pointwise"), trials_per_tuned=3)
     url, name = f"sqlite:///{tmp_path}/optuna.db", "apao-synthetic/s"
-    searcher = optuna_storage.make_searcher(spec, METRIC, url, name, seed=0)
+    searcher = optuna_storage.make_searcher(spec, SELECTION, url, name, seed=0)
     configs = _run_searcher(searcher, ["ce", "paper"], [0.1, 0.2])
     assert configs["ce"] == {"backbone": "tiger", "loss": "ce"}
     assert configs["paper"][param_name("tiger", "apao_pointwise", "beta")] == 0.3  # the enqueued paper setting
@@ -77,9 +79,10 @@ def test_a_restored_searcher_keeps_its_trials_and_asks_a_lost_trial_again_under_
     assert [t.number for t in study.trials] == [0, 1, 2, 3] == list(range(spec.num_trials))  # nothing twice
     assert [t.value for t in study.trials] == [0.1, 0.2, 0.3, 0.4]
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert study.user_attrs["selection"] == {"metric": "ndcg_at_10", "rule": "ndcg_at_10"}  # what picks the best
 
     # a fresh start under the same name drops the old trials instead of numbering after them
-    optuna_storage.make_searcher(spec, METRIC, url, name, seed=0, enqueue_paper_setting=False)
+    optuna_storage.make_searcher(spec, SELECTION, url, name, seed=0, enqueue_paper_setting=False)
     study = optuna.load_study(study_name=name, storage=url)
     assert [t.state.name for t in study.trials] == ["WAITING"]  # only the baseline's enqueued point
 
@@ -89,7 +92,7 @@ def test_intermediate_values_are_keyed_by_epoch_across_a_resume(tmp_path):
     not a second step 1 (which it ignores with a warning)."""
     spec = SearchSpec(("tiger",), ("apao_pointwise",), trials_per_tuned=1)
     url, name = f"sqlite:///{tmp_path}/optuna.db", "apao-synthetic/s"
-    searcher = optuna_storage.make_searcher(spec, METRIC, url, name, seed=0)
+    searcher = optuna_storage.make_searcher(spec, SELECTION, url, name, seed=0)
     searcher.suggest("t")
     for iteration, epoch in [(1, 1), (2, 2), (1, 3), (2, 4)]:  # the driver stopped after epoch 2, then resumed
         searcher.on_trial_result("t", {"training_iteration": iteration, "epoch": epoch, METRIC: epoch / 10})

@@ -32,6 +32,7 @@ import pandas as pd
 from ..cli.types import positive_int
 from ..paths import add_tracking_uri_argument
 from ..names import PER_USER_VALID_FILE, counted
+from ..protocol import Selection, recorded_selection
 from .per_user import PER_USER_FILE, read_per_user, recompute_per_user
 
 STUDY_FILE = "study.json"
@@ -229,6 +230,12 @@ class StudyExport:
     @property
     def trials(self) -> list[dict[str, Any]]:
         return self.record["trials"]
+
+    @property
+    def selection(self) -> Selection:
+        """The study's ``protocol.Selection``, as its parent run recorded it."""
+        return recorded_selection((parent.get("tags", {}), parent.get("params", {}))
+                                  for parent in self.record.get("parents", []))
 
     def per_user(self, trial: dict[str, Any], split: str = "test") -> pd.DataFrame | None:
         """The trial's per-user table of ``split`` (``test``, or ``valid``: the kept model's validation), if any."""

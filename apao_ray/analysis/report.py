@@ -25,8 +25,8 @@ from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_method,
 from .heuristics import baseline_sections, recorded_datasets
 from .subsets import subset_sections
 from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
-                      Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials,
-                      seeds_text, unknown_knobs)
+                      Trial, compare_methods, finished_trials, group_methods, is_early_learning, seeds_text,
+                      selection_of, unfinished_trials, unknown_knobs)
 from .stats import INTERVALS_NOTE
 
 REPORT_FILE = "report.md"
@@ -198,6 +198,12 @@ def _plans(exports: list[StudyExport]) -> list[str]:
     return lines
 
 
+def _chosen_by(exports: list[StudyExport]) -> str:
+    """How the best trial of each (study, backbone, loss) was chosen: the selection each study recorded."""
+    selections = sorted({selection_of(export).text() for export in exports})
+    return f"the best per (study, backbone, loss) by the study's selection: {'; '.join(selections)}"
+
+
 def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str = "ce", trials: str = "best",
                  num_resamples: int = 10_000, data_dir: str | None = None) -> Path:
     """Writes ``report.md`` and its PNGs into ``out_dir``; returns the markdown file's path. ``data_dir``: where
@@ -217,7 +223,7 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
     unknown = unknown_knobs([trial for method in methods for trial in method.trials])
     lines = [f"# Study report: {', '.join(e.name for e in exports)}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report`. "
-             f"Trials: {'the best by ' + SELECTION_METRIC + ' per (study, backbone, loss)' if trials == 'best' else 'all finished'}; "
+             f"Trials: {_chosen_by(exports) if trials == 'best' else 'all finished'}; "
              "seeds of one method are its trials across the given studies.", "", "## Sources", "", *_sources(exports), "",
              *(["## Plans", "", *plans, ""] if plans else []),
              *([f"Knobs that no loss loaded here declares (a plugin whose module `{PLUGINS_ENV}` does not name): "
@@ -337,7 +343,8 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", required=True, help="directory for report.md and its PNGs")
     parser.add_argument("--baseline", default="ce", help="loss every other method is compared with (default ce)")
     parser.add_argument("--trials", choices=TRIAL_CHOICES, default="best",
-                        help="per (study, backbone, loss): the best trial by validation NDCG@10, or all (default best)")
+                        help="per (study, backbone, loss): the best trial by the study's recorded selection (the one "
+                             "`best` and the study's table name), or all (default best)")
     parser.add_argument("--resamples", type=positive_int, default=10_000, help="bootstrap resamples (default 10000)")
     parser.add_argument("--data-dir", metavar="DIR", help="where the studies' datasets are, for the training-free "
                         "baselines (default: $APAO_DATA_DIR, ./data, the user cache; never downloaded)")

@@ -15,12 +15,15 @@ from typing import Any, Callable, Iterable, TypeVar
 import numpy as np
 import pandas as pd
 
-from ..names import CONVERGED_TAG, REPEATS_TAG, counted, reached_test
+from ..names import CONVERGED_TAG, REPEATS_TAG, counted
+from ..protocol import Selection
 from .export import StudyExport
+from .outcome import Outcome, best_of, best_trial  # noqa: F401  (best_of: the tie rule, read from here too)
 from .paper import table1
 from .per_user import PER_USER_METRICS
 from .stats import Comparison, paired_comparison, seeds_comparison, seeds_for_verdict, with_holm
 
+# shown beside a trial without test metrics (how far its validation got); never what picks the best (Selection)
 SELECTION_METRIC = "best/val/ndcg_at_10"
 T = TypeVar("T")
 # how a method's label abbreviates the paper's knobs (first, in this order); any other knob goes by its name
@@ -92,21 +95,15 @@ def is_early_learning(*statuses: str) -> bool:
 
 
 @dataclass
-class Trial:
+class Trial(Outcome):
+    """A trial of a study export: how it ended and what it measured (``Outcome``), its choices and its curves."""
+
     export: StudyExport
     record: dict[str, Any]
 
     @property
     def params(self) -> dict[str, str]:
         return self.record["params"]
-
-    @property
-    def tags(self) -> dict[str, str]:
-        return self.record["tags"]
-
-    @property
-    def metrics(self) -> dict[str, float]:
-        return self.record["metrics"]
 
     @property
     def run_id(self) -> str:
@@ -201,14 +198,6 @@ def seeds_text(seeds: str | Iterable[int], count: int | None = None) -> str:
     return f"{listed} ({counted(count, 'seed')})"
 
 
-def best_of(candidates: Iterable[T], value: Callable[[T], float | None], started: Callable[[T], float]) -> T | None:
-    """The candidate with the highest validation ``value`` (None: not a candidate); a tie goes to the one that
-    started first (a tuned method's enqueued paper setting before the searcher's draws). The one rule by which
-    ``sweep``'s table, ``best``, the registered model, ``report`` and the grid name a method's best trial."""
-    ranked = [(v, -started(c), i, c) for i, c in enumerate(candidates) if (v := value(c)) is not None]
-    return max(ranked, key=lambda entry: entry[:3])[3] if ranked else None
-
-
 def _knob_text(value: float) -> str:
     return str(int(value)) if value.is_integer() and abs(value) >= 1 else f"{value:.3g}"
 
@@ -227,20 +216,25 @@ def unknown_knobs(trials: list[Trial]) -> dict[str, list[str]]:
     return {loss: sorted(names) for loss, names in sorted(unknown.items())}
 
 
+def selection_of(export: Any) -> Selection:
+    """The selection a study recorded (``StudyExport.selection``; the default for a source that recorded none)."""
+    return getattr(export, "selection", None) or Selection()
+
+
 def finished_trials(exports: list[StudyExport], which: str = "best") -> list[Trial]:
-    """Finished, tested trials; with ``best`` only the best by validation NDCG@10 per (study, backbone, loss)."""
+    """Finished, tested trials; with ``best`` only the best per (study, backbone, loss) by that study's selection
+    (``protocol.Selection``, recorded with the study)."""
     if which not in TRIAL_CHOICES:
         raise ValueError(f"unknown trial selection {which!r}; choose from {list(TRIAL_CHOICES)}")
-    trials = [Trial(export, record) for export in exports for record in export.trials
-              if record["status"] == "FINISHED" and reached_test(record["metrics"])]
+    trials = [trial for export in exports for trial in (Trial(export, record) for record in export.trials)
+              if trial.finished]
     if which == "all":
         return trials
     groups: dict[tuple[str, str, str], list[Trial]] = {}
     for trial in trials:  # a repeat on another seed is not a candidate: its configuration's trial is
-        if REPEATS_TAG not in trial.tags:
+        if not trial.is_repeat:
             groups.setdefault((trial.export.name, trial.backbone, trial.loss), []).append(trial)
-    best = [best_of(group, lambda t: t.metrics.get(SELECTION_METRIC, -math.inf),
-                    lambda t: t.record.get("start_time") or 0) for group in groups.values()]
+    best = [best_trial(group, selection_of(group[0].export), lambda t: t.record) for group in groups.values()]
     return with_repeats(best, trials)
 
 
@@ -258,8 +252,7 @@ def unfinished_trials(exports: list[StudyExport]) -> list[Trial]:
     """Trials that trained at least one epoch but have no test metrics (still running, interrupted,
     pruned or failed): the report shows how far their validation curves got."""
     return [Trial(export, record) for export in exports for record in export.trials
-            if not (record["status"] == "FINISHED" and reached_test(record["metrics"]))
-            and "val/ndcg_at_10" in record["metrics"]]
+            if not Outcome(record).finished and "val/ndcg_at_10" in record["metrics"]]
 
 
 def group_methods(trials: list[Trial]) -> list[Method]:

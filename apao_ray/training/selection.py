@@ -21,27 +21,15 @@ from ..data import Dataset, iter_batches
 from ..losses import sample_negatives
 from ..losses.base import LossInputs
 from ..models.base import label_log_probs
-from ..names import TEST_BY
+from ..names import LAST_RULE as LAST, LOSS_RULE as LOSS, rule_name, test_by_key  # noqa: F401  (this module's names)
+from ..protocol import lower_is_better
 from .precision import autocast
-
-LOSS = "loss"
-LAST = "last"  # the rule that keeps the last epoch trained
 
 
 def selection_rules(metric: str) -> tuple[str, ...]:
     """The rules every trial records: its validation ``metric`` (the trial's --metric), the validation loss, the
     last epoch; each names what it keeps, as ``protocol.select_by`` does."""
     return (metric, LOSS, LAST)
-
-
-def rule_name(rule: str) -> str:
-    """``val_ndcg_at_10``, ``val_loss``, ``last``: a rule as metric names and per-user columns spell it."""
-    return rule if rule == LAST else f"val_{rule}"
-
-
-def test_by_key(rule: str, metric: str) -> str:
-    """``test_by/val_loss/ndcg_at_10``: a test metric (``test/`` or not) at the epoch ``rule`` keeps."""
-    return f"{TEST_BY}/{rule_name(rule)}/{metric.removeprefix('test/')}"
 
 
 def per_user_column(rule: str, metric: str) -> str:
@@ -60,7 +48,7 @@ def selection_score(metrics: dict[str, Any], select_by: str) -> float:
         known = sorted(k[len("val/"):] for k in metrics if k.startswith("val/"))
         raise ValueError(f"select_by={select_by!r}: no validation metric {key!r}; choose from {known}")
     value = float(metrics[key])
-    return -value if select_by == LOSS else value
+    return -value if lower_is_better(select_by) else value
 
 
 @torch.inference_mode()

@@ -204,13 +204,17 @@ def report_interrupted(result: Any, argv: list[str]) -> int:
 
 def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Best trial per (backbone, loss) of a "
-                                     "dataset's studies, chosen by validation, read from MLflow alone (no Ray); with "
-                                     "--seeds studies, mean and std over its seeds and the paired significance against "
-                                     "the baseline.")
+                                     "dataset's studies, chosen by the selection each study recorded (its validation "
+                                     "metric at the epoch its rule keeps: TrainConfig.metric and --select-by), read "
+                                     "from MLflow alone (no Ray): the same trial as the study's own table, its MLflow "
+                                     "page, `report` and the registered @best model; with --seeds studies, mean and std "
+                                     "over its seeds and the paired significance against the baseline.")
     parser.add_argument("--dataset", help="dataset whose experiment (apao-<dataset>) to read (default: the store's "
                         "only one; required where it holds several)")
     parser.add_argument("--study-name", help="only this study (default: every study of the dataset)")
-    parser.add_argument("--metric", default="best/val/ndcg_at_10", help="validation metric that picks the best trial (default %(default)s)")
+    parser.add_argument("--metric", help="a validation metric to show as a column too (recall_at_20 or "
+                        "best/val/recall_at_20), whose test metric --baseline then compares; it never changes which "
+                        "trial is best: the study's selection does (default: the selection's metric)")
     parser.add_argument("--baseline", default="ce", help="loss every method is compared with, per user on the test "
                         "metric of --metric: over seeds and users with a Holm-corrected p where it has >= 2 seeds, "
                         "users only and no verdict with 1 (default %(default)s)")
@@ -225,7 +229,7 @@ def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> i
     args = parser.parse_args(argv)
     from ...tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
     from ...data import dataset_label
-    from ..record.report import format_rows, register_best, table_rows
+    from ..record.report import format_rows, register_best, study_selection, table_rows
 
     try:
         uri = resolve_tracking_uri(args.tracking_uri)
@@ -245,12 +249,15 @@ def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> i
         if tracker is None:
             raise ValueError(f"--dataset {args.dataset}: no experiment {experiment!r} in {uri}; experiments there: "
                              f"{experiment_names(uri)}")
+        selection = study_selection(tracker, args.study_name)  # studies that select differently: one line here
     except (ValueError, ConnectionError) as error:
         parser.error(str(error))
     rows = table_rows(tracker, args.metric, args.study_name, args.baseline)
     if not rows:
         print(f"no finished trials for dataset {args.dataset!r} in {uri}", file=sys.stderr)
         return 1
+    shown = f"; --metric {args.metric} is shown beside it, it does not choose" if args.metric else ""
+    print(f"best trial per (backbone, loss) by the study's selection: {selection.text()}{shown}", file=sys.stderr)
     if not args.no_register:
         for row, registered in zip(rows, register_best(tracker, rows, dataset_label(args.dataset))):
             if registered:

@@ -164,8 +164,7 @@ class MlflowStudyCallback(tune.Callback):
                                        "apao.model_uri": model_uri})
         self.tracker.end_run(run_id, "FINISHED")
         # the study's row answers while it runs: each method's best trial so far (the study's end logs it again)
-        log_study_summary(self.tracker, self.parent_run_id, self.study_name,
-                          f"best/val/{self.trial_params['base']['train']['metric']}")
+        log_study_summary(self.tracker, self.parent_run_id, self.study_name)
 
     def _log_checkpoint(self, run_id: str, trial: Any, checkpoint: Path) -> str:
         """Logs a finished trial's final checkpoint (a local directory): its metrics, config and per-user tables
@@ -271,15 +270,17 @@ def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: s
             column("tags", OUTCOME_TAG), column("attributes", "Models")]
 
 
-def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str, metric: str) -> dict[str, float]:
-    """Gives the parent run the study's result as metrics: per (backbone, loss), the best trial's (by
-    validation) validation and test metrics, so the parent's chart view is not empty. Returns them."""
-    from .report import TEST_COLUMNS, table_rows
+def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str) -> dict[str, float]:
+    """Gives the parent run the study's result as metrics: per (backbone, loss), the best trial's (by the study's
+    selection, as the table names it) validation and test metrics, so the parent's chart view is not empty.
+    Returns them."""
+    from .report import TEST_COLUMNS, study_selection, table_rows
 
+    key = study_selection(tracker, study_name).key
     summary: dict[str, float] = {}
-    for row in table_rows(tracker, metric, study_name, baseline=None):  # means over seeds; no significance needed
-        for key in (metric, *TEST_COLUMNS):
-            if row.get(key) is not None:
-                summary[summary_metric_name(row["backbone"], row["loss"], key)] = row[key]
+    for row in table_rows(tracker, study=study_name, baseline=None):  # means over seeds; no significance needed
+        for column in (key, *TEST_COLUMNS):
+            if row.get(column) is not None:
+                summary[summary_metric_name(row["backbone"], row["loss"], column)] = row[column]
     tracker.log_metrics(parent_run_id, summary, step=0)
     return summary

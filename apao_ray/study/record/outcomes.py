@@ -8,21 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...names import COHORT_TAG, REPEATS_TAG, SEED_TAG
+from ...names import COHORT_TAG, ERROR_TAG, OUTCOME_TAG, PRUNED, REPEATS_TAG, SEED_TAG  # noqa: F401  (read from here too)
 from ..spec.space import COHORT_KEY, MEMBER_KEY, REPEATS_KEY, SEED_KEY, SIZE_KEY, trial_choices
 
 TRIAL_TAG = "apao.trial_id"
 STUDY_TAG = "apao.study"
-OUTCOME_TAG = "apao.outcome"
 NODE_TAG = "apao.node_id"
 ENERGY_TAG = "apao.energy_method"  # how cost/energy_kwh was obtained (measured, estimated, or not at all)
 ALLOCATOR_TAG = "apao.allocator"  # the worker's memory allocator (tcmalloc/glibc-cached/system)
 PRECISION_TAG = "apao.precision"  # the precision the trial resolved on its worker (fp32/bf16)
 BUDGET_PROTOCOL_TAG = "apao.budget_protocol"  # on a study's parent run: what the budget changed in training
 INTERRUPTED = "interrupted: the study was stopped; re-run the same command (or add --resume) to continue"
-PRUNED = "pruned at epoch"  # + the epoch; the trial is then tested on its best checkpoint (pruned.py)
 PRUNED_EPOCH_TAG = "apao.pruned_epoch"
-ERROR_TAG = "apao.error"  # a failed trial's error; on a retry it moves to PREVIOUS_ERROR_TAG
+# a failed trial's error (ERROR_TAG) moves to PREVIOUS_ERROR_TAG on a retry
 PREVIOUS_OUTCOME_TAG, PREVIOUS_ERROR_TAG = "apao.previous_outcome", "apao.previous_error"
 STOPPED_BY_TUNE = ("stopped before its end by Tune, not by the scheduler's pruning (the time budget ran out, "
                    "or it was pruned in a driver that was lost)")

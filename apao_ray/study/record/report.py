@@ -8,11 +8,12 @@ from typing import Any
 
 from ...analysis.bar import TRAINING_FREE, bar_words, metric_means, with_bar
 from ...analysis.heuristics import HEURISTIC_LABELS
-from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check, recorded_knobs, \
-    seeds_text
-from ...names import PLAN_TAG, REPEATS_TAG, reached_test
+from ...analysis.export import trial_record
+from ...analysis.outcome import FAILED, PRUNED_STATE, Outcome, best_trial
+from ...analysis.results import EARLY_LEARNING, is_early_learning, popularity_check, recorded_knobs, seeds_text
+from ...names import PLAN_TAG
 from ...paths import apao_command
-from ...protocol import PROTOCOL_TAG, schedule_label
+from ...protocol import PROTOCOL_TAG, Selection, recorded_selection, schedule_label
 from ...tracking import Tracker
 from . import plots
 from ..spec.space import PAPER_KNOBS, knob_names
@@ -23,29 +24,50 @@ from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_column
 COST_COLUMNS = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb", "cost/energy_kwh")
 
 
-def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None) -> list[dict[str, Any]]:
-    """For each (backbone, loss): the finished search trial (not a repeat on another seed) with the
-    highest *validation* metric."""
+def study_parents(tracker: Tracker, study: str | None = None) -> list[Any]:
+    """The parent run of ``study`` (of every study in the experiment without one)."""
+    study_filter = f" and tags.`apao.study` = '{study}'" if study else ""
+    return tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'" + study_filter,
+                                      max_results=1000)
+
+
+def study_selection(tracker: Tracker, study: str | None = None) -> Selection:
+    """The selection ``study`` recorded (``protocol.recorded_selection``: every study read must share it)."""
+    return recorded_selection((parent.data.tags, parent.data.params) for parent in study_parents(tracker, study))
+
+
+def shown_key(metric: str | None, selection: Selection) -> str:
+    """The validation column a table shows: ``metric`` (``recall_at_20`` or ``best/val/recall_at_20``), else the
+    selection's. It shows; the winner is always the selection's."""
+    if not metric:
+        return selection.key
+    return metric if "/" in metric else f"best/val/{metric}"
+
+
+def best_rows(tracker: Tracker, metric: str | None = None, study: str | None = None,
+              selection: Selection | None = None) -> list[dict[str, Any]]:
+    """For each (backbone, loss): the finished search trial (not a repeat on another seed) that the study's
+    ``selection`` (default: the one it recorded) names best; ``metric`` adds that validation column to the row
+    and never changes the winner."""
+    selection = selection or study_selection(tracker, study)
     query = "attributes.status = 'FINISHED'" + (f" and tags.`apao.study` = '{study}'" if study else "")
-    groups: dict[tuple[str, str], list[Any]] = {}
-    for run in tracker.child_runs(filter_string=query):
-        if REPEATS_TAG not in run.data.tags and reached_test(run.data.metrics):
-            groups.setdefault((run.data.tags.get("backbone", "?"), run.data.tags.get("loss", "?")), []).append(run)
-    best = {key: best_of(runs, lambda r: r.data.metrics.get(metric), lambda r: r.info.start_time or 0)
-            for key, runs in groups.items()}
-    best = {key: run for key, run in best.items() if run is not None}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in map(trial_record, tracker.child_runs(filter_string=query)):
+        if Outcome(record).finished and not Outcome(record).is_repeat:
+            groups.setdefault((record["tags"].get("backbone", "?"), record["tags"].get("loss", "?")), []).append(record)
+    best = {key: best_trial(records, selection, lambda r: r) for key, records in groups.items()}
     rows = []
-    for (backbone, loss), run in sorted(best.items()):
+    for (backbone, loss), record in sorted((key, record) for key, record in best.items() if record is not None):
+        tags, metrics = record["tags"], record["metrics"]
         row: dict[str, Any] = {"backbone": backbone, "loss": loss}
-        row.update(run_knobs(run.data.params))
-        row[metric] = run.data.metrics[metric]
-        row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
+        row.update(run_knobs(record["params"]))
+        row.update({key: metrics.get(key) for key in dict.fromkeys((selection.key, shown_key(metric, selection)))})
+        row.update({k: metrics.get(k) for k in TEST_COLUMNS})
         # MLflow 3 keeps models as LoggedModels (models:/m-...); runs:/<id>/model also loads
-        model_uri = run.data.tags.get("apao.model_uri", f"runs:/{run.info.run_id}/model")
-        row.update({"run_id": run.info.run_id, "model_uri": model_uri,
-                    "study": run.data.tags.get("apao.study"),
+        model_uri = tags.get("apao.model_uri", f"runs:/{record['run_id']}/model")
+        row.update({"run_id": record["run_id"], "model_uri": model_uri, "study": tags.get("apao.study"),
                     # runs from before protocols existed followed the paper's knobs
-                    "protocol": run.data.tags.get(PROTOCOL_TAG, "paper"), "schedule": _schedule(run.data.params)})
+                    "protocol": tags.get(PROTOCOL_TAG, "paper"), "schedule": _schedule(record["params"])})
         rows.append(row)
     return rows
 
@@ -98,11 +120,12 @@ def paper_comparability(rows: list[dict[str, Any]]) -> str:
             "the paper trained up to 200 epochs with patience 20, and a shorter run also ends its cosine schedule sooner")
 
 
-def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None,
+def table_rows(tracker: Tracker, metric: str | None = None, study: str | None = None,
                baseline: str | None = "ce", num_resamples: int = 10_000,
                heuristics: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """A row for every (backbone, loss) that the studies asked for: the best finished trial's, else one
-    whose ``status`` says why none finished ("all 3 trials pruned", "failed: <reason>", ...).
+    """A row for every (backbone, loss) that the studies asked for: the best finished trial's by the study's
+    recorded selection (``study_selection``; ``metric`` only adds its validation column, and picks the test metric
+    compared), else one whose ``status`` says why none finished ("all 3 trials pruned", "failed: <reason>", ...).
 
     A finished row's test columns are the mean over its seeds (the best trial and its repeats with
     ``--seeds``; one seed: the trial's own values), with ``<metric> std``, ``seeds`` and ``n_seeds``, the
@@ -119,10 +142,11 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     """
     from ...analysis.per_user import PER_USER_METRICS
 
-    rows, children, records, methods = _best_methods(tracker, metric, study)
-    study_filter = f" and tags.`apao.study` = '{study}'" if study else ""
-    # the test metric that matches the selection metric (per-user tables hold Recall/NDCG@10/20)
-    compared = metric.rsplit("/", 1)[-1] if metric.rsplit("/", 1)[-1] in PER_USER_METRICS else "ndcg_at_10"
+    selection = study_selection(tracker, study)
+    rows, children, records, methods = _best_methods(tracker, selection, study, metric)
+    # the test metric that matches the shown metric (per-user tables hold Recall/NDCG@10/20)
+    shown = shown_key(metric, selection).rsplit("/", 1)[-1]
+    compared = shown if shown in PER_USER_METRICS else "ndcg_at_10"
     cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}
     converged = {(m.backbone, m.loss): _convergence(m, heuristics) for m in methods}
     for row, method in zip(rows, methods):  # both in best_rows' order
@@ -134,33 +158,31 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
                                                              converged.get((method.backbone, baseline), "")):
                 cell = f"{EARLY_LEARNING}: {cell}"  # a short run's figure: never shown bare
             row[significance_column(baseline, compared)] = cell
-    rows = _requested_rows(tracker, rows, children, metric, study_filter)
+    rows = _requested_rows(tracker, rows, records, selection, study)
     costs = cost_totals(records)
     for row in rows:
         row.update({key: costs.get((row["backbone"], row["loss"]), {}).get(key) for key in COST_COLUMNS})
     return rows + _heuristic_rows(heuristics)
 
 
-def _best_methods(tracker: Tracker, metric: str, study: str | None) -> tuple[list[dict[str, Any]], list[Any],
-                                                                       list[dict[str, Any]], list[Any]]:
+def _best_methods(tracker: Tracker, selection: Selection, study: str | None, metric: str | None = None
+                  ) -> tuple[list[dict[str, Any]], list[Any], list[dict[str, Any]], list[Any]]:
     """The best rows (``best_rows``, status ``finished``), the study's child runs, their records, and a ``Method``
     per best row with its seeds (in the rows' order)."""
-    from ...analysis.export import trial_record
-
-    rows = [{**row, "status": "finished"} for row in best_rows(tracker, metric, study)]
+    rows = [{**row, "status": "finished"} for row in best_rows(tracker, metric, study, selection)]
     children = tracker.child_runs(filter_string=f"tags.`apao.study` = '{study}'" if study else "")
     records = [trial_record(run) for run in children]
-    return rows, children, records, seed_methods(RunSource(study or "all", records, tracker),
+    return rows, children, records, seed_methods(RunSource(study or "all", records, tracker, selection=selection),
                                                  [row["run_id"] for row in rows])
 
 
-def subset_lines(tracker: Tracker, study: str, dataset: Any, heuristics: dict[str, Any],
-                 metric: str = "best/val/ndcg_at_10", baseline: str = "ce", num_resamples: int = 10_000) -> list[str]:
+def subset_lines(tracker: Tracker, study: str, dataset: Any, heuristics: dict[str, Any], baseline: str = "ce",
+                 num_resamples: int = 10_000) -> list[str]:
     """The study's best methods on memorization and generalization test cases (``analysis.subsets``) beside the
     training-free baselines (per-user tables ``heuristics`` by name), as markdown; nothing without per-user tables."""
     from ...analysis.subsets import method_labels, subset_table
 
-    methods = _best_methods(tracker, metric, study)[3]
+    methods = _best_methods(tracker, study_selection(tracker, study), study)[3]
     tables = [t for m in methods for t in (trial.per_user() for trial in m.trials) if t is not None]
     found = method_labels(tables, dataset) if tables else None
     if found is None:
@@ -189,48 +211,45 @@ def _convergence(method: Any, heuristics: dict[str, Any] | None) -> str:
     return with_bar(curve, bar_words(method, heuristics))
 
 
-def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list[Any], metric: str,
-                    study_filter: str) -> list[dict[str, Any]]:
+def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], records: list[dict[str, Any]],
+                    selection: Selection, study: str | None) -> list[dict[str, Any]]:
     """``rows`` and a row for every requested (backbone, loss) without a finished trial, sorted."""
-    parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'" + study_filter,
-                                         max_results=1000)
     requested: dict[tuple[str, str], None] = {}
     deferred: dict[tuple[str, str], str] = {}  # the plan's reason a method has no trials
-    for parent in parents:
+    for parent in study_parents(tracker, study):
         space = json.loads(parent.data.params.get("space", "{}"))
         requested.update({(b, l): None for b in space.get("backbones", ()) for l in space.get("losses", ())})
         for name, reason in json.loads(parent.data.tags.get(PLAN_TAG, "{}")).get("deferred", {}).items():
             deferred[tuple(name.split("/", 1))] = reason
     for backbone, loss in sorted(set(requested) - {(row["backbone"], row["loss"]) for row in rows}):
-        runs = [run for run in children if (run.data.tags.get("backbone"), run.data.tags.get("loss")) == (backbone, loss)]
+        runs = [r for r in records if (r["tags"].get("backbone"), r["tags"].get("loss")) == (backbone, loss)]
         status = deferred[(backbone, loss)] if not runs and (backbone, loss) in deferred else why_none_finished(runs)
         row: dict[str, Any] = {"backbone": backbone, "loss": loss, "status": status}
-        run = best_of(runs, lambda r: r.data.metrics.get(metric), lambda r: r.info.start_time or 0)
-        if run is not None:
-            row.update(run_knobs(run.data.params))
-            row[metric] = run.data.metrics[metric]
-            row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
-            row.update({"run_id": run.info.run_id, "study": run.data.tags.get("apao.study")})
+        record = best_trial(runs, selection, lambda r: r)
+        if record is not None:
+            row.update(run_knobs(record["params"]))
+            row[selection.key] = record["metrics"][selection.key]
+            row.update({k: record["metrics"].get(k) for k in TEST_COLUMNS})
+            row.update({"run_id": record["run_id"], "study": record["tags"].get("apao.study")})
         rows.append(row)
     return sorted(rows, key=lambda r: (r["backbone"], r["loss"]))
 
 
-def why_none_finished(runs: list[Any]) -> str:
-    """``all N trials pruned`` / ``failed: <reason>`` / counts of each ending, for a method without a finished trial."""
-    if not runs:
+def why_none_finished(records: list[dict[str, Any]]) -> str:
+    """``all N trials pruned`` / ``failed: <reason>`` / counts of each ending, for a method without a finished trial
+    (its runs' records, ``analysis.export.trial_record``)."""
+    if not records:
         return "no trial ran"
-    outcomes = [run.data.tags.get("apao.outcome", run.info.status.lower()) for run in runs]
-    failed = [run for run in runs if run.info.status == "FAILED"]
-    pruned = sum(outcome.startswith("pruned") for outcome in outcomes)
-    if pruned == len(runs):
-        return f"all {len(runs)} trials pruned"
+    outcomes = [Outcome(record) for record in records]
+    failed = [outcome for outcome in outcomes if outcome.state == FAILED]
+    if all(outcome.state == PRUNED_STATE for outcome in outcomes):
+        return f"all {len(outcomes)} trials pruned"
     if failed:
-        reason = failed[0].data.tags.get("apao.error") or failed[0].data.tags.get("apao.outcome", "unknown error")
-        counts = f"{len(failed)} of {len(runs)} trials " if len(runs) > 1 else ""
-        return f"{counts}failed: {short_reason(reason)}"
+        counts = f"{len(failed)} of {len(outcomes)} trials " if len(outcomes) > 1 else ""
+        return f"{counts}failed: {short_reason(failed[0].reason)}"
     kinds: dict[str, int] = {}
     for outcome in outcomes:
-        kind = outcome.split(":")[0].split(" at epoch")[0]
+        kind = outcome.reason.split(":")[0].split(" at epoch")[0]
         kinds[kind] = kinds.get(kind, 0) + 1
     return ", ".join(f"{count} {kind}" for kind, count in kinds.items())
 
@@ -304,15 +323,12 @@ def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
     return registered
 
 
-def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str, Any]], beam_size: int) -> None:
-    """Per-prefix recall of the best trial per method (Optuna's own plots come from optuna_storage.py)."""
-    best: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        label = f"{row['choices']['backbone']}/{row['choices']['loss']}"
-        value = row["metrics"].get("best/val/ndcg_at_10", -1.0)
-        if reached_test(row["metrics"]) and value > best.get(label, {}).get("value", -2.0):
-            best[label] = {"label": label, "metrics": row["metrics"], "value": value}
+def log_study_figures(tracker: Tracker, parent_run_id: str, study: str, beam_size: int) -> None:
+    """Per-prefix recall of the best trial per method, as the study's table names it (Optuna's own plots come from
+    optuna_storage.py)."""
+    best = [{"label": f"{row['backbone']}/{row['loss']}",
+             "metrics": tracker.client.get_run(row["run_id"]).data.metrics} for row in best_rows(tracker, study=study)]
     if best:
-        figure = plots.prefix_recall_figure(list(best.values()), beam_size)
+        figure = plots.prefix_recall_figure(best, beam_size)
         tracker.log_figure(parent_run_id, figure, "prefix_recall_per_method.png")
         plots.close(figure)

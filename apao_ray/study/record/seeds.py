@@ -15,7 +15,8 @@ from typing import Any
 
 from ...analysis.per_user import PER_USER_FILE, read_per_user
 from ...analysis.results import Method, Trial, compare_methods, with_repeats
-from ...names import PER_USER_VALID_FILE, SUMMED, reached_test
+from ...names import PER_USER_VALID_FILE, SUMMED
+from ...protocol import Selection
 
 TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
 STD_SUFFIX = " std"
@@ -26,8 +27,9 @@ class RunSource:
     over records given here; ``per_user`` reads the table from ``tables`` or downloads it from MLflow."""
 
     def __init__(self, name: str, records: list[dict[str, Any]], tracker: Any = None,
-                 tables: dict[str, Any] | None = None) -> None:
+                 tables: dict[str, Any] | None = None, selection: Selection | None = None) -> None:
         self.name, self.trials, self.tracker = name, records, tracker
+        self.selection = selection or Selection()  # the study's, as its parent run recorded it
         # run_id -> per-user test DataFrame, (run_id, split) -> another split's (each downloaded once)
         self.tables: dict[Any, Any] = dict(tables or {})
 
@@ -57,7 +59,7 @@ def seed_methods(source: RunSource, best_run_ids: list[str]) -> list[Method]:
     """One ``Method`` per best run (in their order): that run and the finished, tested repeats of its
     configuration on other seeds."""
     trials = [Trial(source, record) for record in source.trials]
-    finished = [t for t in trials if t.record["status"] == "FINISHED" and reached_test(t.metrics)]
+    finished = [t for t in trials if t.finished]
     by_id = {trial.run_id: trial for trial in trials}
     return [Method(trial.dataset, trial.backbone, trial.loss, trial.method, with_repeats([trial], finished))
             for trial in (by_id[run_id] for run_id in best_run_ids)]

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from ... import storage
 from ...config import TrialConfig
-from ...protocol import run_tags
+from ...names import SELECTION_TAG
+from ...protocol import Selection, recorded_selection, run_tags
 from ...tracking import redact
 from ..cluster import interrupt
 from ..record.live_callbacks import run_callbacks
@@ -98,6 +99,10 @@ def check_same_schedule(study: Study) -> None:
         raise ValueError(f"study {name!r} was started with search space {before['space']} and "
                          f"{before['num_trials']} trials; now {now['space']} and {now['num_trials']}: a resumed study "
                          "keeps its space, so use a new --study-name or --overwrite")
+    selected, selection = recorded_selection([(run.data.tags, run.data.params)]), Selection.of(plan.base)
+    if selected != selection:
+        raise ValueError(f"study {name!r} names its best trial by {selected.text()}; now by {selection.text()}: a "
+                         "resumed study keeps its selection, so use a new --study-name or --overwrite")
     seeds_before, seeds_now = run.data.params.get("seeds"), json.dumps(study.seeds)
     if seeds_before is not None and seeds_before != seeds_now:
         raise ValueError(f"study {name!r} was started with seeds {seeds_before}; now {seeds_now}: a "
@@ -145,12 +150,14 @@ def open_parent_run(tracker: Tracker, study: Study) -> str:
     from ..record.outcomes import BUDGET_PROTOCOL_TAG
 
     record = plan.record()
-    tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(record), BUDGET_PROTOCOL_TAG: record.get("budget_protocol") or "none"})
+    tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(record), BUDGET_PROTOCOL_TAG: record.get("budget_protocol") or "none",
+                                 # what every surface names the best trial by (a resume keeps it: check_same_schedule)
+                                 SELECTION_TAG: Selection.of(plan.base).to_json()})
     from ...mlflow_ui import save_runs_view, view_key
     from ..record.mlflow_callback import study_columns
 
     save_runs_view(tracker, view_key(setup.study_name), study_columns(
-        plan.search.backbones, plan.search.losses, f"best/val/{plan.base.train.metric}"))
+        plan.search.backbones, plan.search.losses, Selection.of(plan.base).key))
     tracker.set_tags(parent_id, {**run_tags(plan.base),
                                  "command_line": redact(" ".join(study.command_line)), "code_version": code_version(),
                                  "dataset_checksums": json.dumps(setup.dataset.checksums, sort_keys=True),
@@ -209,7 +216,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
     spec, setup, plan = study.spec, study.setup, study.plan
     study_dir = study.study_dir
     started = time.monotonic()
-    metric = f"best/val/{plan.base.train.metric}"
+    selection = Selection.of(plan.base)  # the one value Optuna, ASHA, the progress lines and every table read
     train_root = storage.join(study_dir, "train_runs")
 
     def make_callbacks(num_trials: int) -> list[Any]:  # the recorder first (repeats.py reads it)
@@ -217,7 +224,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                                        setup.study_name, train_root,
                                        {"base": plan.base.to_dict()},
                                        example_history, run_tags(plan.base), setup.dataset_record)
-        return [recorder, ProgressCallback(metric, num_trials)]
+        return [recorder, ProgressCallback(selection.key, num_trials)]
 
     # per worker; a trial has the base config's num_workers (--workers-per-trial)
     resources = Resources(plan.base.train.num_workers, setup.cpus_per_trial, spec.gpus_per_trial,
@@ -244,7 +251,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
     else:
         tracker.set_tags(parent_id, {optuna_storage.STORAGE_TAG: redact(storage_url),
                                      optuna_storage.OPTUNA_STUDY_TAG: optuna_name})
-        searcher = optuna_storage.make_searcher(plan.search, metric, storage_url, optuna_name, spec.search_seed,
+        searcher = optuna_storage.make_searcher(plan.search, selection, storage_url, optuna_name, spec.search_seed,
                                                 spec.enqueue_paper_setting)
         searcher.set_run_record(setup.tracking_uri, experiment_name(plan.base.data.dataset), setup.study_name,
                                 plan.base.train.seed)
@@ -252,7 +259,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
         if note:
             print(note, file=sys.stderr)
         # rungs count epochs; max_t one past the last, so that ASHA never cuts the last epoch off from its test
-        scheduler = PerMethodASHA(metric=metric, mode="max", max_t=plan.base.train.epochs + 1,
+        scheduler = PerMethodASHA(metric=selection.key, mode=selection.mode, max_t=plan.base.train.epochs + 1,
                                   grace_period=plan.fit.asha_grace_period, train_root=train_root)
         tuner = tune.Tuner(trainable, tune_config=tune.TuneConfig(
             search_alg=searcher, scheduler=scheduler, num_samples=plan.search.num_trials,
@@ -282,13 +289,13 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
         else:
             methods = len(plan.search.backbones) * len(plan.search.losses)
             repeat_callbacks = make_callbacks(methods * len(plan.run_repeat_seeds))
-            repeated, interrupted = run_repeats(study, tracker, trainable, repeat_callbacks, metric, remaining)
+            repeated, interrupted = run_repeats(study, tracker, trainable, repeat_callbacks, remaining)
             rows += repeated
             if interrupted:
                 return StudyOutcome(rows, interrupted=True)
 
-    log_study_figures(tracker, parent_id, rows, plan.base.train.beam_size)
-    log_study_summary(tracker, parent_id, setup.study_name, metric)
+    log_study_figures(tracker, parent_id, setup.study_name, plan.base.train.beam_size)
+    log_study_summary(tracker, parent_id, setup.study_name)
     summary = optuna_summary.log_study_artifacts(tracker, parent_id, storage_url, optuna_name) \
         if storage_url else "this study was started without an Optuna storage: no importances or Optuna plots"
     tracker.set_tags(parent_id, {OUTCOME_TAG: "finished"})

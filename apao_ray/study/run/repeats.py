@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .study import Study
 
 
-def run_repeats(study: Study, tracker: Tracker, trainable: Any, callbacks: list[Any], metric: str,
+def run_repeats(study: Study, tracker: Tracker, trainable: Any, callbacks: list[Any],
                 time_budget_s: float | None) -> tuple[list[dict[str, Any]], bool]:
     """Runs (or resumes) the repeat phase; returns (one summary per repeat trial, whether it was stopped
     before every repeat ended). Nothing to repeat (no seeds, no finished method): ``([], False)``."""
@@ -55,7 +55,7 @@ def run_repeats(study: Study, tracker: Tracker, trainable: Any, callbacks: list[
         tuner = tune.Tuner.restore(directory, trainable, resume_unfinished=True,
                                    resume_errored=spec.retry_failed)
     else:
-        configs = repeat_configs(best_rows(tracker, metric, setup.study_name), plan.run_repeat_seeds)
+        configs = repeat_configs(best_rows(tracker, study=setup.study_name), plan.run_repeat_seeds)
         if not configs:
             return [], False
         configs = cohorts.assign_cohorts(configs, plan.base, plan.cohort_size, prefix="repeat")

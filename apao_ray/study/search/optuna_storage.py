@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from optuna.trial import TrialState
 from ray.tune.search.optuna import OptunaSearch
 
 from ...paths import tool_command
+from ...protocol import Selection
 from ...tracking import redact, require_database_driver
 from ...tracking.store import first_line, opened_despite_schema_race
 from .scheduler import TIME_ATTR
@@ -34,6 +36,7 @@ from ..spec.space import SEPARATOR, SearchSpec
 OPTUNA_DB_NAME = "optuna.db"
 STORAGE_TAG = "apao.optuna_storage"  # on the parent run: where the study's Optuna trials are
 OPTUNA_STUDY_TAG = "apao.optuna_study"
+SELECTION_ATTR = "selection"  # the Optuna study's user attribute: the study's protocol.Selection
 # TPE samples at random until a (backbone, loss) has this many COMPLETE or PRUNED trials (its paper
 # setting counts as one). Why 4: with Optuna's gamma(n) = ceil(0.1 n), TPE's "good" density holds one
 # trial up to n = 10 and its "bad" density the rest; with 4 observations the first TPE proposal is
@@ -215,18 +218,21 @@ def requeue_lost_trials(study: optuna.Study, known_trial_ids: set[int]) -> list[
     return [t.number for t in lost]
 
 
-def make_searcher(spec: SearchSpec, metric: str, storage_url: str, study_name: str, seed: int,
+def make_searcher(spec: SearchSpec, selection: Selection, storage_url: str, study_name: str, seed: int,
                   enqueue_paper_setting: bool = True) -> PersistentOptunaSearch:
     """The searcher of a fresh study: its Optuna study in ``storage_url`` (an old one of the same name
-    is dropped), baselines and (when asked) the paper settings enqueued first."""
+    is dropped), baselines and (when asked) the paper settings enqueued first; it searches on the study's
+    ``selection`` (its key and direction), recorded as the Optuna study's user attribute ``selection``."""
     storage = open_storage(storage_url)
     dropped = drop_stale_study(storage, study_name)
     if dropped:
         print(f"Optuna: dropped the {dropped} trial(s) of an earlier study {study_name!r} in {redact(storage_url)} "
               "(its Tune state is gone; this study starts afresh)", file=sys.stderr)
-    return PersistentOptunaSearch(spec.define_by_run(), metric=metric, mode="max",
-                                  points_to_evaluate=spec.points_to_evaluate(enqueue_paper_setting),
-                                  sampler=PerMethodTPESampler(seed=seed), study_name=study_name, storage=storage)
+    searcher = PersistentOptunaSearch(spec.define_by_run(), metric=selection.key, mode=selection.mode,
+                                      points_to_evaluate=spec.points_to_evaluate(enqueue_paper_setting),
+                                      sampler=PerMethodTPESampler(seed=seed), study_name=study_name, storage=storage)
+    searcher._ot_study.set_user_attr(SELECTION_ATTR, asdict(selection))
+    return searcher
 
 
 def startup_note(spec: SearchSpec) -> str | None:
