@@ -259,7 +259,7 @@ def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_p
     from apao_ray.study.plan.probe_cache import probe_key
 
     monkeypatch.setenv("APAO_PROBE_CACHE", str(tmp_path / "probes.json"))
-    spec = _smoke_spec(tmp_path, budget="5m")
+    spec = _smoke_spec(tmp_path, budget="5m", protocol_knobs={"select_by": "loss"})
     setup = apao_ray.prepare(spec)
     base, threads = setup.base, trial_threads(setup.cpus_per_trial)
     rates = {"ce": 1e-4, "apao_pointwise": 1.0}  # seconds per training sample
@@ -285,6 +285,15 @@ def test_a_deferred_method_runs_no_trial_and_keeps_its_row_with_the_reason(tmp_p
 
     parent = Tracker(result.tracking_uri, "apao-synthetic").client.get_run(result.parent_run_id)
     assert json.loads(parent.data.tags[PLAN_TAG])["answers"] == plan.answers()
+    # the study's selection, recorded once with it where every surface reads it: MLflow's parent and Optuna's study
+    import optuna
+
+    from apao_ray.study.search.optuna_storage import OPTUNA_STUDY_TAG, STORAGE_TAG
+
+    selection = {"metric": "ndcg_at_10", "rule": "loss"}
+    assert json.loads(parent.data.tags["apao.selection"]) == selection
+    searched = optuna.load_study(study_name=parent.data.tags[OPTUNA_STUDY_TAG], storage=parent.data.tags[STORAGE_TAG])
+    assert searched.user_attrs["selection"] == selection and searched.direction.name == "MAXIMIZE"
 
 
 @pytest.mark.e2e

@@ -200,3 +200,31 @@ def test_the_studys_answer_table_has_the_heuristics_as_rows_and_a_method_below_t
     assert "| generalization | 1700 | tiger/ce b=0.3 |" in description and len(description) <= DESCRIPTION_LIMIT
     crowded = study_description("s", rows, subsets * 40)  # too long to fit: the artifact is named instead
     assert crowded.endswith(f"the parent run's artifact `{SUBSETS_ARTIFACT}`") and len(crowded) <= DESCRIPTION_LIMIT
+
+
+def test_each_study_is_read_by_its_own_selection_and_best_refuses_to_mix_two(tmp_path, capsys):
+    """Two studies of one dataset recorded before the selection tag (their base config's metric says it): each
+    names its winner by its own metric; ``best`` over both refuses in one line instead of ranking across them."""
+    from apao_ray.study.cli.sweep import best_main
+    from apao_ray.study.record.report import best_rows
+    from apao_ray.tracking import Tracker
+
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
+    for study, metric in (("a", "ndcg_at_10"), ("b", "recall_at_20")):
+        parent = tracker.start_run(f"study {study}", {"apao.study": study, "apao.role": "study"},
+                                   {"space": json.dumps({"backbones": ["tiger"], "losses": ["ce"]}),
+                                    "base.train.metric": metric})
+        for ndcg, recall in ((0.3, 0.6), (0.4, 0.5)):
+            run = tracker.start_run(f"{study}{ndcg}", {"apao.study": study, "backbone": "tiger", "loss": "ce"}, {},
+                                    parent_run_id=parent)
+            tracker.log_metrics(run, {"best/val/ndcg_at_10": ndcg, "best/val/recall_at_20": recall,
+                                      "test/ndcg_at_10": ndcg / 2}, 1)
+            tracker.end_run(run)
+    assert [row["best/val/ndcg_at_10"] for row in best_rows(tracker, study="a")] == [0.4]
+    assert [row["best/val/recall_at_20"] for row in best_rows(tracker, study="b")] == [0.6]
+    with pytest.raises(SystemExit) as exit_info:
+        best_main(["--dataset", "tiny", "--tracking-uri", tracker.tracking_uri, "--no-register"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("studies/best.py: error: these studies select their best trial differently") \
+        and "best/val/recall_at_20 (max)" in error and error.endswith("(--study-name)"), error

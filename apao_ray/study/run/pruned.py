@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ... import storage
-from ...names import reached_test, train_run_name
+from ...analysis.export import trial_record
+from ...analysis.outcome import PRUNED_STATE, Outcome
+from ...names import train_run_name
 from ...training.checkpoint import newest_checkpoint_at, say_on_stderr
-from ..record.outcomes import OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, TRIAL_TAG
+from ..record.outcomes import PRUNED_EPOCH_TAG, TRIAL_TAG
 
 TESTED_TAG = "apao.tested_on"
 TEST_TIMEOUT_S = 3600
@@ -63,7 +65,7 @@ def evaluate_pruned_trials(tracker: Any, parent_run_id: str, train_root: str, nu
     import ray
 
     runs = [run for run in tracker.child_runs(parent_run_id)
-            if run.data.tags.get(OUTCOME_TAG, "").startswith(PRUNED) and not reached_test(run.data.metrics)]
+            if (outcome := Outcome(trial_record(run))).state == PRUNED_STATE and not outcome.tested]
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus)(evaluate_checkpoint)
     pending = {}
     for run in runs:
