@@ -143,7 +143,7 @@ def table_rows(tracker: Tracker, metric: str | None = None, study: str | None = 
     from ...analysis.per_user import PER_USER_METRICS
 
     selection = study_selection(tracker, study)
-    rows, children, records, methods = _best_methods(tracker, selection, study, metric)
+    rows, records, methods = _best_methods(tracker, selection, study, metric)
     # the test metric that matches the shown metric (per-user tables hold Recall/NDCG@10/20)
     shown = shown_key(metric, selection).rsplit("/", 1)[-1]
     compared = shown if shown in PER_USER_METRICS else "ndcg_at_10"
@@ -166,14 +166,14 @@ def table_rows(tracker: Tracker, metric: str | None = None, study: str | None = 
 
 
 def _best_methods(tracker: Tracker, selection: Selection, study: str | None, metric: str | None = None
-                  ) -> tuple[list[dict[str, Any]], list[Any], list[dict[str, Any]], list[Any]]:
-    """The best rows (``best_rows``, status ``finished``), the study's child runs, their records, and a ``Method``
+                  ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[Any]]:
+    """The best rows (``best_rows``, status ``finished``), the records of the study's child runs, and a ``Method``
     per best row with its seeds (in the rows' order)."""
     rows = [{**row, "status": "finished"} for row in best_rows(tracker, metric, study, selection)]
     children = tracker.child_runs(filter_string=f"tags.`apao.study` = '{study}'" if study else "")
     records = [trial_record(run) for run in children]
-    return rows, children, records, seed_methods(RunSource(study or "all", records, tracker, selection=selection),
-                                                 [row["run_id"] for row in rows])
+    return rows, records, seed_methods(RunSource(study or "all", records, tracker, selection=selection),
+                                       [row["run_id"] for row in rows])
 
 
 def subset_lines(tracker: Tracker, study: str, dataset: Any, heuristics: dict[str, Any], baseline: str = "ce",
@@ -182,7 +182,7 @@ def subset_lines(tracker: Tracker, study: str, dataset: Any, heuristics: dict[st
     training-free baselines (per-user tables ``heuristics`` by name), as markdown; nothing without per-user tables."""
     from ...analysis.subsets import method_labels, subset_table
 
-    methods = _best_methods(tracker, study_selection(tracker, study), study)[3]
+    methods = _best_methods(tracker, study_selection(tracker, study), study)[2]
     tables = [t for m in methods for t in (trial.per_user() for trial in m.trials) if t is not None]
     found = method_labels(tables, dataset) if tables else None
     if found is None:
