@@ -7,6 +7,7 @@ from typing import Any
 
 from ray import tune
 
+from ...names import TESTED_KEY, reached_test
 from .outcomes import PRUNED, TERMINAL, describe, is_final_report, pruned_epoch
 from ..spec.space import trial_choices
 
@@ -33,11 +34,10 @@ class ProgressCallback(tune.Callback):
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self.done.add(trial.trial_id)
         last = trial.last_result or {}
-        test = last.get("test/ndcg_at_10")
-        epoch = pruned_epoch(trial.trial_id)
-        ending = f", test ndcg_at_10 {test:.4f}" if test is not None else \
+        finished, epoch = reached_test(last), pruned_epoch(trial.trial_id)
+        ending = f", test ndcg_at_10 {last[TESTED_KEY]:.4f}" if finished else \
             (f" ({PRUNED} {epoch}; tested on its best checkpoint at the end)" if epoch is not None else " (stopped)")
-        self._line(f"{'finished' if test is not None else 'ended'} {describe(trial_choices(trial.config))}: "
+        self._line(f"{'finished' if finished else 'ended'} {describe(trial_choices(trial.config))}: "
                    f"{self.metric} {last.get(self.metric, float('nan')):.4f}" + ending, trials)
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
