@@ -10,27 +10,35 @@ import pytest
 from conftest import mlflow_sqlite
 
 
-def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
-                           overwrite: bool = False):
-    """What a first run of the study leaves in MLflow: its parent run with the dataset checksums."""
+def _tiny_study(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
+                overwrite: bool = False, select_by: str = "ndcg_at_10"):
+    """Study ``study`` of the tiny dataset as the driver holds it, its epochs kept by ``select_by``."""
     from types import SimpleNamespace
 
-    from apao_ray.config import DataConfig, TrialConfig
+    from apao_ray.config import DataConfig, ProtocolConfig, TrialConfig
     from apao_ray.study.plan.budget import Fit
     from apao_ray.study.plan.plan import Plan
-    from apao_ray.study.run.driver import open_parent_run
     from apao_ray.study.run.study import Study
     from apao_ray.study.setup import StudySetup
     from apao_ray.study.spec.study import StudySpec
-    from apao_ray.tracking import Tracker
 
-    base = TrialConfig(DataConfig(dataset="tiny"))
+    base = TrialConfig(DataConfig(dataset="tiny"), protocol=ProtocolConfig(select_by=select_by))
     spec = StudySpec(dataset="tiny", losses=("ce",), study_name=study, overwrite=overwrite)
     setup = StudySetup(dataset=SimpleNamespace(checksums=checksums), base=base, study_name=study,
                        tracking_uri=tracking_uri, output_dir=output_dir, optuna_storage="", dataset_record={},
                        cpus_per_trial=1.0)
     plan = Plan("tiny", "paper", "fp32", 1, [], 20, 3, Fit(20, 3, 5, 0.0)).scheduled(base, spec.search, spec.losses, None)
-    return open_parent_run(Tracker(tracking_uri, "apao-tiny"), Study(spec, setup, plan, argv))
+    return Study(spec, setup, plan, argv)
+
+
+def _parent_with_checksums(tracking_uri: str, output_dir: Path, study: str, checksums: dict[str, str], argv: list[str],
+                           overwrite: bool = False):
+    """What a first run of the study leaves in MLflow: its parent run with the dataset checksums."""
+    from apao_ray.study.run.driver import open_parent_run
+    from apao_ray.tracking import Tracker
+
+    return open_parent_run(Tracker(tracking_uri, "apao-tiny"),
+                           _tiny_study(tracking_uri, output_dir, study, checksums, argv, overwrite))
 
 
 def _started_tiny_study(tmp_path: Path, monkeypatch) -> tuple[list[str], str, dict[str, str], str]:
@@ -121,3 +129,21 @@ def test_a_study_saved_before_study_run_was_split_still_unpickles():
     for old, cls in [("optuna_storage", PersistentOptunaSearch), ("scheduler", PerMethodASHA),
                      ("live_callbacks", LiveCallbacks)]:
         assert pickle.loads(f"capao_ray.study.run.{old}\n{cls.__name__}\n.".encode()) is cls
+
+
+def test_a_study_records_its_selection_and_a_resume_refuses_another(tmp_path):
+    """The parent run carries the selection every surface names the best trial by; a resume that would select
+    otherwise (here keeping the epoch of the lowest validation loss) is refused, as a changed space is."""
+    from apao_ray.study.run.driver import check_same_schedule
+    from apao_ray.tracking import Tracker
+
+    uri, runs = mlflow_sqlite(tmp_path), tmp_path / "runs"
+    parent = _parent_with_checksums(uri, runs, "s", {}, [])
+    tags = Tracker(uri, "apao-tiny").client.get_run(parent).data.tags
+    assert json.loads(tags["apao.selection"]) == {"metric": "ndcg_at_10", "rule": "ndcg_at_10"}
+    (runs / "s").mkdir(parents=True)
+    (runs / "s" / "tuner.pkl").write_bytes(b"")  # what Tune saves: the study can be resumed
+    check_same_schedule(_tiny_study(uri, runs, "s", {}, []))  # the same selection resumes
+    with pytest.raises(ValueError, match=r"^study 's' names its best trial by best/val/ndcg_at_10 \(max\) at the epoch "
+                       r"validation ndcg_at_10 keeps, .*; now by .* at the epoch the lowest validation loss keeps"):
+        check_same_schedule(_tiny_study(uri, runs, "s", {}, [], select_by="loss"))
