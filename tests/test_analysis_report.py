@@ -12,6 +12,7 @@ import pytest
 from apao_ray.analysis.export import load_export
 from apao_ray.analysis.report import build_report, find_exports
 from apao_ray.cli import main
+from apao_ray.rank_metrics import PER_USER_METRICS
 from apao_ray.training.evaluation import write_per_user
 
 NUM_USERS = 3000
@@ -173,7 +174,7 @@ def test_the_report_reads_the_convergence_verdict_its_study_recorded(tmp_path):
     ce = next(line for line in _section(report, "Test metrics") if "| ce |" in line)
     assert ce.endswith(f"| {verdict} |"), ce
     paired = [line for line in _section(report, "Paired differences") if " - ce |" in line]
-    assert len(paired) == 4 and all("early learning (not converged): " in line for line in paired)
+    assert len(paired) == len(PER_USER_METRICS) and all("early learning (not converged): " in line for line in paired)
     untagged = build_report([load_export(_fabricate(tmp_path / "plain", 0, 0.02))], tmp_path / "out2",
                             num_resamples=200).read_text()
     assert "early learning" not in "\n".join(_section(untagged, "Paired differences"))

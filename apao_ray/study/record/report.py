@@ -13,6 +13,7 @@ from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popu
 from ...names import PLAN_TAG, REPEATS_TAG, reached_test
 from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, schedule_label
+from ...rank_metrics import PER_USER_METRICS
 from ...tracking import Tracker
 from . import plots
 from ..spec.space import PAPER_KNOBS, knob_names
@@ -117,11 +118,9 @@ def table_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str
     it was. With ``heuristics``, each heuristic follows as a row of its own (``status`` ``training-free``) with
     the same test columns.
     """
-    from ...analysis.per_user import PER_USER_METRICS
-
     rows, children, records, methods = _best_methods(tracker, metric, study)
     study_filter = f" and tags.`apao.study` = '{study}'" if study else ""
-    # the test metric that matches the selection metric (per-user tables hold Recall/NDCG@10/20)
+    # the test metric that matches the selection metric (per-user tables hold every registered one)
     compared = metric.rsplit("/", 1)[-1] if metric.rsplit("/", 1)[-1] in PER_USER_METRICS else "ndcg_at_10"
     cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}
     converged = {(m.backbone, m.loss): _convergence(m, heuristics) for m in methods}
