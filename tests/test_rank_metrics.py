@@ -35,7 +35,8 @@ def test_mrr_by_hand_and_the_names_each_cutoff_reports():
     assert [metric_label(n) for n in ("recall_at_20", "ndcg_at_10", "mrr_at_10", "loss")] == ["R@20", "N@10",
                                                                                                "MRR@10", "loss"]
     values = rank_metric_values(ranks, (10,))
-    assert values["ndcg_at_10"][1] == pytest.approx(1 / np.log2(3)) and values["recall_at_10"].tolist() == [1, 1, 1, 0, 0, 0]
+    assert values["ndcg_at_10"][1] == pytest.approx(1 / np.log2(3))
+    assert values["recall_at_10"].tolist() == [1, 1, 1, 0, 0, 0]
 
 
 def test_every_surface_names_the_registered_metrics():

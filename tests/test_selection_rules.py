@@ -53,7 +53,8 @@ def test_each_rule_tests_the_weights_of_the_epoch_it_keeps(short, tmp_path, prot
     assert "mrr_at_10" in RULE_METRICS and all("val/mrr_at_10" in r for r in reports)
     for split_table, value in ((table, final["test/mrr_at_10"]), (valid, reports[expected[own] - 1]["val/mrr_at_10"])):
         by_hand = [1 / r if 1 <= r <= 10 else 0.0 for r in split_table["rank"]]
-        assert np.mean(by_hand) == pytest.approx(value, abs=1e-6) and value > 0
+        assert np.mean(by_hand) == pytest.approx(value, abs=1e-6)
+    assert protocol == "reference" or final["test/mrr_at_10"] > 0  # hits in the top 10: the check compares something
     for rule, epoch in expected.items():
         state, _, _ = load_checkpoint(tmp_path / "checkpoints" / f"epoch_{epoch:04d}")
         model.load_state_dict(state["model"])  # the weights after that epoch: what the rule keeps

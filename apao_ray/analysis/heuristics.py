@@ -17,10 +17,10 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from .paper import field_table
 from ..rank_metrics import PER_USER_CUTOFFS, PER_USER_METRICS, metric_label, rank_metric_values
+from .paper import field_table
 
-HEURISTIC_CUTOFF = max(PER_USER_CUTOFFS)  # the longest list a per-user metric reads (recall/ndcg at 20)
+HEURISTIC_CUTOFF = max(PER_USER_CUTOFFS)  # the longest list a per-user metric reads (at 20)
 
 
 def popularity_order(sem_targets: np.ndarray, num_sem: int) -> np.ndarray:

@@ -39,9 +39,9 @@ def tests_full_sort(train: TrainConfig, device: torch.device) -> bool:
 def evaluate_split(model: nn.Module, dataset: Dataset, split_name: str, tensors: CatalogTensors,
                    train: TrainConfig, device: torch.device, indices: np.ndarray | None,
                    scoring: StepScoring = VOCABULARY_SCORING) -> dict[str, float]:
-    """``{split}/<metric>`` of every registered rank metric (``recall_at_k``, ...), prefix recall and ``loss_ce`` on a user subset; beam retention
-    (a full sort of every semantic ID for ``train.retention_users`` users: costly) on the test split,
-    and on validation only when ``train.validate_retention``."""
+    """``{split}/<metric>`` of every registered rank metric (``recall_at_k``, ...), prefix recall and ``loss_ce``
+    on a user subset; beam retention (a full sort of every semantic ID for ``train.retention_users`` users:
+    costly) on the test split, and on validation only when ``train.validate_retention``."""
     return evaluate_split_per_user(model, dataset, split_name, tensors, train, device, indices, scoring)[0]
 
 
