@@ -52,7 +52,7 @@ class RankMetric:
         label: short display name; the cutoff follows it (``N`` -> ``N@10``).
         cutoffs: the cutoffs it is reported at; None: every cutoff a run evaluates (``train.topk`` up to the beam
             width; ``PER_USER_CUTOFFS`` in the per-user tables). A fixed cutoff is reported where the beam is at
-            least that wide.
+            least that wide, and in the per-user tables up to their longest cutoff (20).
         is_higher_better: whether a larger value is better.
         is_selectable: whether ``protocol.select_by`` (the kept epoch) and ``--metric`` (the best trial) may name it.
     """

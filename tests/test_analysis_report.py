@@ -32,7 +32,8 @@ def _per_user(ranks: np.ndarray) -> dict[str, np.ndarray]:
     hit = lambda k: ((ranks > 0) & (ranks <= k)).astype(float)  # noqa: E731
     gain = lambda k: np.where(hit(k) > 0, 1 / np.log2(np.maximum(ranks, 1) + 1), 0.0)  # noqa: E731
     return {"user": np.array([f"u{i:04d}" for i in range(ranks.size)], dtype=object), "rank": np.where(ranks > 0, ranks, -1),
-            "recall_at_10": hit(10), "ndcg_at_10": gain(10), "recall_at_20": hit(20), "ndcg_at_20": gain(20)}
+            "recall_at_10": hit(10), "ndcg_at_10": gain(10), "recall_at_20": hit(20), "ndcg_at_20": gain(20),
+            "mrr_at_10": np.where(hit(10) > 0, 1 / np.maximum(ranks, 1), 0.0)}
 
 
 def _trial(run_id: str, loss: str, seed: int, ranks: np.ndarray, schedule: str, extra: dict) -> tuple[dict, dict]:

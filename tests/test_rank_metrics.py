@@ -104,21 +104,21 @@ def test_the_baselines_report_mrr_not_ndcg_under_its_name(synthetic):
 
 
 def test_the_report_and_the_grid_show_mrr(tmp_path, monkeypatch):
-    """Fabricated two-seed exports whose tables predate MRR@10 (tests/test_analysis_report.py): APAO's ranks are
-    CE's with 3% of the users moved from a miss to rank 1, so its MRR@10 is higher by exactly 0.03."""
+    """Fabricated two-seed exports (tests/test_analysis_report.py): APAO's ranks are CE's with 3% of the users moved
+    from a miss to rank 1, so its MRR@10 is higher by exactly 0.03. Then the same studies as if logged before MRR@10
+    was registered: no test/mrr_at_10, tables without the column; the paired difference still comes from the ranks."""
     from apao_ray.analysis.export import load_export
     from apao_ray.analysis.grid import build_grid
     from apao_ray.analysis.report import build_report
+    from apao_ray.training.evaluation import write_per_user
     from test_analysis_grid import _rows
     from test_analysis_report import _fabricate, _section
 
     monkeypatch.delenv("APAO_DATA_DIR", raising=False)  # no dataset files: no training-free rows
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))
     exports = [load_export(_fabricate(tmp_path / "exports", seed, effect=0.03)) for seed in (0, 1)]
-    for export in exports:  # the test/mrr_at_10 a trial logs: its users' mean
-        for trial in export.trials:
-            trial["metrics"]["test/mrr_at_10"] = brute_mrr_at_10(export.per_user(trial)["rank"])
     ce = [export.trials[0]["metrics"]["test/mrr_at_10"] for export in exports]
+    assert ce == pytest.approx([brute_mrr_at_10(export.per_user(export.trials[0])["rank"]) for export in exports])
     mrr = f"{np.mean(ce):.4f} ± {np.std(ce, ddof=1):.4f}"
     report = build_report(exports, tmp_path / "out", num_resamples=300).read_text()
     header, *rows = _section(report, "Test metrics")
@@ -129,3 +129,12 @@ def test_the_report_and_the_grid_show_mrr(tmp_path, monkeypatch):
     grid = build_grid(exports, tmp_path / "grid", num_resamples=200).read_text()
     assert "ours R@10 / N@10 / MRR@10 (mean ± std, n seeds)" in grid
     assert _rows(grid)[("office", "tiger", "ce")][0].split(" / ")[2] == f"{mrr} (n=2)"
+
+    for export in exports:  # as logged before MRR@10 was registered
+        for trial in export.trials:
+            del trial["metrics"]["test/mrr_at_10"]
+            table = pd.read_csv(export.directory / trial["per_user"], dtype={"user": str}).drop(columns="mrr_at_10")
+            write_per_user(export.directory / trial["per_user"], {c: table[c].to_numpy() for c in table.columns})
+    older = build_report(exports, tmp_path / "older", num_resamples=300).read_text()
+    assert next(line for line in _section(older, "Test metrics") if "| ce |" in line).split(" | ")[8] == "-"
+    assert "| +0.0300 [" in next(line for line in _section(older, "Paired differences") if "| mrr_at_10 |" in line)
