@@ -14,9 +14,9 @@ import tempfile
 from typing import Any
 
 from ...analysis.per_user import PER_USER_FILE, read_per_user
-from ...rank_metrics import PER_USER_METRICS
 from ...analysis.results import Method, Trial, compare_methods, with_repeats
 from ...names import PER_USER_VALID_FILE, SUMMED, reached_test
+from ...rank_metrics import PER_USER_METRICS
 
 TEST_COLUMNS = tuple(f"test/{name}" for name in PER_USER_METRICS)  # every registered metric of the per-user tables
 STD_SUFFIX = " std"
