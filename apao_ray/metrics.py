@@ -12,6 +12,9 @@ Conventions, shared by every function here:
   list means the whole list (a list of R < k items is not padded with imaginary hits).
 * Every metric averages over the B users, one target each.
 
+The per-user metrics of a target's rank (Recall, NDCG, MRR at K) are registered in ``rank_metrics``, which every
+report reads; the functions here score ranked lists with them.
+
 Inputs may be torch tensors or numpy arrays; outputs are Python floats.
 """
 from __future__ import annotations
@@ -22,6 +25,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .rank_metrics import mrr_from_ranks, ndcg_from_ranks, recall_from_ranks  # noqa: F401 - the per-user values
+
 ArrayLike = torch.Tensor | np.ndarray
 
 
@@ -30,11 +35,6 @@ def _as_tensor(values: ArrayLike, name: str, ndim: int) -> torch.Tensor:
     if tensor.ndim != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(tensor.shape)}")
     return tensor
-
-
-def _check_k(k: int) -> None:
-    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-        raise ValueError(f"k must be a positive int, got {k!r}")
 
 
 def target_ranks(ranked: ArrayLike, targets: ArrayLike) -> torch.Tensor:
@@ -58,20 +58,8 @@ def target_ranks(ranked: ArrayLike, targets: ArrayLike) -> torch.Tensor:
     return torch.where(is_hit.any(dim=1), first + 1, 0)
 
 
-def recall_from_ranks(ranks: ArrayLike, k: int) -> torch.Tensor:
-    """(B,) ranks (0 = absent) -> (B,) float hits within the top k."""
-    _check_k(k)
-    ranks = torch.as_tensor(ranks)
-    return ((ranks >= 1) & (ranks <= k)).double()
-
-
-def ndcg_from_ranks(ranks: ArrayLike, k: int) -> torch.Tensor:
-    """(B,) ranks (0 = absent) -> (B,) float 1/log2(rank+1) within the top k, else 0."""
-    ranks = torch.as_tensor(ranks).double()
-    return recall_from_ranks(ranks, k) / torch.log2(ranks.clamp(min=1) + 1)
-
-
-def _mean(values: torch.Tensor) -> float:
+def _mean(values: ArrayLike) -> float:
+    values = torch.as_tensor(values)
     if values.numel() == 0:
         raise ValueError("no users to average over (empty batch)")
     return float(values.double().mean())

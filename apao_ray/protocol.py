@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from .config import PROTOCOL_NAMES, ProtocolConfig, TrialConfig
 from .data.catalog import EOS_TOKEN
 from .names import LOSS_RULE, SELECTION_TAG
+from .rank_metrics import rank_metrics_at
 
 if TYPE_CHECKING:  # torch where a tensor is touched: the study's driver and `--help` import this module
     import torch
@@ -89,7 +90,8 @@ def selectable_metrics(config: TrialConfig) -> list[str]:
     """What ``protocol.select_by`` may name: ``loss`` and the validation metrics a trial reports."""
     train = config.train
     cutoffs = [k for k in train.topk if k <= train.beam_size]
-    names = ["loss", "loss_ce", *(f"{kind}_at_{k}" for kind in ("recall", "ndcg") for k in cutoffs)]
+    names = ["loss", "loss_ce", *(name for name, (metric, _) in rank_metrics_at(cutoffs, train.beam_size).items()
+                                   if metric.is_selectable)]
     names += [f"prefix_recall_at_{train.beam_size}_m{m}" for m in range(1, 5)]
     if train.retention_users:
         names.append(f"beam_retention_at_{train.beam_size}")

@@ -12,6 +12,7 @@ import pytest
 from apao_ray.analysis.export import load_export
 from apao_ray.analysis.report import build_report, find_exports
 from apao_ray.cli import main
+from apao_ray.rank_metrics import PER_USER_METRICS
 from apao_ray.training.evaluation import write_per_user
 
 NUM_USERS = 3000
@@ -31,7 +32,8 @@ def _per_user(ranks: np.ndarray) -> dict[str, np.ndarray]:
     hit = lambda k: ((ranks > 0) & (ranks <= k)).astype(float)  # noqa: E731
     gain = lambda k: np.where(hit(k) > 0, 1 / np.log2(np.maximum(ranks, 1) + 1), 0.0)  # noqa: E731
     return {"user": np.array([f"u{i:04d}" for i in range(ranks.size)], dtype=object), "rank": np.where(ranks > 0, ranks, -1),
-            "recall_at_10": hit(10), "ndcg_at_10": gain(10), "recall_at_20": hit(20), "ndcg_at_20": gain(20)}
+            "recall_at_10": hit(10), "ndcg_at_10": gain(10), "recall_at_20": hit(20), "ndcg_at_20": gain(20),
+            "mrr_at_10": np.where(hit(10) > 0, 1 / np.maximum(ranks, 1), 0.0)}
 
 
 def _trial(run_id: str, loss: str, seed: int, ranks: np.ndarray, schedule: str, extra: dict) -> tuple[dict, dict]:
@@ -173,7 +175,7 @@ def test_the_report_reads_the_convergence_verdict_its_study_recorded(tmp_path):
     ce = next(line for line in _section(report, "Test metrics") if "| ce |" in line)
     assert ce.endswith(f"| {verdict} |"), ce
     paired = [line for line in _section(report, "Paired differences") if " - ce |" in line]
-    assert len(paired) == 4 and all("early learning (not converged): " in line for line in paired)
+    assert len(paired) == len(PER_USER_METRICS) and all("early learning (not converged): " in line for line in paired)
     untagged = build_report([load_export(_fabricate(tmp_path / "plain", 0, 0.02))], tmp_path / "out2",
                             num_resamples=200).read_text()
     assert "early learning" not in "\n".join(_section(untagged, "Paired differences"))

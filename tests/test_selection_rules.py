@@ -10,6 +10,7 @@ from apao_ray.analysis.per_user import read_per_user
 from apao_ray.models import build_model
 from apao_ray.names import PER_USER_FILE, PER_USER_VALID_FILE
 from apao_ray.protocol import decoding_scoring
+from apao_ray.rank_metrics import PER_USER_METRICS
 from apao_ray.training.checkpoint import load_checkpoint
 from apao_ray.training.evaluation import evaluate_split
 from apao_ray.training.hooks import TrainingHooks
@@ -20,7 +21,7 @@ from apao_ray.training.selection import test_by_key as by_key  # not collected a
 from test_protocol import short, tiny_config  # noqa: F401  (short: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-RULE_METRICS = ("recall_at_10", "ndcg_at_10", "recall_at_20", "ndcg_at_20")
+RULE_METRICS = PER_USER_METRICS  # every registered metric: Recall/NDCG at 10 and 20, MRR@10
 
 
 @pytest.mark.parametrize("protocol", ["paper", "reference"])
@@ -48,6 +49,12 @@ def test_each_rule_tests_the_weights_of_the_epoch_it_keeps(short, tmp_path, prot
     assert len(valid) == reports[0]["val/num_users_evaluated"] < len(short.splits["valid"])  # the users selection saw
     for metric in RULE_METRICS:
         assert valid[metric].mean() == pytest.approx(reports[expected[own] - 1][f"val/{metric}"], abs=1e-6), metric
+    # MRR@10, one registry entry, in every epoch's validation, the test, and both tables: 1/rank within the top 10
+    assert "mrr_at_10" in RULE_METRICS and all("val/mrr_at_10" in r for r in reports)
+    for split_table, value in ((table, final["test/mrr_at_10"]), (valid, reports[expected[own] - 1]["val/mrr_at_10"])):
+        by_hand = [1 / r if 1 <= r <= 10 else 0.0 for r in split_table["rank"]]
+        assert np.mean(by_hand) == pytest.approx(value, abs=1e-6)
+    assert protocol == "reference" or final["test/mrr_at_10"] > 0  # hits in the top 10: the check compares something
     for rule, epoch in expected.items():
         state, _, _ = load_checkpoint(tmp_path / "checkpoints" / f"epoch_{epoch:04d}")
         model.load_state_dict(state["model"])  # the weights after that epoch: what the rule keeps
@@ -63,7 +70,7 @@ def test_the_kept_epoch_is_also_ranked_by_the_full_sort_when_asked(short, tmp_pa
     equal a full sort computed here from the final checkpoint's weights. ``auto`` on a CPU leaves it off."""
     from apao_ray.data import iter_batches
     from apao_ray.decoding.full_sort import full_sort, topk_from_scores
-    from apao_ray.metrics import ndcg_from_ranks, recall_from_ranks, target_ranks
+    from apao_ray.metrics import mrr_from_ranks, ndcg_from_ranks, recall_from_ranks, target_ranks
     from apao_ray.training.precision import autocast
 
     config = tiny_config("paper", lr=2e-2, epochs=2, full_sort_test="on")
@@ -84,6 +91,7 @@ def test_the_kept_epoch_is_also_ranked_by_the_full_sort_when_asked(short, tmp_pa
     ranks = torch.cat(ranks)
     assert final["test/full_sort_ndcg_at_10"] == pytest.approx(float(ndcg_from_ranks(ranks, 10).mean()), abs=1e-6)
     assert final["test/full_sort_recall_at_20"] == pytest.approx(float(recall_from_ranks(ranks, 20).mean()), abs=1e-6)
+    assert final["test/full_sort_mrr_at_10"] == pytest.approx(float(mrr_from_ranks(ranks, 10).mean()), abs=1e-6)
     table = read_per_user(final_dir / PER_USER_FILE)
     assert table["full_sort_ndcg_at_10"].mean() == pytest.approx(final["test/full_sort_ndcg_at_10"], abs=1e-6)
     assert "test/beam_retention_at_20" in final and "full_sort_ndcg_at_10_by_last" not in table  # kept epoch only

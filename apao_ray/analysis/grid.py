@@ -10,6 +10,8 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from ..rank_metrics import AT_10_METRICS, metric_label
 from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_paired, metric_means, with_bar
 from .export import StudyExport
 from .heuristics import baseline_sections, recorded_datasets
@@ -23,8 +25,9 @@ GRID_FILE = "grid.md"
 # the grid's cells: paper Table 1's CE and APAO rows on the datasets whose interactions are public (Yelp's are not)
 GRID_CELLS = tuple(key for key in TABLE1 if key[0] in ("office", "grocery", "beauty")
                    and key[2] in ("ce", "apao_pointwise", "apao_pairwise"))
-GRID_METRICS = ("test/recall_at_10", "test/ndcg_at_10")
-GRID_METRICS_PER_USER = tuple(metric.removeprefix("test/") for metric in GRID_METRICS)
+GRID_METRICS_PER_USER = AT_10_METRICS  # every registered metric at 10: the paper's R@10 and N@10 first
+GRID_METRICS = tuple(f"test/{metric}" for metric in GRID_METRICS_PER_USER)
+GRID_LABEL = " / ".join(map(metric_label, GRID_METRICS_PER_USER))  # R@10 / N@10 / MRR@10
 COMPARED_METRIC = "ndcg_at_10"  # a per-user table column
 
 
@@ -79,8 +82,9 @@ def _by_loss(methods: list[Method]) -> dict[tuple[str, str, str], Method]:
 def _ours(method: Method) -> str:
     parts = []
     for metric in GRID_METRICS:
-        mean, std = method.mean_std(metric)
-        parts.append(f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}")
+        stats = method.mean_std(metric)  # None: a run logged before the metric was registered
+        mean, std = stats if stats is not None else (math.nan, math.nan)
+        parts.append("-" if math.isnan(mean) else f"{mean:.4f}" if math.isnan(std) else f"{mean:.4f} ± {std:.4f}")
     return " / ".join(parts) + f" (n={len(method.trials)})"
 
 
@@ -123,7 +127,7 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
             key = (trial.dataset.lower(), trial.backbone, trial.loss, trial.tags.get("apao.protocol", "paper"))
             running.setdefault(key, []).append(trial)
 
-    header = ["dataset", "backbone", "method", "ours R@10 / N@10 (mean ± std, n seeds)",
+    header = ["dataset", "backbone", "method", f"ours {GRID_LABEL} (mean ± std, n seeds)",
               "APAO - CE test N@10 (95% CI; p_holm with >= 2 seeds)", "paper R@10 / N@10", "status"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     counts = {"done": 0, "in progress": 0, "queued": 0}
@@ -146,10 +150,10 @@ def build_grid(exports: list[StudyExport], out_dir: str | Path, queue: list[Queu
         lines.append("| " + " | ".join([dataset, backbone, loss, _ours(method) if method else "-", difference,
                                         f"{recall:.4f} / {ndcg:.4f}", status]) + " |")
     for paired in bar_rows:  # the bar: each heuristic on the same users, minus CE of the grid's backbone
-        recall, ndcg = metric_means(bars[paired.method.dataset.lower()][paired.method.loss], GRID_METRICS_PER_USER)
+        means = metric_means(bars[paired.method.dataset.lower()][paired.method.loss], GRID_METRICS_PER_USER)
         difference = "-" if paired.over_seeds is None else f"heuristic - CE: {paired.over_seeds.text()}"
         lines.append("| " + " | ".join([paired.method.dataset.lower(), paired.method.backbone,
-                                        paired.method.label, f"{recall:.4f} / {ndcg:.4f}",
+                                        paired.method.label, " / ".join(f"{mean:.4f}" for mean in means),
                                         difference, "-", TRAINING_FREE]) + " |")
 
     others = group_methods([t for t in finished if not _is_paper_cell(t)])

@@ -17,10 +17,10 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
+from ..rank_metrics import PER_USER_CUTOFFS, PER_USER_METRICS, metric_label, rank_metric_values
 from .paper import field_table
-from .per_user import PER_USER_METRICS
 
-HEURISTIC_CUTOFF = 20  # the longest list a per-user metric reads (recall/ndcg at 20)
+HEURISTIC_CUTOFF = max(PER_USER_CUTOFFS)  # the longest list a per-user metric reads (at 20)
 
 
 def popularity_order(sem_targets: np.ndarray, num_sem: int) -> np.ndarray:
@@ -71,9 +71,9 @@ HEURISTIC_LABELS = {"popularity": "popularity (training-free)", "last_item": "la
 
 
 def heuristic_per_user(dataset: Any, name: str, split: str = "test") -> pd.DataFrame:
-    """The per-user table (``user``, ``rank``, ``recall_at_k``, ``ndcg_at_k``) of heuristic ``name`` on ``split``,
+    """The per-user table (``user``, ``rank``, each of ``PER_USER_METRICS``) of heuristic ``name`` on ``split``,
     one row per user sorted by user index, as a trained model's ``per_user_test.csv.gz``."""
-    from ..metrics import ndcg_from_ranks, recall_from_ranks, target_ranks  # lazy: metrics imports torch
+    from ..metrics import target_ranks  # lazy: metrics imports torch
 
     if name not in HEURISTICS:
         raise ValueError(f"unknown training-free baseline {name!r}; choose from {sorted(HEURISTICS)}")
@@ -85,10 +85,7 @@ def heuristic_per_user(dataset: Any, name: str, split: str = "test") -> pd.DataF
     ranks = ranks[order]
     table: dict[str, Any] = {"user": np.asarray(dataset.user_ids, dtype=object)[evaluated.users[order]],
                              "rank": np.where(ranks.numpy() > 0, ranks.numpy(), -1)}
-    for metric in PER_USER_METRICS:
-        kind, k = metric.rsplit("_at_", 1)
-        values = recall_from_ranks(ranks, int(k)) if kind == "recall" else ndcg_from_ranks(ranks, int(k))
-        table[metric] = values.double().numpy()
+    table.update(rank_metric_values(ranks, PER_USER_CUTOFFS))  # every registered metric, as a trained model's
     return pd.DataFrame(table)
 
 
@@ -119,7 +116,7 @@ def training_free_table(datasets: dict[str, dict[str, str] | None], data_dir: st
     file checksums its studies recorded (None: not recorded); different files here are said so."""
     from ..data import load_dataset  # lazy: loading a dataset imports torch
 
-    header = ["dataset", "baseline", *(f"{kind}@{k}" for kind in ("R", "N") for k in (10, 20)), "users"]
+    header = ["dataset", "baseline", *map(metric_label, PER_USER_METRICS), "users"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
     for name, recorded in sorted(datasets.items()):
@@ -134,7 +131,7 @@ def training_free_table(datasets: dict[str, dict[str, str] | None], data_dir: st
                          "baselines below are of these files")
         for heuristic in HEURISTICS:
             table = heuristic_per_user(dataset, heuristic)
-            means = [f"{table[f'{kind}_at_{k}'].mean():.4f}" for kind in ("recall", "ndcg") for k in (10, 20)]
+            means = [f"{table[name].mean():.4f}" for name in PER_USER_METRICS]
             lines.append("| " + " | ".join([name, HEURISTIC_LABELS[heuristic], *means, str(len(table))]) + " |")
     return (lines if len(lines) > 2 else []) + notes
 

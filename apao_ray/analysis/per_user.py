@@ -13,17 +13,26 @@ from ..config import TrialConfig
 from ..data import load_dataset
 from ..names import PER_USER_FILE
 from ..protocol import decoding_scoring
-
-PER_USER_METRICS = ("recall_at_10", "recall_at_20", "ndcg_at_10", "ndcg_at_20")
+from ..rank_metrics import PER_USER_CUTOFFS, PER_USER_METRICS, rank_metrics_at
 
 
 def read_per_user(path: str | os.PathLike) -> pd.DataFrame:
-    """A per-user table (gzip CSV) with ``user`` read as text (ids such as ``007`` stay as written)."""
+    """A per-user table (gzip CSV) with ``user`` read as text (ids such as ``007`` stay as written).
+
+    A registered metric (``PER_USER_METRICS``) that the table lacks, as one written before the metric was
+    registered, is computed from its ``rank`` column: the beam rank the written metrics came from (-1: absent),
+    so the values are those the table would have held. Columns of other rankings (``<metric>_by_<rule>``,
+    ``full_sort_<metric>``) cannot be, and stay absent.
+    """
     table = pd.read_csv(path, dtype={"user": str})
-    missing = [c for c in ("user", "rank", *PER_USER_METRICS) if c not in table.columns]
+    missing = [c for c in ("user", "rank") if c not in table.columns]
     if missing:
         raise ValueError(f"{path}: not a per-user test table, columns {missing} are missing "
                          f"(has {list(table.columns)})")
+    ranks = table["rank"].to_numpy()
+    for name, (metric, k) in rank_metrics_at(PER_USER_CUTOFFS).items():
+        if name not in table.columns:
+            table[name] = metric.per_user(ranks, k)
     return table
 
 

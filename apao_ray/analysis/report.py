@@ -18,6 +18,7 @@ from typing import Any
 from ..cli.types import positive_int
 from ..names import PLAN_TAG, PLUGINS_ENV, counted
 from ..paths import add_tracking_uri_argument
+from ..rank_metrics import AT_10_METRICS, FULL_SORT, metric_label
 from .export import STUDY_FILE, StudyExport, export_study, load_export, sole_study
 from .grid import build_grid, load_queue, queue_path_default
 from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_method, heuristic_paired, metric_means, \
@@ -56,7 +57,8 @@ def _paper_cell(method: Method) -> str:
 
 def _metrics_table(methods: list[Method], bars: dict[str, dict[str, Any]]) -> list[str]:
     """One row per method, then per dataset the training-free heuristics (``bar``) with the same metrics."""
-    header = ["dataset", "backbone", "method", "seeds", "R@10", "R@20", "N@10", "N@20", "paper R@10 / N@10",
+    header = ["dataset", "backbone", "method", "seeds", *(metric_label(m.removeprefix("test/")) for m in TEST_METRICS),
+              "paper R@10 / N@10",
               "protocol", "schedule", "precision", "best epoch", "epochs", "s/epoch (median)", "converged"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
@@ -170,8 +172,9 @@ def _alternative_metrics(methods: list[Method]) -> tuple[str, ...]:
     if not tables or any(table is None for table in tables):
         return ()
     shared = set.intersection(*(set(table.columns) for table in tables))
-    return tuple(sorted(c for c in shared if c.startswith(("recall_at_10_by_", "ndcg_at_10_by_", "full_sort_recall_at_10",
-                                                              "full_sort_ndcg_at_10"))))
+    full_sort = {FULL_SORT + name for name in AT_10_METRICS}
+    return tuple(sorted(c for c in shared if c.startswith(tuple(f"{name}_by_" for name in AT_10_METRICS))
+                        or c in full_sort))
 
 
 def _sources(exports: list[StudyExport]) -> list[str]:

@@ -13,6 +13,7 @@ from torch import nn
 from .. import metrics
 from ..data.batches import Batch
 from ..data.catalog import CatalogTensors
+from ..rank_metrics import rank_metric_values
 from .beam import beam_search, check_beam_size
 from .full_sort import full_sort, topk_from_scores
 from .scoring import VOCABULARY_SCORING, StepScoring
@@ -68,7 +69,8 @@ def evaluate(model: nn.Module, batches: Iterable[Batch], catalog: CatalogTensors
             the beam, its prefix recall, the full sort and retention all use it.
 
     Returns:
-        ``recall_at_{k}``, ``ndcg_at_{k}`` for each k, ``prefix_recall_at_{K}_m{m}`` for
+        every registered rank metric (``rank_metrics``: ``recall_at_{k}``, ``ndcg_at_{k}`` for each k,
+        ``mrr_at_10``), ``prefix_recall_at_{K}_m{m}`` for
         m = 1..T, ``beam_retention_at_{K}`` when ``with_full_sort``, and ``num_users``.
 
     Raises:
@@ -130,11 +132,9 @@ def evaluate_per_user(model: nn.Module, batches: Iterable[Batch], catalog: Catal
 
 def summarize(ranks: torch.Tensor, prefix_hits: torch.Tensor, retention: torch.Tensor | None,
               topk: tuple[int, ...], beam_size: int) -> dict[str, float]:
-    """Per-user (U,) ranks, (U, T) prefix hits and (U,) retention -> the named means."""
-    results: dict[str, float] = {}
-    for k in topk:
-        results[metrics.metric_name("recall", k)] = float(metrics.recall_from_ranks(ranks, k).mean())
-        results[metrics.metric_name("ndcg", k)] = float(metrics.ndcg_from_ranks(ranks, k).mean())
+    """Per-user (U,) ranks, (U, T) prefix hits and (U,) retention -> the named means (every registered rank
+    metric at the cutoffs ``topk``, or at its own cutoffs up to ``beam_size``)."""
+    results = {name: float(values.mean()) for name, values in rank_metric_values(ranks, topk, beam_size).items()}
     for m in range(1, prefix_hits.shape[1] + 1):
         name = metrics.metric_name("prefix_recall", beam_size, m)
         results[name] = float(prefix_hits[:, m - 1].double().mean())

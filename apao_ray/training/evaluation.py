@@ -15,6 +15,7 @@ from ..config import TrainConfig
 from ..data import CatalogTensors, Dataset, iter_batches
 from ..data.transitions import transition_flags
 from .. import metrics as metric_fns
+from ..rank_metrics import FULL_SORT, PER_USER_CUTOFFS, rank_metric_values
 from ..decoding import PerUser, evaluate_per_user
 from ..decoding.evaluate import summarize
 from ..decoding.scoring import VOCABULARY_SCORING, StepScoring
@@ -28,9 +29,6 @@ def select_users(num_samples: int, max_samples: int | None, seed: int) -> np.nda
     return np.sort(np.random.default_rng([seed, 7919]).choice(num_samples, size=max_samples, replace=False))
 
 
-PER_USER_CUTOFFS = (10, 20)
-
-
 def tests_full_sort(train: TrainConfig, device: torch.device) -> bool:
     """Whether the kept epoch's test pass also ranks every user by the exact full sort (``train.full_sort_test``):
     ``auto`` does on a GPU. On a CPU it costs ~0.5 s per user at 1 thread for Office's 2,415 items (paper-size
@@ -41,9 +39,9 @@ def tests_full_sort(train: TrainConfig, device: torch.device) -> bool:
 def evaluate_split(model: nn.Module, dataset: Dataset, split_name: str, tensors: CatalogTensors,
                    train: TrainConfig, device: torch.device, indices: np.ndarray | None,
                    scoring: StepScoring = VOCABULARY_SCORING) -> dict[str, float]:
-    """``{split}/recall_at_k``, ndcg, prefix recall and ``loss_ce`` on a user subset; beam retention
-    (a full sort of every semantic ID for ``train.retention_users`` users: costly) on the test split,
-    and on validation only when ``train.validate_retention``."""
+    """``{split}/<metric>`` of every registered rank metric (``recall_at_k``, ...), prefix recall and ``loss_ce``
+    on a user subset; beam retention (a full sort of every semantic ID for ``train.retention_users`` users:
+    costly) on the test split, and on validation only when ``train.validate_retention``."""
     return evaluate_split_per_user(model, dataset, split_name, tensors, train, device, indices, scoring)[0]
 
 
@@ -52,7 +50,7 @@ def evaluate_split_per_user(model: nn.Module, dataset: Dataset, split_name: str,
                             scoring: StepScoring = VOCABULARY_SCORING, full_sort: bool = False,
                             ) -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """:func:`evaluate_split`'s metrics and, from the same beam pass, :func:`per_user_table`. With ``full_sort``
-    every user is also ranked by the exact full sort (``full_sort_recall_at_k``, ``full_sort_ndcg_at_k``: how
+    every user is also ranked by the exact full sort (``full_sort_<metric>``, e.g. ``full_sort_ndcg_at_10``: how
     much of a metric the beam's pruning costs) and the beam retention covers every user, not a subset."""
     prefix = "val" if split_name == "valid" else split_name
     split = dataset.splits[split_name]
@@ -67,11 +65,8 @@ def evaluate_split_per_user(model: nn.Module, dataset: Dataset, split_name: str,
                                  with_full_sort=full_sort)
     metrics = summarize(per_user.ranks, per_user.prefix_hits, per_user.retention, topk, train.beam_size)
     if full_sort:
-        for k in topk:
-            metrics[f"full_sort_{metric_fns.metric_name('recall', k)}"] = float(
-                metric_fns.recall_from_ranks(per_user.full_ranks, k).mean())
-            metrics[f"full_sort_{metric_fns.metric_name('ndcg', k)}"] = float(
-                metric_fns.ndcg_from_ranks(per_user.full_ranks, k).mean())
+        metrics.update({f"{FULL_SORT}{name}": float(values.mean())
+                        for name, values in rank_metric_values(per_user.full_ranks, topk, train.beam_size).items()})
     elif train.retention_users and (split_name != "valid" or train.validate_retention):
         subset = select_users(len(split), train.retention_users, train.seed + 1)
         retention_batches = iter_batches(dataset.catalog, split, min(train.eval_batch_size, 64), indices=subset)
@@ -89,7 +84,8 @@ def per_user_table(per_user: PerUser, user_ids: tuple[str, ...], split_users: np
                    cutoffs: tuple[int, ...] = PER_USER_CUTOFFS,
                    labels: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """One row per evaluated user, sorted by user index: ``user`` (external id), ``rank`` (1-based rank
-    of the target's semantic ID in the beam, -1 when absent), ``recall_at_{k}`` / ``ndcg_at_{k}`` and
+    of the target's semantic ID in the beam, -1 when absent), every registered rank metric
+    (``rank_metrics.rank_metrics_at(cutoffs)``: ``recall_at_{k}``, ``ndcg_at_{k}``, ``mrr_at_10``) and
     ``prefix_hit_m{m}``, whose means are the split's metrics (SPEC §4); each of ``labels`` (per sample of the
     split, e.g. ``data.transitions.transition_flags``) as a 0/1 column."""
     user_index = split_users[per_user.sample_index.numpy()]
@@ -97,13 +93,10 @@ def per_user_table(per_user: PerUser, user_ids: tuple[str, ...], split_users: np
     ranks = per_user.ranks[torch.as_tensor(order)]
     table: dict[str, np.ndarray] = {"user": np.asarray(user_ids, dtype=object)[user_index[order]],
                                     "rank": np.where(ranks.numpy() > 0, ranks.numpy(), -1)}
-    full_ranks = per_user.full_ranks[torch.as_tensor(order)] if per_user.full_ranks is not None else None
-    for k in cutoffs:
-        table[f"recall_at_{k}"] = metric_fns.recall_from_ranks(ranks, k).double().numpy()
-        table[f"ndcg_at_{k}"] = metric_fns.ndcg_from_ranks(ranks, k).double().numpy()
-        if full_ranks is not None:  # the exact ranking's, beside the beam's
-            table[f"full_sort_recall_at_{k}"] = metric_fns.recall_from_ranks(full_ranks, k).double().numpy()
-            table[f"full_sort_ndcg_at_{k}"] = metric_fns.ndcg_from_ranks(full_ranks, k).double().numpy()
+    table.update(rank_metric_values(ranks, cutoffs))
+    if per_user.full_ranks is not None:  # the exact ranking's, beside the beam's
+        full_ranks = per_user.full_ranks[torch.as_tensor(order)]
+        table.update({f"{FULL_SORT}{name}": values for name, values in rank_metric_values(full_ranks, cutoffs).items()})
     for m in range(1, per_user.prefix_hits.shape[1] + 1):
         table[f"prefix_hit_m{m}"] = per_user.prefix_hits[torch.as_tensor(order), m - 1].numpy().astype(np.int8)
     samples = per_user.sample_index.numpy()[order]

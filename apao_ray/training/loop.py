@@ -24,6 +24,7 @@ from ..losses import build_loss
 from ..models import build_model
 from ..names import DIAGNOSIS_PREFIX, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
+from ..rank_metrics import PER_USER_METRICS
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint, seal_checkpoint
 from .cost import CostMeter
 from .failures import memory_errors_named
@@ -319,7 +320,7 @@ class TrialRun:
         test_metrics, per_user = tested[state["best_epoch"]]
         per_user = {**per_user, **{per_user_column(rule, column): tested[rule_epoch][1][column]
                                    for rule, (rule_epoch, _) in kept.items()
-                                   for column in per_user if column.startswith(("recall_at_", "ndcg_at_"))}}
+                                   for column in per_user if column in PER_USER_METRICS}}
         final.update(test_metrics)
         # the kept model's validation per user (the users selection saw): its means are the kept epoch's
         _, valid_per_user = evaluate_split_per_user(_unwrap(model), dataset, "valid", tensors, train_cfg, device,

@@ -14,6 +14,7 @@ from ... import storage
 from ...config import TrialConfig
 from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, REPEATS_TAG,
                      RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
+from ...rank_metrics import AT_10_METRICS
 from ...tracking import Tracker
 from ...training.checkpoint import newest_checkpoint_at, say_on_stderr
 from ..cluster import interrupt
@@ -260,13 +261,15 @@ def summary_metric_name(backbone: str, loss: str, metric: str) -> str:
 
 def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: str) -> list[str]:
     """The runs table's columns for a study: per method, the parent's validation and test summary (the
-    collapsed study row answers), then each trial's validation and test metric, outcome and model."""
+    collapsed study row answers), then each trial's validation and test metric, its other registered test metrics
+    at 10 (``rank_metrics``), outcome and model."""
     from ...mlflow_ui import column
 
     test = "test/" + metric.rsplit("/", 1)[-1]
     per_method = [column("metrics", summary_metric_name(backbone, loss, key))
                   for backbone in backbones for loss in losses for key in (metric, test)]
-    return [*per_method, column("metrics", metric), column("metrics", test), column("metrics", "test/recall_at_10"),
+    others = [column("metrics", f"test/{name}") for name in AT_10_METRICS if f"test/{name}" != test]
+    return [*per_method, column("metrics", metric), column("metrics", test), *others,
             column("tags", OUTCOME_TAG), column("attributes", "Models")]
 
 

@@ -14,6 +14,7 @@ from ...analysis.results import EARLY_LEARNING, is_early_learning, popularity_ch
 from ...names import PLAN_TAG
 from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, Selection, recorded_selection, schedule_label
+from ...rank_metrics import PER_USER_METRICS
 from ...tracking import Tracker
 from . import plots
 from ..spec.space import PAPER_KNOBS, knob_names
@@ -140,11 +141,9 @@ def table_rows(tracker: Tracker, metric: str | None = None, study: str | None = 
     it was. With ``heuristics``, each heuristic follows as a row of its own (``status`` ``training-free``) with
     the same test columns.
     """
-    from ...analysis.per_user import PER_USER_METRICS
-
     selection = study_selection(tracker, study)
     rows, records, methods = _best_methods(tracker, selection, study, metric)
-    # the test metric that matches the shown metric (per-user tables hold Recall/NDCG@10/20)
+    # the test metric that matches the shown metric (per-user tables hold every registered one)
     shown = shown_key(metric, selection).rsplit("/", 1)[-1]
     compared = shown if shown in PER_USER_METRICS else "ndcg_at_10"
     cells = significance_cells(methods, baseline, compared, num_resamples) if baseline else {}

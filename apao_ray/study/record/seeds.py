@@ -17,8 +17,9 @@ from ...analysis.per_user import PER_USER_FILE, read_per_user
 from ...analysis.results import Method, Trial, compare_methods, with_repeats
 from ...names import PER_USER_VALID_FILE, SUMMED
 from ...protocol import Selection
+from ...rank_metrics import PER_USER_METRICS
 
-TEST_COLUMNS = ("test/recall_at_10", "test/recall_at_20", "test/ndcg_at_10", "test/ndcg_at_20")
+TEST_COLUMNS = tuple(f"test/{name}" for name in PER_USER_METRICS)  # every registered metric of the per-user tables
 STD_SUFFIX = " std"
 
 
