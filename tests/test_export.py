@@ -58,8 +58,9 @@ def test_files_and_item_map(exported, synthetic):
     item = catalog.item_ids[5]
     assert mapping["items"][item]["tokens"] == catalog.item_tokens[5].tolist()
     assert mapping["items"][item]["semantic_id"][0] == f"<a_{catalog.item_codes[5, 0]}>"
-    assert mapping["tokens_to_item"][" ".join(map(str, catalog.item_tokens[5]))] == \
-        catalog.item_ids[catalog.sem_items[catalog.item_sem[5]]]
+    assert mapping["tokens_to_items"][" ".join(map(str, catalog.item_tokens[5]))] == [catalog.item_ids[5]]
+    shared = next(iter(catalog.collisions().values()))  # two items of one semantic ID: both, catalog order
+    assert mapping["tokens_to_items"][" ".join(map(str, catalog.item_tokens[catalog.item_index[shared[0]]]))] == shared
     generation = json.loads((exported / "generation_config.json").read_text())
     assert generation["max_new_tokens"] == generation["min_new_tokens"] == 4
 
