@@ -248,6 +248,9 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                                                 spec.enqueue_paper_setting)
         searcher.set_run_record(setup.tracking_uri, experiment_name(plan.base.data.dataset), setup.study_name,
                                 plan.base.train.seed)
+        from .trial import FAILURE_FILE
+
+        searcher.set_failure_record(train_root, FAILURE_FILE)  # an out-of-memory trial: infeasible, not vanished
         note = optuna_storage.startup_note(plan.search)
         if note:
             print(note, file=sys.stderr)
