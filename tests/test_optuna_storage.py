@@ -292,3 +292,27 @@ def test_an_out_of_memory_trial_is_infeasible_and_the_sampler_moves_away_from_it
     failed = [proposals_out_of_memory(seed, False) for seed in seeds]
     # measured: 10, 6, 7 of 20 proposals past 0.25 told infeasible; 19, 17, 18 told FAIL
     assert statistics.mean(infeasible) < 0.7 * statistics.mean(failed), (infeasible, failed)
+
+
+def test_the_answer_is_saved_as_the_optuna_studys_note_where_the_parent_run_names_the_study(tmp_path):
+    """optuna-dashboard shows a study's note on its page: the study's answer goes there, read back from the storage
+    as the dashboard reads it; a tag that hides the storage's password uses the URL the study was given."""
+    pytest.importorskip("optuna_dashboard", reason="optuna-dashboard (the dashboard extra) is not installed")
+    from optuna_dashboard._note import get_note_from_system_attrs
+
+    url, name = f"sqlite:///{tmp_path}/optuna.db", "apao-synthetic/s"
+    optuna.create_study(study_name=name, storage=url)
+    answer = "**s**: best trial per (backbone, loss) by validation\n\n| backbone | loss |\n|---|---|\n| tiger | ce |"
+    tags = {optuna_storage.STORAGE_TAG: url, optuna_storage.OPTUNA_STUDY_TAG: name}
+    assert optuna_summary.save_answer_note(tags, None, answer)
+
+    def note() -> str:
+        storage = optuna_storage.open_storage(url)
+        return get_note_from_system_attrs(storage.get_study_system_attrs(storage.get_study_id_from_name(name)),
+                                          None)["body"]
+
+    assert note() == answer
+    hidden = {**tags, optuna_storage.STORAGE_TAG: "postgresql://u:***@host/db"}
+    assert optuna_summary.save_answer_note(hidden, url, answer + "\nagain") and note() == answer + "\nagain"
+    assert not optuna_summary.save_answer_note({}, None, answer)  # a study started without an Optuna storage
+    assert not optuna_summary.save_answer_note({**tags, optuna_storage.OPTUNA_STUDY_TAG: "gone"}, None, answer)
