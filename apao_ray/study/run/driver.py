@@ -14,7 +14,8 @@ from ... import storage
 from ...config import TrialConfig
 from ...protocol import run_tags
 from ...tracking import redact
-from ..cluster import interrupt
+from ..cluster import interrupt, worker_output
+from ..cluster.ray_cluster import session_log
 from ..record.live_callbacks import run_callbacks
 from ..record.outcomes import summarize_results
 from ..search.scheduler import PerMethodASHA
@@ -264,6 +265,8 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                                       callbacks=run_callbacks(str(study_dir)), verbose=0,
                                       # a crashed trial restarts from its last checkpoint (trial.py)
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures)))
+    # a trial actor's exit traceback at its teardown: into the Ray session's logs, not before the result table
+    worker_output.exit_tracebacks_to_log(session_log)
     with interrupt.tune_running():
         results = tuner.fit()
     rows = summarize_results(results, plan.base.train.seed)
