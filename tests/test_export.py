@@ -98,6 +98,21 @@ def test_hf_constrained_beam_search_returns_our_top_10(trained, exported, synthe
         np.testing.assert_allclose([s for _, s in hf], [s for _, s in mine], atol=1e-4)
 
 
+def test_hf_recommend_returns_every_item_of_a_shared_semantic_id_as_ours_does(trained, exported, synthetic):
+    """Asked for every semantic ID, both searches return all 400 items, items 398 and 399 (one ID) side by side."""
+    recommender = load_recommender(str(trained), precision="fp32")
+    hf_snippet = snippet(exported)
+    model, mapping = hf_snippet.load(exported)
+    history = real_histories(synthetic, 1)
+    k = synthetic.catalog.num_semantic_ids
+    (ours,), (theirs,) = recommender.recommend(history, k=k), hf_snippet.recommend(model, mapping, history, k=k)
+    assert sorted(item for item, _ in theirs) == sorted(synthetic.catalog.item_ids)
+    assert {item for item, _ in theirs} == {item for item, _ in ours}
+    (shared,) = synthetic.catalog.collisions().values()
+    at = [item for item, _ in theirs].index(shared[0])
+    assert theirs[at + 1][0] == shared[1] and theirs[at][1] == theirs[at + 1][1]
+
+
 def test_load_recommender_reads_the_export_directory(trained, exported, synthetic):
     from_checkpoint = load_recommender(str(trained), precision="fp32")
     from_export = load_recommender(str(exported), precision="fp32")

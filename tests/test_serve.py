@@ -150,3 +150,18 @@ def test_a_refused_history_is_not_echoed_and_the_message_is_the_models_own(serve
     # a history whose items are no ids at all (numbers with a fraction): refused, and not echoed either
     status, answer = post(server, {"dataframe_records": [{"history": [1.5, 2.25]}]})
     assert status == 400 and "1.5" not in json.dumps(answer) and "2.25" not in json.dumps(answer), answer
+
+
+def test_the_server_returns_every_item_of_a_shared_semantic_id(server, synthetic):
+    """Items 398 and 399 share one semantic ID: asked for every ID (k = 399), the server returns all 400 items, the
+    two side by side with one score."""
+    catalog = synthetic.catalog
+    (shared,) = catalog.collisions().values()
+    history = [catalog.item_ids[i] for i in synthetic.splits["test"].histories[2] if i >= 0]
+    status, body = post(server, {"dataframe_records": [{"history": history}],
+                                 "params": {"k": catalog.num_semantic_ids}})
+    assert status == 200, body
+    (row,) = body["predictions"]
+    assert sorted(row["items"]) == sorted(catalog.item_ids)
+    at = row["items"].index(shared[0])
+    assert row["items"][at + 1] == shared[1] and row["scores"][at] == row["scores"][at + 1]
