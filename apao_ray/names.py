@@ -83,9 +83,11 @@ PER_USER_VALID_FILE = "per_user_valid.csv.gz"
 SCRATCH_PREFIX = "apao-worker-"  # + the run's name and directory (scratch_prefix): a worker's scratch in the system temp dir
 
 
-def counted(number: int, noun: str, plural: str | None = None) -> str:
+def counted(number: float, noun: str, plural: str | None = None) -> str:
     """``1 trial``, ``2 trials``, ``1 study``/``2 studies`` (``plural`` given): a count with its noun in the number
-    it needs (every layer's messages)."""
+    it needs (every layer's messages). A whole float (a count read back from a DataFrame column that also holds
+    a missing value) is written as the integer it is: ``1 seed``, never ``1.0 seed``."""
+    number = int(number) if isinstance(number, float) and number.is_integer() else number
     return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 

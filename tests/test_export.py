@@ -58,8 +58,9 @@ def test_files_and_item_map(exported, synthetic):
     item = catalog.item_ids[5]
     assert mapping["items"][item]["tokens"] == catalog.item_tokens[5].tolist()
     assert mapping["items"][item]["semantic_id"][0] == f"<a_{catalog.item_codes[5, 0]}>"
-    assert mapping["tokens_to_item"][" ".join(map(str, catalog.item_tokens[5]))] == \
-        catalog.item_ids[catalog.sem_items[catalog.item_sem[5]]]
+    assert mapping["tokens_to_items"][" ".join(map(str, catalog.item_tokens[5]))] == [catalog.item_ids[5]]
+    shared = next(iter(catalog.collisions().values()))  # two items of one semantic ID: both, catalog order
+    assert mapping["tokens_to_items"][" ".join(map(str, catalog.item_tokens[catalog.item_index[shared[0]]]))] == shared
     generation = json.loads((exported / "generation_config.json").read_text())
     assert generation["max_new_tokens"] == generation["min_new_tokens"] == 4
 
@@ -95,6 +96,21 @@ def test_hf_constrained_beam_search_returns_our_top_10(trained, exported, synthe
     for row, (mine, hf) in enumerate(zip(ours, theirs)):
         assert [item for item, _ in hf] == [item for item, _ in mine], f"history {row}"
         np.testing.assert_allclose([s for _, s in hf], [s for _, s in mine], atol=1e-4)
+
+
+def test_hf_recommend_returns_every_item_of_a_shared_semantic_id_as_ours_does(trained, exported, synthetic):
+    """Asked for every semantic ID, both searches return all 400 items, items 398 and 399 (one ID) side by side."""
+    recommender = load_recommender(str(trained), precision="fp32")
+    hf_snippet = snippet(exported)
+    model, mapping = hf_snippet.load(exported)
+    history = real_histories(synthetic, 1)
+    k = synthetic.catalog.num_semantic_ids
+    (ours,), (theirs,) = recommender.recommend(history, k=k), hf_snippet.recommend(model, mapping, history, k=k)
+    assert sorted(item for item, _ in theirs) == sorted(synthetic.catalog.item_ids)
+    assert {item for item, _ in theirs} == {item for item, _ in ours}
+    (shared,) = synthetic.catalog.collisions().values()
+    at = [item for item, _ in theirs].index(shared[0])
+    assert theirs[at + 1][0] == shared[1] and theirs[at][1] == theirs[at + 1][1]
 
 
 def test_load_recommender_reads_the_export_directory(trained, exported, synthetic):

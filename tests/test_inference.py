@@ -83,3 +83,34 @@ def test_a_served_request_gives_string_ids_and_an_integer_k():
 
     histories, k = served_request(pd.DataFrame({"history": [["1", 2], ["3"]]}), 5.0, num_semantic_ids=399)
     assert histories == [["1", "2"], ["3"]] and k == 5 and isinstance(k, int)
+
+
+@pytest.fixture(scope="module")
+def trained(synthetic, tmp_path_factory, one_torch_thread):
+    """A tiny TIGER trained for two short CE epochs, loaded as a user loads a checkpoint."""
+    from conftest import train_tiny
+
+    return Recommender.from_checkpoint(train_tiny("tiger", tmp_path_factory.mktemp("tiny"), synthetic))
+
+
+def test_every_item_of_a_shared_semantic_id_is_recommended_and_k_counts_semantic_ids(trained, synthetic):
+    """Items 398 and 399 of the synthetic catalog share one semantic ID: the metrics count a hit on either, so
+    recommend returns both, adjacent, with that ID's score, and k counts semantic IDs, not items."""
+    catalog = synthetic.catalog
+    (shared,) = catalog.collisions().values()
+    assert len(shared) == 2 and catalog.num_items == catalog.num_semantic_ids + 1
+    split = synthetic.splits["test"]
+    histories = [[catalog.item_ids[i] for i in split.histories[row] if i >= 0] for row in range(8)]
+    everything = trained.recommend(histories, k=catalog.num_semantic_ids)
+    ranks = []
+    for row in everything:
+        items = [item for item, _ in row]
+        assert sorted(items) == sorted(catalog.item_ids)  # every item once: the ID's second item too
+        at = items.index(shared[0])
+        assert items[at + 1] == shared[1] and row[at][1] == row[at + 1][1]
+        ranks.append(at)  # the shared ID's rank: the distinct IDs before it (it is the only shared one)
+    row = int(np.argmin(ranks))
+    # the shared ID is the k-th (the same beam: a narrower one may rank others differently)
+    top = trained.recommend([histories[row]], k=ranks[row] + 1, beam_size=catalog.num_semantic_ids)[0]
+    assert [item for item, _ in top] == [item for item, _ in everything[row][:ranks[row]]] + list(shared)
+    assert len(top) == ranks[row] + 2  # k semantic IDs, k + 1 items

@@ -49,6 +49,15 @@ def test_a_method_whose_trials_were_all_pruned_or_failed_still_has_its_row(tmp_p
     assert rows["apao_pairwise"]["status"] == "failed: TrialOutOfMemoryError: out of memory while training in epoch 1"
     table = format_rows(table_rows(tracker, study="s"))
     assert "| all 2 trials pruned |" in table and table.splitlines()[0].endswith("| run_id | status |")
+    # what `sweep` prints: the rows through its DataFrame, where a seed count beside a missing one is a float
+    import pandas as pd
+
+    from apao_ray.study.cli.sweep import table_records
+    from apao_ray.study.record.report import RECORDED_KNOBS
+
+    frame = pd.DataFrame(table_rows(tracker, study="s")).drop(columns=[RECORDED_KNOBS])  # as run_study's table
+    printed = format_rows(table_records(frame))
+    assert "(1 seed) |" in printed and "1.0 seed" not in printed, printed
 
 
 def test_convergence_reads_the_validation_curves_last_slope():

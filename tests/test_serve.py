@@ -132,3 +132,36 @@ def test_more_users_than_the_cap_is_a_clear_400(server):
     assert f"{MAX_USERS + 1} users in one request; at most {MAX_USERS}" in answer["message"]
     status, answer = post(server, {"dataframe_records": [{"history": ["1"]}] * MAX_USERS, "params": {"k": 1}})
     assert status == 200 and len(answer["predictions"]) == MAX_USERS, answer
+
+
+def test_a_refused_history_is_not_echoed_and_the_message_is_the_models_own(server, registered, synthetic):
+    """MLflow's scoring server prefixes a model's error with ``Failed to predict data '<the request's data>'``:
+    the answer carries the model's message alone, the one ``recommend`` raises, and nothing of the history sent."""
+    from apao_ray import load_recommender
+
+    known = [synthetic.catalog.item_ids[i] for i in synthetic.splits["test"].histories[5] if i >= 0]
+    history = [*known, "ghost-item"]
+    status, answer = post(server, {"dataframe_records": [{"history": history}], "params": {"k": 5}})
+    assert status == 400, answer
+    with pytest.raises(ValueError) as raised:
+        load_recommender(registered["model_uri"], tracking_uri=registered["tracking_uri"]).recommend([history], k=5)
+    assert answer["message"] == str(raised.value), answer
+    assert str(known)[1:-1] not in json.dumps(answer) and "Failed to predict" not in json.dumps(answer), answer
+    # a history whose items are no ids at all (numbers with a fraction): refused, and not echoed either
+    status, answer = post(server, {"dataframe_records": [{"history": [1.5, 2.25]}]})
+    assert status == 400 and "1.5" not in json.dumps(answer) and "2.25" not in json.dumps(answer), answer
+
+
+def test_the_server_returns_every_item_of_a_shared_semantic_id(server, synthetic):
+    """Items 398 and 399 share one semantic ID: asked for every ID (k = 399), the server returns all 400 items, the
+    two side by side with one score."""
+    catalog = synthetic.catalog
+    (shared,) = catalog.collisions().values()
+    history = [catalog.item_ids[i] for i in synthetic.splits["test"].histories[2] if i >= 0]
+    status, body = post(server, {"dataframe_records": [{"history": history}],
+                                 "params": {"k": catalog.num_semantic_ids}})
+    assert status == 200, body
+    (row,) = body["predictions"]
+    assert sorted(row["items"]) == sorted(catalog.item_ids)
+    at = row["items"].index(shared[0])
+    assert row["items"][at + 1] == shared[1] and row["scores"][at] == row["scores"][at + 1]

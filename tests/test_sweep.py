@@ -247,7 +247,7 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     from apao_ray.data import load_dataset
     from apao_ray.decoding import beam_search
     from apao_ray.data.batches import iter_batches
-    from apao_ray.reuse.inference import Recommender
+    from apao_ray.reuse.inference import Recommender, items_of_semantic_ids
     from apao_ray.training.precision import autocast
 
     mlflow.set_tracking_uri(study["uri"])
@@ -260,12 +260,14 @@ def test_best_table_registers_models_and_recommender_matches_the_trial(study):
     batch = next(iter_batches(dataset.catalog, dataset.splits["test"], 8))
     with autocast(trial.precision, "cpu"):  # the trial evaluated in its own precision
         beam = beam_search(trial.model, batch.history_ids, batch.history_mask, dataset.catalog.tensors(), 20)
-    expected = [[dataset.catalog.item_ids[dataset.catalog.sem_items[s]] for s in row[:10]] for row in beam.sem_ids.tolist()]
+    items_of = items_of_semantic_ids(dataset.catalog)  # every item of a semantic ID, with its score
+    expected = [[(item, score) for sem, score in zip(sems[:10], scores[:10]) for item in items_of[sem]]
+                for sems, scores in zip(beam.sem_ids.tolist(), beam.scores.tolist())]
     histories = [[dataset.catalog.item_ids[i] for i in h if i >= 0] for h in dataset.splits["test"].histories[:8]]
     got = recommender.recommend(histories, k=10)
-    assert [[item for item, _ in row] for row in got] == expected
-    scores = np.array([[score for _, score in row] for row in got])
-    assert np.allclose(scores, beam.scores[:, :10].numpy(), atol=1e-5)
+    assert [[item for item, _ in row] for row in got] == [[item for item, _ in row] for row in expected]
+    for row, wanted in zip(got, expected):
+        assert np.allclose([score for _, score in row], [score for _, score in wanted], atol=1e-5)
     # the same model as a plain MLflow pyfunc on a DataFrame: load_recommender's default (fp32) decoding
     frame = mlflow.pyfunc.load_model(f"runs:/{run.info.run_id}/model").predict(
         pd.DataFrame({"history": histories[:3]}), params={"k": 5})
@@ -311,6 +313,31 @@ def test_optuna_storage_holds_each_trial_once_with_the_validation_metric_mlflow_
         assert trial.user_attrs["tune_trial_id"] == run.data.tags["apao.trial_id"]
         assert trial.value == pytest.approx(run.data.metrics["best/val/ndcg_at_10"], rel=1e-9)
     assert {t.user_attrs["loss"] for t in trials if not t.params} == {"ce"}
+
+
+@pytest.mark.e2e
+def test_the_answer_table_is_the_optuna_studys_note_in_optuna_dashboard(study):
+    """optuna-dashboard shows the study's note on its page: the answer the parent run's description holds."""
+    pytest.importorskip("optuna_dashboard", reason="optuna-dashboard (the dashboard extra) is not installed")
+    from optuna_dashboard._note import get_note_from_system_attrs
+
+    from apao_ray.study.search.optuna_storage import open_storage
+
+    parent = study["tracker"].client.search_runs([study["tracker"].experiment_id], "tags.`apao.role` = 'study'")[0]
+    storage = open_storage(f"sqlite:///{study['dir']}/optuna.db")
+    attrs = storage.get_study_system_attrs(storage.get_study_id_from_name("apao-synthetic/synthetic-study"))
+    note = get_note_from_system_attrs(attrs, None)["body"]
+    assert note == parent.data.tags["mlflow.note.content"] and "| tiger | apao_pointwise |" in note, note
+
+
+@pytest.mark.e2e
+def test_a_clean_study_prints_no_traceback_and_no_ray_auth_warning(study):
+    """The run that finished the study (exit 0): its terminal holds no worker traceback (a trial actor's exit at
+    its teardown goes to Ray's session logs) and no Ray token-authentication warning (the suite's Ray has a token,
+    so Ray would warn at its start)."""
+    terminal = study["stdout"] + study["stderr"]
+    assert "Traceback" not in terminal and "SystemExit" not in terminal, terminal[-3000:]
+    assert "Token authentication is" not in terminal, terminal[-3000:]
 
 
 @pytest.mark.e2e

@@ -143,9 +143,9 @@ def item_map(recommender: Any) -> dict[str, Any]:
     items = {}
     for item, codes, tokens in zip(catalog.item_ids, catalog.item_codes.tolist(), catalog.item_tokens.tolist()):
         items[item] = {"semantic_id": [f"<{LEVEL_LETTERS[m]}_{c}>" for m, c in enumerate(codes)], "tokens": tokens}
-    tokens_to_item = {}
-    for item in reversed(catalog.item_ids):  # the first item of a shared semantic ID wins, as in recommend()
-        tokens_to_item[" ".join(map(str, items[item]["tokens"]))] = item
+    tokens_to_items: dict[str, list[str]] = {}  # every item of a semantic ID, catalog order, as recommend() returns
+    for item in catalog.item_ids:
+        tokens_to_items.setdefault(" ".join(map(str, items[item]["tokens"])), []).append(item)
     return {
         "backbone": config.model.backbone, "num_levels": catalog.num_levels, "level_sizes": list(catalog.level_sizes),
         "token_offsets": catalog.token_offsets.tolist(), "vocab_size": catalog.vocab_size,
@@ -154,7 +154,7 @@ def item_map(recommender: Any) -> dict[str, Any]:
         "history_ends_with_eos": bool(getattr(recommender.model, "history_eos", True)),
         "prompt": "each history item's semantic-ID tokens, oldest first, the last max_history items, then EOS "
                   "(unless history_ends_with_eos is false), left-padded with pad",
-        "items": items, "tokens_to_item": tokens_to_item,
+        "items": items, "tokens_to_items": tokens_to_items,
     }
 
 

@@ -80,7 +80,8 @@ def allowed_tokens_fn(item_map: dict, prompt_length: int, is_encoder_decoder: bo
 @torch.inference_mode()
 def recommend(model, item_map: dict, histories: list[list], k: int = 10,
               beam_size: int | None = None) -> list[list[tuple[str, float]]]:
-    """Top-k ``(item id, log-probability)`` per history, best first (one item per semantic ID)."""
+    """The items of the top-k semantic IDs per history, best first, as ``(item id, log-probability)``: k counts
+    semantic IDs, and every item of a semantic ID that several items share comes back, in catalog order."""
     beam_size = beam_size or max(k, item_map["beam_size"])
     num_levels = item_map["num_levels"]
     ids, mask = prompt_ids(item_map, histories)
@@ -91,8 +92,9 @@ def recommend(model, item_map: dict, histories: list[list], k: int = 10,
                                                                     model.config.is_encoder_decoder))
     codes = out.sequences[:, -num_levels:].view(len(histories), beam_size, num_levels)   # (B, K, T)
     scores = out.sequences_scores.view(len(histories), beam_size)                         # (B, K)
-    by_tokens = item_map["tokens_to_item"]
+    by_tokens = item_map["tokens_to_items"]
     results = []
     for row_codes, row_scores in zip(codes.tolist(), scores.tolist()):
-        results.append([(by_tokens[" ".join(map(str, c))], s) for c, s in zip(row_codes, row_scores)][:k])
+        results.append([(item, score) for codes_of, score in zip(row_codes[:k], row_scores[:k])
+                        for item in by_tokens[" ".join(map(str, codes_of))]])
     return results

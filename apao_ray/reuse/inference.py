@@ -56,6 +56,7 @@ class Recommender:
         self.precision = resolve_precision(chosen, self.device)
         self._tensors = catalog.tensors(self.device)
         self._item_tokens = catalog.item_tokens
+        self._items_of_sem = items_of_semantic_ids(catalog)
 
     @classmethod
     def from_checkpoint(cls, directory: str | Path, device: str = "cpu", precision: str | None = None) -> "Recommender":
@@ -128,8 +129,10 @@ class Recommender:
             skip_unknown: leave out item ids the catalog does not know (default: ValueError naming them).
 
         Returns:
-            For each history, up to k ``(item_id, score)`` pairs. Items sharing one semantic ID
-            are represented by the first of them in catalog order.
+            For each history, the items of its top-k semantic IDs, best first, each with its semantic ID's
+            log-probability score: ``k`` counts semantic IDs, as the metrics do (a target counts as a hit when
+            its semantic ID is among the top k), so every item of a semantic ID that several items share is
+            returned, in catalog order, and a list may hold more than k items.
         """
         if not histories:
             return []
@@ -137,29 +140,35 @@ class Recommender:
         if not 1 <= k <= beam_size:
             raise ValueError(f"k={k} must be between 1 and the beam size {beam_size}")
         matrix = self._history_matrix(histories, skip_unknown)
-        item_of_sem = np.asarray(self.catalog.item_ids, dtype=object)[self.catalog.sem_items]  # (U,) first item per ID
         results: list[list[tuple[str, float]]] = []
         for start in range(0, len(matrix), batch_size):
             ids, mask = encode_histories(self._item_tokens, matrix[start:start + batch_size])
             with autocast(self.precision, self.device):
                 beam = beam_search(self.model, ids.to(self.device), mask.to(self.device), self._tensors, beam_size,
                                    scoring=decoding_scoring(self.config))
-            sem_ids, scores = beam.sem_ids[:, :k].cpu().numpy(), beam.scores[:, :k].cpu().numpy()  # (B, k)
-            items = item_of_sem[np.maximum(sem_ids, 0)]                                           # (B, k)
-            for item_row, score_row, is_real in zip(items.tolist(), scores.tolist(), (sem_ids >= 0).tolist()):
-                results.append([(i, s) for i, s, r in zip(item_row, score_row, is_real) if r])
+            sem_ids, scores = beam.sem_ids[:, :k].cpu().tolist(), beam.scores[:, :k].cpu().tolist()  # (B, k)
+            for sem_row, score_row in zip(sem_ids, scores):  # -1: fewer than k semantic IDs reachable
+                results.append([(item, score) for sem, score in zip(sem_row, score_row) if sem >= 0
+                                for item in self._items_of_sem[sem]])
         return results
+
+
+def items_of_semantic_ids(catalog: Catalog) -> list[tuple[str, ...]]:
+    """(U,) the item ids of each semantic ID, in catalog order (several where items share one)."""
+    order = np.argsort(catalog.item_sem, kind="stable")                               # (I,) grouped by ID
+    bounds = np.cumsum(np.bincount(catalog.item_sem, minlength=catalog.num_semantic_ids))[:-1]
+    return [tuple(group) for group in np.split(np.asarray(catalog.item_ids, dtype=object)[order], bounds)]
 
 
 def served_request(model_input: Any, k: Any, num_semantic_ids: int) -> tuple[list[list[str]], int]:
     """The histories (item ids as str) and k of a served request; ValueError naming what is wrong and what is allowed.
 
-    Stricter than ``recommend``: a client's empty history or k beyond the distinct items is a mistake to report.
+    Stricter than ``recommend``: a client's empty history or k beyond the distinct semantic IDs is a mistake to report.
 
     Args:
         model_input: a DataFrame (pyfunc's input) with a ``history`` column of item-id lists, oldest first.
-        k: the requested number of items.
-        num_semantic_ids: the model's distinct items, the largest k allowed.
+        k: the requested number of semantic IDs (``recommend``'s k).
+        num_semantic_ids: the model's distinct semantic IDs, the largest k allowed.
     """
     columns = list(getattr(model_input, "columns", []))
     if "history" not in columns:
@@ -167,7 +176,8 @@ def served_request(model_input: Any, k: Any, num_semantic_ids: int) -> tuple[lis
                          'of item ids, oldest first ({"dataframe_records": [{"history": ["12", "7"]}]})')
     histories: Iterable[Any] = model_input["history"]
     if isinstance(k, bool) or not isinstance(k, (int, float)) or k != int(k) or not 1 <= k <= num_semantic_ids:
-        raise ValueError(f"k={k!r} must be an integer between 1 and {num_semantic_ids}, the model's distinct items")
+        raise ValueError(f"k={k!r} must be an integer between 1 and {num_semantic_ids}, the model's distinct "
+                         "semantic IDs")
     rows = []
     for row, history in enumerate(histories):
         if isinstance(history, (str, bytes)) or not hasattr(history, "__len__"):

@@ -81,7 +81,7 @@ def check_request(payload: Any, allowed_params: dict[str, Any], max_users: int) 
 class RequestLimits:
     """ASGI middleware in front of MLflow's app: reads a POST /invocations body up to ``max_body_bytes``
     (413 beyond), parses it once (400 for bad JSON, nothing echoed), applies ``check_request`` and hands
-    MLflow the checked body."""
+    MLflow the checked body; MLflow's error answers lose the request's data it puts in them (``without_echo``)."""
 
     def __init__(self, app: Any, allowed_params: dict[str, Any], max_body_bytes: int, max_users: int) -> None:
         self.app, self.allowed_params = app, allowed_params
@@ -115,7 +115,7 @@ class RequestLimits:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
 
-        await self.app(scope, replay, send)
+        await self.app(scope, replay, without_echo(send))
 
     async def _read(self, scope: dict, receive: Any) -> bytes:
         too_large = RequestError(413, f"request body over the limit of {self.max_body_bytes:,} bytes (serve "
@@ -133,6 +133,38 @@ class RequestLimits:
             chunks.append(chunk)
             if not message.get("more_body"):
                 return b"".join(chunks)
+
+
+# MLflow's scoring server puts the request's data in front of a model's error (``Failed to predict data '<the
+# histories>'. \nError: <the model's message>``): what follows the marker is the whole of what the model said
+ECHO_MARKER = "\nError: "
+
+
+def without_echo(send: Any) -> Any:
+    """``send`` for MLflow's app whose error answers (status >= 400, JSON) keep only the model's own message of
+    ``Failed to predict data '<data>'. \nError: <message>``: nothing of a request is echoed back."""
+    held: dict[str, Any] = {}
+
+    async def send_checked(message: dict) -> None:
+        if message["type"] == "http.response.start" and message["status"] >= 400:
+            held["start"], held["body"] = message, b""  # answered once the whole body is here
+            return
+        if "start" not in held or message["type"] != "http.response.body":
+            return await send(message)
+        held["body"] += message.get("body", b"")
+        if message.get("more_body"):
+            return
+        try:
+            content = json.loads(held["body"])
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            content = None
+        if isinstance(content, dict) and isinstance(content.get("message"), str) and ECHO_MARKER in content["message"]:
+            content["message"] = content["message"].split(ECHO_MARKER, 1)[1]
+            return await _answer(send, held["start"]["status"], content)
+        await send(held["start"])
+        await send({"type": "http.response.body", "body": held["body"]})
+
+    return send_checked
 
 
 async def _answer(send: Any, status: int, content: dict) -> None:

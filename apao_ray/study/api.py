@@ -136,7 +136,11 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
         subsets = subset_lines(tracker, setup.study_name, dataset, heuristics)
         if subsets:
             tracker.log_text(outcome.parent_run_id, "\n".join(subsets) + "\n", SUBSETS_ARTIFACT)
-        tracker.set_tags(outcome.parent_run_id, {DESCRIPTION_TAG: study_description(setup.study_name, rows, subsets)})
+        description = study_description(setup.study_name, rows, subsets)
+        tracker.set_tags(outcome.parent_run_id, {DESCRIPTION_TAG: description})
+        from .search.optuna_summary import save_answer_note  # and on the Optuna study's page in optuna-dashboard
+
+        save_answer_note(tracker.client.get_run(outcome.parent_run_id).data.tags, setup.optuna_storage, description)
     record_rates(spec, setup, plan, outcome.rows)
     actual = {(row["backbone"], row["loss"]): {k: v for k, v in row.items() if k.startswith("cost/") and v is not None}
               for row in rows if row.get("status") != TRAINING_FREE}

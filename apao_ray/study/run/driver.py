@@ -15,7 +15,8 @@ from ...config import TrialConfig
 from ...names import SELECTION_TAG
 from ...protocol import Selection, recorded_selection, run_tags
 from ...tracking import redact
-from ..cluster import interrupt
+from ..cluster import interrupt, worker_output
+from ..cluster.ray_cluster import session_log
 from ..record.live_callbacks import run_callbacks
 from ..record.outcomes import summarize_results
 from ..search.scheduler import PerMethodASHA
@@ -255,6 +256,9 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                                                 spec.enqueue_paper_setting)
         searcher.set_run_record(setup.tracking_uri, experiment_name(plan.base.data.dataset), setup.study_name,
                                 plan.base.train.seed)
+        from .trial import FAILURE_FILE
+
+        searcher.set_failure_record(train_root, FAILURE_FILE)  # an out-of-memory trial: infeasible, not vanished
         note = optuna_storage.startup_note(plan.search)
         if note:
             print(note, file=sys.stderr)
@@ -268,6 +272,8 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                                       callbacks=run_callbacks(str(study_dir)), verbose=0,
                                       # a crashed trial restarts from its last checkpoint (trial.py)
                                       failure_config=tune.FailureConfig(max_failures=spec.max_failures)))
+    # a trial actor's exit traceback at its teardown: into the Ray session's logs, not before the result table
+    worker_output.exit_tracebacks_to_log(session_log)
     with interrupt.tune_running():
         results = tuner.fit()
     rows = summarize_results(results, plan.base.train.seed)

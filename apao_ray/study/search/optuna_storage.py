@@ -43,6 +43,9 @@ SELECTION_ATTR = "selection"  # the Optuna study's user attribute: the study's p
 # drawn near the best of them and away from 3 others. With fewer, the bad density is mostly Optuna's
 # prior and TPE is a random draw with extra steps.
 STARTUP_TRIALS_PER_METHOD = 4
+# the constraint an out-of-memory trial violates (its own memory, or its --memory-per-trial-gib cap): its knobs
+# are infeasible there, which TPE learns from (mark_infeasible); optuna-dashboard shows it on the trial
+OUT_OF_MEMORY = "out_of_memory"
 
 
 def resolve_storage_url(url: str | None, tracking_uri: str, output_dir: Path) -> str:
@@ -166,6 +169,34 @@ class PersistentOptunaSearch(OptunaSearch):
         """Where each trial's MLflow run is (found by its Tune trial id) and the seed search trials train on."""
         self._run_record = (tracking_uri, experiment, study_name, seed)
 
+    def set_failure_record(self, train_root: str, failure_file: str) -> None:
+        """Where a trial that failed for good left its reason: ``<train_root>/<train run name>/<failure_file>``
+        (training/worker.py ``leave_failure``); it tells an infeasible trial from any other failure."""
+        self._failure_record = (train_root, failure_file)
+
+    def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        if error and trial_id not in self._completed_trials and trial_id in self._ot_trials:
+            constraint = self._infeasible_for(trial_id)
+            if constraint is not None:
+                mark_infeasible(self._ot_study, self._ot_trials[trial_id], constraint)
+                self._completed_trials.add(trial_id)
+                return
+        super().on_trial_complete(trial_id, result, error)
+
+    def _infeasible_for(self, trial_id: str) -> str | None:
+        """The constraint a failed trial broke (``OUT_OF_MEMORY``), or None: a failure that says nothing of its
+        knobs (a crashed node, a bug) stays a FAIL, which the sampler leaves out."""
+        record = getattr(self, "_failure_record", None)  # None in a searcher pickled before it existed
+        if record is None:
+            return None
+        from ... import storage
+        from ...names import train_run_name
+        from ..record.outcomes import failure_outcome
+
+        train_root, failure_file = record
+        reason = storage.read_text(storage.join(storage.absolute(train_root), train_run_name(trial_id), failure_file))
+        return OUT_OF_MEMORY if reason is not None and failure_outcome(reason) == "out of memory" else None
+
     def suggest(self, trial_id: str) -> dict | None:
         config = super().suggest(trial_id)
         if self._ot_study.metric_names is None:
@@ -203,6 +234,14 @@ class PersistentOptunaSearch(OptunaSearch):
     def restore(self, checkpoint_path: str) -> None:
         super().restore(checkpoint_path)
         requeue_lost_trials(self._ot_study, {t._trial_id for t in self._ot_trials.values()})
+
+
+def mark_infeasible(study: optuna.Study, trial: optuna.Trial, constraint: str) -> None:
+    """Ends a running Optuna trial as infeasible: ``constraint`` violated (Optuna's ``Trial.set_constraint``, value
+    1 > 0), told PRUNED as it has no objective value. TPE leaves a FAIL out of what it learns; an infeasible
+    trial it ranks below every feasible one, so its knobs' region is drawn less."""
+    trial.set_constraint(constraint, 1.0)
+    study.tell(trial, state=TrialState.PRUNED)
 
 
 def requeue_lost_trials(study: optuna.Study, known_trial_ids: set[int]) -> list[int]:

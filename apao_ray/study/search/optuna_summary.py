@@ -11,7 +11,7 @@ from optuna.trial import TrialState
 from ...paths import pip_install_hint
 from ...tracking import redact
 from ..spec.space import SEPARATOR, knob_names
-from .optuna_storage import dashboard_command, open_storage
+from .optuna_storage import OPTUNA_STUDY_TAG, STORAGE_TAG, dashboard_command, open_storage
 
 # PED-ANOVA (optuna.importance's default) compares a method's top 10% of trials with all of them: below 10
 # trials that "top" is one trial, and the shares say which knob that one trial happened to move
@@ -131,3 +131,25 @@ def explain_study(study: optuna.Study, note: str, parent_run_id: str) -> None:
     importance means here, and the MLflow run that holds the study."""
     study.set_user_attr("parameter importance", note)
     study.set_user_attr("mlflow_study_run_id", parent_run_id)
+
+
+def save_answer_note(parent_tags: dict[str, str], given_url: str | None, markdown: str) -> bool:
+    """Saves the study's answer (``markdown``: the table its MLflow parent run's description holds) as the note of
+    its Optuna study, which optuna-dashboard shows on the study's page. The study is the one the parent's tags name
+    (its storage's URL: ``given_url``, the one the study was started with, where the tag hides a password).
+    Returns whether it was saved: not without optuna-dashboard (its ``save_note`` writes the note, in its own
+    layout), nor for a study started without an Optuna storage or missing from it."""
+    try:
+        from optuna_dashboard import save_note  # the dashboard extra: nothing to show a note without it
+    except ImportError:
+        return False
+    recorded, name = parent_tags.get(STORAGE_TAG), parent_tags.get(OPTUNA_STUDY_TAG)
+    url = given_url if recorded is not None and "***" in recorded else recorded
+    if not url or not name:
+        return False
+    try:
+        study = load_study(url, name)
+    except KeyError:  # the storage was replaced or cleared while the study ran
+        return False
+    save_note(study, markdown)
+    return True
