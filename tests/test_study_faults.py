@@ -236,3 +236,26 @@ def test_a_driver_killed_and_started_again_elsewhere_finishes_every_trial_once(t
     assert resumed and min(resumed) >= max(before[cut]["epochs"]), (resumed, before)
     assert not _resumed_after(end["tracker"], end["children"][finished])
     assert not list(second.iterdir()), "the resumed study wrote into its working directory"
+
+
+@pytest.mark.parametrize("error, said", [
+    ("The actor 4ff4 is unavailable: The actor is temporarily unavailable: RpcError: RPC error: Socket closed "
+     "rpc_code: 14. The task may or may not have been executed on the actor.", "lost its process or its Ray node"),
+    ("ray.exceptions.ActorDiedError: The actor died unexpectedly before finishing this task.\n"
+     "The actor is dead because its node has died. Node Id: 05a3", "lost its Ray node"),
+    ("ray::ImplicitFunc.train() (pid=1, ip=10.0.0.2)\nRuntimeError: expected a tensor", "failed (RuntimeError: "
+     "expected a tensor)"),
+])
+def test_a_retried_trial_says_how_its_last_attempt_ended_in_a_few_words(tmp_path, error, said):
+    """The words of the retry line, from the error file Tune keeps per trial (its last failure when several):
+    the text Ray 2.60 gave for the node killed mid-trial above, its words for an actor whose node it declared dead,
+    and an error of the trial's own."""
+    from types import SimpleNamespace
+
+    from apao_ray.study.record.progress import lost_how
+
+    error_file = tmp_path / "error.txt"
+    error_file.write_text(f"Failure # 1 (occurred at 2026-12-07_03-18-56)\nRuntimeError: an earlier one\n"
+                          f"Failure # 2 (occurred at 2026-12-07_03-19-56)\n{error}\n")
+    assert lost_how(SimpleNamespace(error_file=str(error_file))) == said
+    assert lost_how(SimpleNamespace(error_file=str(tmp_path / "absent.txt"))) == "lost its process"
