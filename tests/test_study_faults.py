@@ -187,14 +187,15 @@ def test_an_object_store_outage_mid_study_is_waited_out_and_costs_no_trial(tmp_p
     output = f"{s3_bucket}/outage"
     command = [sys.executable, SWEEP, *SMALL, "--max-concurrent", "2", "--max-failures", "0",
                "--output-dir", output, "--tracking-uri", uri]
-    process, _ = launch_until(command, tmp_path, mid_trial, timeout=900)
-    with _ended_with_the_test(process):
-        relay.down()
-        try:
+    try:
+        process, _ = launch_until(command, tmp_path, mid_trial, timeout=900)
+        with _ended_with_the_test(process):
+            relay.down()
             time.sleep(20)
-        finally:
             relay.up()
-        _, stderr = process.communicate(timeout=600)
+            _, stderr = process.communicate(timeout=600)
+    finally:
+        relay.down()  # its port closed for good
     assert process.returncode == 0, stderr[-4000:]
     end = _every_trial_finished_once(uri, tmp_path, 2, tmp_path / "optuna.db")
     for run in end["children"].values():  # waited, never restarted from a checkpoint
