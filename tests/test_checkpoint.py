@@ -102,3 +102,36 @@ def test_a_resume_over_a_damaged_newest_checkpoint_continues_from_the_one_before
     assert resumed["epochs_trained"] == 3
     assert prefixed(resumed, "test/", "best/") == prefixed(full, "test/", "best/")
     assert (tmp_path / "run" / "checkpoints" / "damaged-epoch_0002" / BEST_MODEL_FILE).exists()  # kept
+
+
+def test_a_storage_that_refuses_for_a_while_is_waited_out_and_one_that_keeps_refusing_is_named(monkeypatch):
+    """with_storage_retries: a write refused once goes through on the next try, said in two lines (refused, took);
+    past $APAO_STORAGE_WAIT_S the error names the storage, how long and why, in one line, and what to do."""
+    from apao_ray.training.checkpoint import STORAGE_WAIT_ENV, StorageUnavailableError, with_storage_retries
+
+    said, tries = [], []
+
+    def write_refused_once() -> str:
+        tries.append(1)
+        if len(tries) == 1:
+            raise OSError("AWS Error NETWORK_CONNECTION during PutObject operation:\ncurlCode: 7")
+        return "written"
+
+    monkeypatch.setenv(STORAGE_WAIT_ENV, "30")
+    assert with_storage_retries(write_refused_once, "s3://b/run", "the epoch's checkpoint", said.append) == "written"
+    assert len(tries) == 2 and len(said) == 2, said
+    assert said[0] == ("storage s3://b/run refused the epoch's checkpoint (AWS Error NETWORK_CONNECTION during "
+                       "PutObject operation: curlCode: 7); trying again for up to 30 s ($APAO_STORAGE_WAIT_S)")
+    assert said[1].startswith("storage s3://b/run took the epoch's checkpoint after ")
+    monkeypatch.setenv(STORAGE_WAIT_ENV, "0")
+
+    def refused() -> None:
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(StorageUnavailableError) as error:
+        with_storage_retries(refused, "/shared/runs/t", "the epoch's checkpoint", said.append)
+    assert str(error.value).startswith("storage /shared/runs/t refused the epoch's checkpoint for 0 s (the last time: "
+                                       "[Errno 28] No space left on device)") and "\n" not in str(error.value)
+    assert str(error.value).endswith("re-run the same command with --resume --retry-failed")
+    with pytest.raises(ValueError):  # not a storage error: not retried
+        with_storage_retries(lambda: int("x"), "/shared/runs/t", "the epoch's checkpoint", said.append)

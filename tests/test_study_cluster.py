@@ -33,12 +33,13 @@ def _alive_nodes(address: str, env: dict, resource: str | None = None) -> list[s
         listing = subprocess.run([sys.executable, "-c", "import json, ray; from apao_ray.study.cluster import token_auth as t;"
                                   f"t.needs_token_mode({address!r}) and t.enable_token_mode();"
                                   f"ray.init(address={address!r}, logging_level='ERROR');"
-                                  f"print(json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']{carries}]))"],
+                                  f"print('nodes', json.dumps([n['NodeID'] for n in ray.nodes() if n['Alive']{carries}]))"],
                                  capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     except subprocess.TimeoutExpired:  # a node still starting on a loaded machine: the caller asks again
         return []
-    lines = listing.stdout.strip().splitlines()
-    return json.loads(lines[-1]) if listing.returncode == 0 and lines else []
+    # its own line: Ray's log lines (a raylet's, forwarded) may come after it on stdout
+    lines = [line for line in listing.stdout.splitlines() if line.startswith("nodes [")]
+    return json.loads(lines[-1][len("nodes "):]) if listing.returncode == 0 and lines else []
 
 
 CLUSTER_SECTION = "## A Ray cluster and a shared MLflow server"

@@ -15,8 +15,9 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 from .. import storage
 from ..data.files import sha256_of
@@ -31,6 +32,49 @@ MANIFEST_FILE = "manifest.json"  # written last: every file's size and SHA-256
 SET_ASIDE_FILE = "set_aside.txt"  # marks the place of a checkpoint set aside as damaged
 DAMAGED_PREFIX = "damaged-"  # a damaged checkpoint's new name: no reader's pattern matches it
 RESTARTS = "training starts again from the first epoch"  # a run none of whose checkpoints loads
+# how long a trial waits for its storage to take a checkpoint (an object store's outage, a full disk being cleared)
+STORAGE_WAIT_ENV = "APAO_STORAGE_WAIT_S"
+STORAGE_WAIT_S = 600.0
+Result = TypeVar("Result")
+
+
+class StorageUnavailableError(OSError):
+    """A run's storage refused its checkpoints for longer than ``STORAGE_WAIT_ENV`` allows."""
+
+
+def with_storage_retries(action: Callable[[], Result], location: str, what: str,
+                         say: Callable[[str], None]) -> Result:
+    """Runs ``action`` (an idempotent read or write of ``what`` at ``location``), trying again on OSError with
+    growing pauses (1 s to 30 s) for up to ``$APAO_STORAGE_WAIT_S`` seconds: a storage outage of a few minutes
+    costs a trial that long, not a restart. ``say`` gets one line when the storage first refuses and one when it
+    takes the write.
+
+    Raises:
+        StorageUnavailableError: naming ``location``, how long it refused and the last error, and what to do.
+    """
+    wait = float(os.environ.get(STORAGE_WAIT_ENV) or STORAGE_WAIT_S)
+    started, pause, failure = time.monotonic(), 1.0, None
+    while True:
+        try:
+            result = action()
+        except OSError as error:
+            reason = " ".join(str(error).split())[:300]
+            waited = time.monotonic() - started
+            if waited >= wait:
+                raise StorageUnavailableError(
+                    f"storage {location} refused {what} for {waited:.0f} s (the last time: {reason}); the trial's "
+                    "checkpoints kept there stay: once the storage takes writes, re-run the same command with "
+                    "--resume --retry-failed") from None
+            if failure is None:
+                say(f"storage {location} refused {what} ({reason}); trying again for up to {wait:.0f} s "
+                    f"(${STORAGE_WAIT_ENV})")
+            failure = reason
+            time.sleep(min(pause, max(0.0, wait - waited)))
+            pause = min(2 * pause, 30.0)
+            continue
+        if failure is not None:
+            say(f"storage {location} took {what} after {time.monotonic() - started:.0f} s; the trial goes on")
+        return result
 
 
 def save_checkpoint(directory: str | os.PathLike, state: dict[str, Any], best_model_state: dict[str, Any],

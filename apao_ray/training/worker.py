@@ -18,7 +18,8 @@ from torch import nn
 from .. import storage
 from ..config import TrialConfig
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
-from .checkpoint import RESTARTS, SET_ASIDE_FILE, check_checkpoint, checkpoints_in, is_set_aside, newest_loadable
+from .checkpoint import (RESTARTS, SET_ASIDE_FILE, check_checkpoint, checkpoints_in, is_set_aside, newest_loadable,
+                         with_storage_retries)
 from .cohort import run_cohort
 from .hooks import TrainingHooks, append_report
 from .failures import TrialOutOfMemoryError, is_out_of_memory
@@ -59,13 +60,16 @@ class ScratchCheckpoints:
         if not storage.is_remote(output_dir):
             return output_dir
         self.remote_dir = str(output_dir)
-        local = storage.download(output_dir, self._scratch / "run")
+        local = with_storage_retries(lambda: storage.download(output_dir, self._scratch / "run"), self.remote_dir,
+                                     "the trial's checkpoints", self.warn)
         self._synced = storage.file_stats(local)  # what the store holds already: not sent back unless rewritten
         return local
 
     def _mirrored(self) -> None:
+        """Sends the run directory's new files to the store; an outage is waited out (``with_storage_retries``)."""
         if self.remote_dir is not None:
-            storage.mirror(self.output_dir, self.remote_dir, self._synced)
+            with_storage_retries(lambda: storage.mirror(self.output_dir, self.remote_dir, self._synced),
+                                 self.remote_dir, "the epoch's checkpoint", self.warn)
 
     def close(self) -> None:
         """Removes the scratch directory (restored checkpoint, checkpoints before upload)."""

@@ -109,6 +109,9 @@ class MlflowStudyCallback(tune.Callback):
     def on_trial_start(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self._run_for(trial)
 
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._nodes_tagged.discard(trial.trial_id)  # retried, perhaps elsewhere: its run names the node it ends on
+
     def _backfill(self, run_id: str, history: list[dict[str, Any]]) -> None:
         """Logs the epochs a resumed trial trained before a driver was killed but whose results never
         reached MLflow (the worker sends its history with the first report after a resume)."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from ray import tune
@@ -43,3 +44,22 @@ class ProgressCallback(tune.Callback):
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
         self.done.add(trial.trial_id)
         self._line(f"FAILED {describe(trial_choices(trial.config))} (see MLflow tag apao.error)", trials)
+
+    def on_trial_recover(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        """A trial whose process or node was lost, started again by Tune (--max-failures): it continues from its
+        newest checkpoint, wherever Ray places it."""
+        self._line(f"{describe(trial_choices(trial.config))} (trial {trial.trial_id}) {lost_how(trial)}: retry "
+                   f"{trial.num_failures} of {trial.max_failures} (--max-failures), from its newest checkpoint", trials)
+
+
+def lost_how(trial: Any) -> str:
+    """How a trial's last attempt ended, in a few words, from the error Tune recorded for it."""
+    error_file = getattr(trial, "error_file", None) or ""
+    text = Path(error_file).read_text() if error_file and Path(error_file).exists() else ""
+    last = text.rsplit("Failure # ", 1)[-1]
+    if "node has died" in last or "NodeDiedError" in last:
+        return "lost its Ray node"
+    if "actor" in last.lower() and ("unavailable" in last or "died" in last):  # Ray's words when either is lost
+        return "lost its process or its Ray node"
+    lines = [line.strip() for line in last.splitlines() if "Error" in line]
+    return f"failed ({lines[0][:200]})" if lines else "lost its process"
