@@ -14,7 +14,6 @@ from ...names import PLAN_TAG, REPEATS_TAG, reached_test
 from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
-from . import plots
 from ..spec.space import PAPER_KNOBS, knob_names
 from .outcomes import short_reason
 from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
@@ -305,14 +304,8 @@ def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
 
 
 def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str, Any]], beam_size: int) -> None:
-    """Per-prefix recall of the best trial per method (Optuna's own plots come from optuna_storage.py)."""
-    best: dict[str, dict[str, Any]] = {}
-    for row in rows:
-        label = f"{row['choices']['backbone']}/{row['choices']['loss']}"
-        value = row["metrics"].get("best/val/ndcg_at_10", -1.0)
-        if reached_test(row["metrics"]) and value > best.get(label, {}).get("value", -2.0):
-            best[label] = {"label": label, "metrics": row["metrics"], "value": value}
-    if best:
-        figure = plots.prefix_recall_figure(list(best.values()), beam_size)
-        tracker.log_figure(parent_run_id, figure, "prefix_recall_per_method.png")
-        plots.close(figure)
+    """Per-prefix recall per method, its trials' knobs in the legend (Optuna's own plots come from
+    optuna_storage.py)."""
+    from .prefix_recall import log_study_prefix_recall
+
+    log_study_prefix_recall(tracker, parent_run_id, rows, beam_size)
