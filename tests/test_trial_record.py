@@ -123,3 +123,24 @@ def test_the_studys_prefix_recall_chart_has_a_panel_per_method_and_the_knobs_in_
     assert legends == {"tiger/ce": ["no knobs (best)"],
                        "tiger/apao_pointwise": ["b=0.5 eta=0.0001 (best)", "b=0.123 eta=3.3e-05"]}
     assert STUDY_CHART_FILE in {a.path for a in tracker.client.list_artifacts(parent)}
+
+
+def test_each_epoch_reports_the_machines_and_the_trials_cpu_and_memory(logged):
+    """The system/ metrics MLflow files under a run's System metrics tab, as the tiny trial reported them (it trained
+    in this process, so its resident set is this process's order of size)."""
+    import psutil
+
+    final, tracker = logged["final"], logged["tracker"]
+    system = {key: value for key, value in final.items() if key.startswith("system/")}
+    assert {"system/cpu_utilization_percentage", "system/system_memory_usage_megabytes",
+            "system/system_memory_usage_percentage", "system/process_cpu_utilization_percentage",
+            "system/process_rss_megabytes"} <= set(system), sorted(system)
+    assert 0 < system["system/cpu_utilization_percentage"] <= 100
+    assert 0 < system["system/process_cpu_utilization_percentage"] <= 100 * psutil.cpu_count()  # it trained: busy
+    rss_now = psutil.Process().memory_info().rss / 1e6
+    assert rss_now / 5 < system["system/process_rss_megabytes"] < rss_now * 5, (system, rss_now)
+    assert system["system/process_rss_megabytes"] < system["system/system_memory_usage_megabytes"]
+    assert 0 < system["system/system_memory_usage_percentage"] < 100
+    assert not any(key.startswith("system/gpu_") for key in system)  # a CPU trial samples no GPU
+    history = tracker.metric_history(logged["run_id"], "system/process_rss_megabytes")
+    assert history and history[0][1] == system["system/process_rss_megabytes"]

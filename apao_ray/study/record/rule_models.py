@@ -22,15 +22,17 @@ EPOCH_TAG = "apao.epoch"  # on each logged model: that epoch
 
 def rule_epochs(checkpoint: Path) -> dict[str, int]:
     """``{"val_ndcg_at_10": 3, "val_loss": 2, "last": 3}``: each selection rule the trial followed and the epoch
-    it kept (``test_by/<rule>/epoch`` of the final metrics), the trial's own rule first."""
+    it kept (``test_by/<rule>/epoch`` of the final metrics)."""
     metrics = json.loads((checkpoint / FINAL_METRICS_FILE).read_text())
     return {key.split("/")[1]: int(value) for key, value in metrics.items()
             if key.startswith(f"{TEST_BY}/") and key.endswith("/epoch")}
 
 
 def own_rule(checkpoint: Path) -> str | None:
-    """The rule whose epoch the checkpoint keeps as its model (no ``model_by_<rule>.pt`` of its own)."""
-    return next((rule for rule in rule_epochs(checkpoint) if not (checkpoint / rule_model_file(rule)).exists()), None)
+    """The rule whose epoch the checkpoint keeps as its model: the one rule with no ``model_by_<rule>.pt`` (None in
+    a checkpoint written before the rules' weights were kept: none has one)."""
+    own = [rule for rule in rule_epochs(checkpoint) if not (checkpoint / rule_model_file(rule)).exists()]
+    return own[0] if len(own) == 1 else None
 
 
 def model_name(rule: str) -> str:
