@@ -64,7 +64,8 @@ MAX_WORKERS = 4       # beyond this the e2e tests' local Rays and MLflow servers
 # modules whose module-scoped fixture runs a study or trains a model: each is handed whole to one worker,
 # which builds that fixture once (xdist's own `xdist_group` marks are ignored under pytest 9: pytest-xdist#1386)
 ONE_WORKER_MODULES = frozenset({"test_sweep.py", "test_analysis_e2e.py", "test_api.py", "test_serve.py", "test_export.py",
-                                "test_sweep_s3.py", "test_storage.py"})  # the last two: one S3 server each
+                                "test_sweep_s3.py", "test_storage.py",  # these two: one S3 server each
+                                "test_trial_record.py"})
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -129,7 +129,7 @@ def test_resumed_cohort_equals_an_uninterrupted_one(short, tmp_path):
     assert [[r["epoch"] for r in epoch_reports(h)] for h in hooks] == [[3], [3]]
     for before, after in zip(whole, resumed):
         assert after.pop("train/resumed_after_epoch") == 2
-        same = {k for k in before if not k.startswith(("perf/", "cost/"))}
+        same = {k for k in before if not k.startswith(("perf/", "cost/", "system/"))}
         assert same <= set(after) and {k: after[k] for k in same} == {k: before[k] for k in same}
 
 

@@ -11,12 +11,12 @@ from apao_ray.models import build_model
 from apao_ray.names import PER_USER_FILE, PER_USER_VALID_FILE
 from apao_ray.protocol import decoding_scoring
 from apao_ray.rank_metrics import PER_USER_METRICS
-from apao_ray.training.checkpoint import load_checkpoint
+from apao_ray.training.checkpoint import load_checkpoint, rule_model_file
 from apao_ray.training.evaluation import evaluate_split
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.training.loop import run_trial
 from apao_ray.training.precision import resolve_precision
-from apao_ray.training.selection import per_user_column
+from apao_ray.training.selection import per_user_column, rule_name
 from apao_ray.training.selection import test_by_key as by_key  # not collected as a test
 from test_protocol import short, tiny_config  # noqa: F401  (short: a fixture)
 
@@ -58,6 +58,13 @@ def test_each_rule_tests_the_weights_of_the_epoch_it_keeps(short, tmp_path, prot
     for rule, epoch in expected.items():
         state, _, _ = load_checkpoint(tmp_path / "checkpoints" / f"epoch_{epoch:04d}")
         model.load_state_dict(state["model"])  # the weights after that epoch: what the rule keeps
+        # the final checkpoint keeps each other rule's weights (its logged model_by_<rule>); the own rule's are best_model.pt
+        kept_file = final_dir / rule_model_file(rule_name(rule))
+        if rule == own:
+            assert not kept_file.exists()
+        else:
+            kept = torch.load(kept_file, map_location="cpu", weights_only=True)
+            assert kept.keys() == state["model"].keys() and all(torch.equal(kept[k], state["model"][k]) for k in kept)
         again = evaluate_split(model, short, "test", short.catalog.tensors(), resolved.train, torch.device("cpu"),
                                None, decoding_scoring(resolved))
         for metric in RULE_METRICS:

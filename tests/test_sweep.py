@@ -88,13 +88,15 @@ UPDATE_NAMES_ENV = "APAO_UPDATE_MLFLOW_NAMES"
 # and the cost metrics a machine may lack (energy without CodeCarbon, GPU memory without CUDA; also per method)
 ENVIRONMENT_TAGS = ("mlflow.source.", "mlflow.user", "mlflow.git")
 ENVIRONMENT_METRICS = tuple(name.split("/")[-1] for name in (ENERGY, GPU_MEMORY))
+ENVIRONMENT_METRIC_PREFIXES = ("system/gpu_",)  # a GPU's use, sampled where a trial trains on CUDA
 
 
 def _logged_names(runs) -> dict[str, list[str]]:
     """The param, metric and tag names ``runs`` logged, each sorted, over all of them (values ignored)."""
     return {"params": sorted({name for run in runs for name in run.data.params}),
             "metrics": sorted({name for run in runs for name in run.data.metrics
-                               if name.split("/")[-1] not in ENVIRONMENT_METRICS}),
+                               if name.split("/")[-1] not in ENVIRONMENT_METRICS
+                               and not name.startswith(ENVIRONMENT_METRIC_PREFIXES)}),
             "tags": sorted({name for run in runs for name in run.data.tags if not name.startswith(ENVIRONMENT_TAGS)})}
 
 
@@ -126,7 +128,7 @@ def test_the_study_logs_the_committed_mlflow_names(study):
     ``best/<backbone>/<loss>/...`` names are the smoke study's own), so none is normalised. Left out, as
     present or absent by machine: tags MLflow adds from the environment a run starts in
     (``mlflow.source.*``, ``mlflow.user``, git) and the cost metrics a machine may not measure
-    (``cost/energy_kwh`` without CodeCarbon, ``cost/peak_gpu_memory_mb`` without CUDA). The names that
+    (``cost/energy_kwh`` without CodeCarbon, ``cost/peak_gpu_memory_mb`` and ``system/gpu_*`` without CUDA). The names that
     come from the fixture's interruption (``train/resumed_after_epoch``, ``apao.previous_outcome``) are
     in: the fixture always interrupts a trial mid-way. To accept a deliberate change, rewrite the file
     from a real run and review its diff:
@@ -208,6 +210,11 @@ def test_per_epoch_and_per_prefix_metrics_are_logged_without_loss(study):
         # prefix recall cannot grow with depth: a length-m prefix survives only if its parent did
         recalls = [metrics[f"test/prefix_recall_at_20_m{m}"] for m in range(1, 5)]
         assert recalls == sorted(recalls, reverse=True)
+        # the machine's use per epoch, relayed from the Ray worker: the run's System metrics tab
+        for key in ("system/cpu_utilization_percentage", "system/process_rss_megabytes"):
+            values = [value for _, value in tracker.metric_history(run.info.run_id, key)]
+            assert len(values) == 3 and all(value > 0 for value in values), (key, values)
+        assert metrics["system/process_rss_megabytes"] > 50  # a worker with torch and a model loaded
         if run.data.tags["loss"] == "apao_pointwise":
             weights = [metrics[f"train/apao_weight_m{m}"] for m in range(1, 5)]
             assert sum(weights) == pytest.approx(1.0, abs=1e-6)
@@ -222,6 +229,11 @@ def test_checkpoint_model_and_plots_are_artifacts(study):
         assert {"final_metrics.json", "trial_config.json"} <= files, files
         if run.data.tags["loss"] == "apao_pointwise":
             assert "adaptive_weights.png" in files
+        assert {"prefix_recall.png", "prefix_recall.json"} <= files, files
+        # a model per selection rule: the trial's own and one per other rule, each an output of the run
+        outputs = client.get_run(run.info.run_id).outputs.model_outputs
+        names = {client.get_logged_model(output.model_id).name for output in outputs}
+        assert names == {"model", "model_by_val_loss", "model_by_last"}, names
     parent = client.search_runs([study["tracker"].experiment_id], "tags.`apao.role` = 'study'")[0]
     assert "prefix_recall_per_method.png" in {a.path for a in client.list_artifacts(parent.info.run_id)}
     optuna_files = {a.path for a in client.list_artifacts(parent.info.run_id, "optuna")}
@@ -381,10 +393,12 @@ def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
             continue
         # the run's page lists its model: the one the run's tag names, the one `best` registers, is complete; a
         # model the SIGKILL left half-logged is marked FAILED on the resume, wherever MLflow lists it
+        # (beside it, one complete model per other selection rule)
         model_id = child.data.tags["apao.model_uri"].removeprefix("models:/")
-        others = {o.model_id for o in child.outputs.model_outputs} - {model_id}
-        assert len(others) + 1 == len(child.outputs.model_outputs)
-        assert all(tracker.client.get_logged_model(other).status == "FAILED" for other in others)
+        models = [tracker.client.get_logged_model(o.model_id) for o in child.outputs.model_outputs]
+        ready = {m.model_id: m.name for m in models if m.status == "READY"}
+        assert ready[model_id] == "model" and sorted(ready.values()) == ["model", "model_by_last", "model_by_val_loss"]
+        assert all(m.status == "FAILED" for m in models if m.model_id not in ready)
         model = tracker.client.get_logged_model(model_id)
         assert model.status == "READY" and model.params == params
         assert {m.key: m.value for m in model.metrics} == {k: v for k, v in child.data.metrics.items()

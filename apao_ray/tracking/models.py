@@ -106,10 +106,11 @@ class ModelLogging:
     tracking_uri: str
 
     def log_recommender(self, run_id: str, checkpoint_dir: str | Path, example_history: list[str],
-                        params: dict[str, Any] | None = None, metric_prefixes: tuple[str, ...] = ()) -> str:
-        """Logs the final checkpoint as a pyfunc model (``runs:/<run>/model``), an output of the run (its page
-        lists it), with ``params`` (flattened) and the run's latest metrics whose names start with one of
-        ``metric_prefixes`` on the model's page too; returns its URI."""
+                        params: dict[str, Any] | None = None, metric_prefixes: tuple[str, ...] = (),
+                        name: str = MODEL_NAME, tags: dict[str, str] | None = None) -> str:
+        """Logs the final checkpoint as a pyfunc model named ``name`` (``runs:/<run>/<name>``), an output of the run
+        (its page lists it), with ``params`` (flattened), ``tags`` and the run's latest metrics whose names start with
+        one of ``metric_prefixes`` on the model's page too; returns its URI."""
         package_dir = str(Path(__file__).resolve().parents[1])  # apao_ray/, shipped with the model
         # versions from the installed metadata: importing torch here would load it into every importer of tracking
         requirements = [f"torch=={importlib.metadata.version('torch').split('+')[0]}",
@@ -118,7 +119,7 @@ class ModelLogging:
         try:
             with tracking_at(self.tracking_uri), mlflow.start_run(run_id=run_id), quiet_mlflow():
                 info = mlflow.pyfunc.log_model(
-                    name=MODEL_NAME, python_model=RecommenderModel(),
+                    name=name, python_model=RecommenderModel(), tags=tags,
                     artifacts={"checkpoint": str(checkpoint_dir)}, code_paths=[package_dir],
                     pip_requirements=requirements, params={k: str(v) for k, v in flatten(params or {}).items()},
                     # (data, params): the signature then accepts predict(..., params={"k": ...})
@@ -139,8 +140,8 @@ class ModelLogging:
         if metric_prefixes and linked:
             self.client.log_batch(run_id, metrics=linked)
 
-    def logged_model_uri(self, run_id: str) -> str | None:
-        """The URI of the last model the run logged completely (``models:/<model id>``), if any.
+    def logged_model_uri(self, run_id: str, name: str = MODEL_NAME) -> str | None:
+        """The URI of the last model named ``name`` the run logged completely (``models:/<model id>``), if any.
 
         ``log_model`` names the model as the run's output before it uploads the files: a driver killed in
         between leaves a PENDING model with no ``MLmodel``. Such a model is marked FAILED here (nothing is
@@ -153,7 +154,7 @@ class ModelLogging:
         for model in models:
             if model.status == LoggedModelStatus.PENDING:
                 self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
-        ready = [model for model in models if model.status == LoggedModelStatus.READY]
+        ready = [model for model in models if model.status == LoggedModelStatus.READY and model.name == name]
         newest = max(ready, key=lambda model: model.creation_timestamp, default=None)
         return None if newest is None else f"models:/{newest.model_id}"
 

@@ -117,6 +117,10 @@ class Tracker(ModelLogging):
     def log_figure(self, run_id: str, figure: Any, artifact_file: str) -> None:
         self.client.log_figure(run_id, figure, artifact_file)
 
+    def log_table(self, run_id: str, columns: dict[str, list[Any]], artifact_file: str) -> None:
+        """An MLflow table (``artifact_file``, ``.json``): the run's Artifacts tab shows it as a table."""
+        self.client.log_table(run_id, columns, artifact_file)
+
     def end_run(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 

@@ -29,6 +29,7 @@ CONFIG_FILE = "trial_config.json"
 FINAL_METRICS_FILE = "final_metrics.json"
 CATALOG_FILE = "catalog.npz"
 MANIFEST_FILE = "manifest.json"  # written last: every file's size and SHA-256
+RULE_MODEL_PREFIX = "model_by_"  # a final checkpoint's weights of the epoch each other selection rule keeps
 SET_ASIDE_FILE = "set_aside.txt"  # marks the place of a checkpoint set aside as damaged
 DAMAGED_PREFIX = "damaged-"  # a damaged checkpoint's new name: no reader's pattern matches it
 RESTARTS = "training starts again from the first epoch"  # a run none of whose checkpoints loads
@@ -177,6 +178,34 @@ def load_checkpoint(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[
     best = _load_file(directory, BEST_MODEL_FILE)
     reference = _load_file(directory, REFERENCE_MODEL_FILE) if (directory / REFERENCE_MODEL_FILE).exists() else None
     return state, best, reference
+
+
+def rule_model_file(rule: str) -> str:
+    """``model_by_val_loss.pt``: in a final checkpoint, the weights of the epoch selection rule ``rule`` keeps (spelt
+    as ``selection.rule_name`` spells it), for every rule but the trial's own (its weights are ``best_model.pt``)."""
+    return f"{RULE_MODEL_PREFIX}{rule}.pt"
+
+
+def rule_checkpoint(final_dir: str | os.PathLike, rule: str, directory: str | os.PathLike) -> Path:
+    """A final checkpoint in ``directory`` whose kept model is the one ``rule`` keeps: ``final_dir``'s files with that
+    rule's weights as ``best_model.pt`` and no other rule's, sealed; whatever loads a final checkpoint (the logged
+    model, ``load_recommender``, ``serve``, ``export``) then loads that rule's model.
+
+    Raises:
+        ValueError: ``final_dir`` holds no weights of ``rule``, naming the rules it holds.
+    """
+    final_dir, directory = Path(final_dir), Path(directory)
+    weights = final_dir / rule_model_file(rule)
+    if not weights.is_file():
+        held = sorted(p.name[len(RULE_MODEL_PREFIX):-3] for p in final_dir.glob(rule_model_file("*")))
+        raise ValueError(f"checkpoint {final_dir} holds no weights of selection rule {rule!r}; it holds {held}")
+    directory.mkdir(parents=True, exist_ok=True)
+    for path in final_dir.iterdir():
+        if path.is_file() and not path.name.startswith(RULE_MODEL_PREFIX) and path.name != BEST_MODEL_FILE:
+            shutil.copy2(path, directory / path.name)
+    shutil.copy2(weights, directory / BEST_MODEL_FILE)
+    seal_checkpoint(directory)
+    return directory
 
 
 def is_set_aside(directory: Path) -> bool:

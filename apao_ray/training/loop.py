@@ -25,15 +25,18 @@ from ..models import build_model
 from ..names import DIAGNOSIS_PREFIX, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
 from ..rank_metrics import PER_USER_METRICS
-from .checkpoint import FINAL_METRICS_FILE, load_checkpoint, save_catalog, save_checkpoint, seal_checkpoint
+from .checkpoint import (FINAL_METRICS_FILE, load_checkpoint, rule_model_file, save_catalog, save_checkpoint,
+                         seal_checkpoint)
 from .cost import CostMeter
 from .failures import memory_errors_named
 from .evaluation import evaluate_split, evaluate_split_per_user, select_users, tests_full_sort, write_per_user
 from .hooks import TrainingHooks
 from .precision import resolve_precision
 from .progress import EpochProgress
-from .selection import LAST, selection_score, per_user_column, selection_rules, test_by_key, validation_loss
+from .selection import (LAST, per_user_column, rule_name, selection_rules, selection_score, test_by_key,
+                        validation_loss)
 from .steps import EpochRunner
+from .system_metrics import SystemSampler
 
 
 CE_STAGE_PREFIX = "ce_stage/"  # a two-stage trial's CE epochs log train/ and val/ metrics under this prefix
@@ -132,6 +135,7 @@ class TrialRun:
         self.final: dict[str, Any] | None = None
         self._restore()
         self.started = time.perf_counter()
+        self.system = SystemSampler(hooks.device)  # the machine's use per epoch: the run's System metrics
         if self.final is None and self.resumed_after and self._stops(self.resumed_after):
             self.final = self._finish()  # interrupted between its last epoch's checkpoint and its test
 
@@ -262,6 +266,7 @@ class TrialRun:
             "perf/samples_per_second": train_metrics["train/num_samples"] * hooks.world_size / train_seconds,
             "val/num_users_evaluated": (len(self.valid_users) if self.valid_users is not None
                                         else len(dataset.splits["valid"])),
+            **self.system.sample(),
         })
         if prefix:  # best/ and perf/ stay unprefixed: Tune's scheduler reads best/ from every report
             metrics = {(prefix + k if k.startswith(("train/", "val/")) else k): v for k, v in metrics.items()}
@@ -328,6 +333,9 @@ class TrialRun:
         final.update(self.meter.stop())  # the test and validation passes included
         final_dir = hooks.new_checkpoint_dir(state["epoch"])
         save_checkpoint(final_dir, {**state, "model": best_weights}, best_weights, config.to_dict())
+        for rule, (_, weights) in kept.items():  # each other rule's model, loadable by its name (rule_checkpoint)
+            if rule != self.select_by:
+                torch.save(weights, final_dir / rule_model_file(rule_name(rule)))
         write_per_user(final_dir / PER_USER_FILE, per_user)  # the paired significance tests read it
         write_per_user(final_dir / PER_USER_VALID_FILE, valid_per_user)
         save_catalog(final_dir, dataset.catalog.item_ids, dataset.catalog.item_codes)

@@ -5,6 +5,7 @@ never lock the SQLite store, and a trial's metrics are logged exactly once per r
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +17,10 @@ from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PER_USER_
                      RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
 from ...rank_metrics import AT_10_METRICS
 from ...tracking import Tracker
-from ...training.checkpoint import newest_checkpoint_at, say_on_stderr
+from ...training.checkpoint import FINAL_METRICS_FILE, newest_checkpoint_at, say_on_stderr
 from ..cluster import interrupt
-from . import plots
+from . import plots, rule_models
+from .prefix_recall import log_trial_prefix_recall
 from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
                        PREVIOUS_ERROR_TAG, PREVIOUS_OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, STOPPED_BY_TUNE,
                        STUDY_TAG, TERMINAL, TRIAL_TAG, describe, failure_outcome, is_final_report, pruned_epoch,
@@ -158,6 +160,7 @@ class MlflowStudyCallback(tune.Callback):
             return
         with storage.local_copy(location) as checkpoint:  # a copy of a checkpoint on an object store
             model_uri = self._log_checkpoint(run_id, trial, checkpoint)
+            log_trial_prefix_recall(self.tracker, run_id, json.loads((checkpoint / FINAL_METRICS_FILE).read_text()))
         weights = {key: self.tracker.metric_history(run_id, key) for key in
                    (f"train/apao_weight_m{m}" for m in range(1, 5))}
         if any(weights.values()):
@@ -172,7 +175,8 @@ class MlflowStudyCallback(tune.Callback):
 
     def _log_checkpoint(self, run_id: str, trial: Any, checkpoint: Path) -> str:
         """Logs a finished trial's final checkpoint (a local directory): its metrics, config and per-user tables
-        as artifacts, its model unless a run before a resume logged it; returns the model's URI."""
+        as artifacts, its model and each other selection rule's (``rule_models``) unless a run before a resume
+        logged them; returns the trial's own model's URI."""
         self.tracker.log_artifact(run_id, checkpoint / "final_metrics.json")
         self.tracker.log_artifact(run_id, checkpoint / "trial_config.json")
         for table in (PER_USER_FILE, PER_USER_VALID_FILE):
@@ -182,10 +186,13 @@ class MlflowStudyCallback(tune.Callback):
         model_uri = self.tracker.logged_model_uri(run_id)
         if model_uri is not None:  # its metrics too: the kill may have come between logging and linking them
             self.tracker.link_model_metrics(run_id, model_uri, MODEL_METRICS)
-        else:
-            config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
-            model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history,
-                                                     child_params(config, trial_choices(trial.config)), MODEL_METRICS)
+        config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
+        params = child_params(config, trial_choices(trial.config))
+        if model_uri is None:
+            own_tags = rule_models.model_tags(checkpoint, rule_models.own_rule(checkpoint))
+            model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history, params, MODEL_METRICS,
+                                                     tags=own_tags)
+        rule_models.log_rule_models(self.tracker, run_id, checkpoint, self.example_history, params)
         return model_uri
 
     def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:

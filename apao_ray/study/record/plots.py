@@ -21,17 +21,42 @@ def adaptive_weights_figure(history: dict[str, list[tuple[int, float]]]) -> Any:
     return figure
 
 
-def prefix_recall_figure(rows: list[dict[str, Any]], beam_size: int, num_levels: int = 4) -> Any:
-    """Per-prefix test recall (paper Fig. 7): one line per method (label -> metrics)."""
-    figure, axis = plt.subplots(figsize=(5.5, 3.5))
-    levels = list(range(1, num_levels + 1))
-    for row in rows:
-        values = [row["metrics"].get(f"test/prefix_recall_at_{beam_size}_m{m}") for m in levels]
-        if all(v is not None for v in values):
-            axis.plot(levels, values, marker="o", label=row["label"])
-    axis.set(xlabel="prefix length m", ylabel=f"prefix Recall@{beam_size}", xticks=levels,
-             title="Prefix-level recall on the test split")
+def prefix_recall_axis(axis: Any, series: list[tuple[str, list[float]]], beam_size: int, title: str) -> None:
+    """Draws prefix recall at levels 1..T, a line per ``(label, values)``: on a log scale where every value is
+    positive, so that a deep level's 0.003 stands apart from 0.07 instead of lying on zero, each point labelled."""
+    for label, values in series:
+        levels = range(1, len(values) + 1)
+        axis.plot(levels, values, marker="o", label=label)
+        for level, value in zip(levels, values):
+            axis.annotate(f"{value:.3g}", (level, value), textcoords="offset points", xytext=(0, 5), ha="center",
+                          fontsize=6)
+    values = [value for _, line in series for value in line]
+    if values and min(values) > 0:
+        axis.set_yscale("log")
+    axis.set(xlabel="prefix length m (codes)", ylabel=f"prefix Recall@{beam_size}", title=title,
+             xticks=range(1, max((len(line) for _, line in series), default=0) + 1))
+    axis.title.set_fontsize(9)
     axis.legend(fontsize=7)
+
+
+def prefix_recall_figure(panels: dict[str, list[tuple[str, dict[str, float]]]], beam_size: int,
+                         num_levels: int = 4) -> Any:
+    """Per-prefix test recall (paper Fig. 7): a panel per method (``label -> [(legend, metrics), ...]``), a line per
+    trial in it, its knobs in the legend."""
+    figure, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for axis, (method, trials) in zip(axes[0], panels.items()):
+        series = [(legend, [metrics.get(f"test/prefix_recall_at_{beam_size}_m{m}") for m in range(1, num_levels + 1)])
+                  for legend, metrics in trials]
+        prefix_recall_axis(axis, [(legend, values) for legend, values in series if None not in values], beam_size,
+                           f"{method}: test")
+    figure.tight_layout()
+    return figure
+
+
+def trial_prefix_recall_figure(series: list[tuple[str, list[float]]], beam_size: int) -> Any:
+    """One trial's per-prefix test recall, a line per selection rule (``(label, values at m = 1..T)``)."""
+    figure, axis = plt.subplots(figsize=(5.5, 3.8))
+    prefix_recall_axis(axis, series, beam_size, "Test prefix recall at the epoch each selection rule kept")
     figure.tight_layout()
     return figure
 

@@ -16,7 +16,6 @@ from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, Selection, recorded_selection, schedule_label
 from ...rank_metrics import PER_USER_METRICS
 from ...tracking import Tracker
-from . import plots
 from ..spec.space import PAPER_KNOBS, knob_names
 from .outcomes import short_reason
 from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
@@ -322,12 +321,10 @@ def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
     return registered
 
 
-def log_study_figures(tracker: Tracker, parent_run_id: str, study: str, beam_size: int) -> None:
-    """Per-prefix recall of the best trial per method, as the study's table names it (Optuna's own plots come from
-    optuna_storage.py)."""
-    best = [{"label": f"{row['backbone']}/{row['loss']}",
-             "metrics": tracker.client.get_run(row["run_id"]).data.metrics} for row in best_rows(tracker, study=study)]
-    if best:
-        figure = plots.prefix_recall_figure(best, beam_size)
-        tracker.log_figure(parent_run_id, figure, "prefix_recall_per_method.png")
-        plots.close(figure)
+def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str, Any]], beam_size: int,
+                      study: str) -> None:
+    """Per-prefix recall per method, its trials' knobs in the legend, ranked by the study's selection (Optuna's
+    own plots come from optuna_storage.py)."""
+    from .prefix_recall import log_study_prefix_recall
+
+    log_study_prefix_recall(tracker, parent_run_id, rows, beam_size, study_selection(tracker, study))

@@ -300,7 +300,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
             if interrupted:
                 return StudyOutcome(rows, interrupted=True)
 
-    log_study_figures(tracker, parent_id, setup.study_name, plan.base.train.beam_size)
+    log_study_figures(tracker, parent_id, rows, plan.base.train.beam_size, setup.study_name)
     log_study_summary(tracker, parent_id, setup.study_name)
     summary = optuna_summary.log_study_artifacts(tracker, parent_id, storage_url, optuna_name) \
         if storage_url else "this study was started without an Optuna storage: no importances or Optuna plots"
