@@ -10,9 +10,9 @@ import sys
 import numpy as np
 import pytest
 
-from apao_ray.names import ENERGY, GPU_MEMORY
-from conftest import (BEST, ROOT, SWEEP, best_rows, launch_until, mid_trial, mlflow_sqlite, run_script, runs_state,
+from conftest import (BEST, SWEEP, best_rows, launch_until, mid_trial, mlflow_sqlite, run_script, runs_state,
                       study_runs)
+from mlflow_names import MLFLOW_NAMES, UPDATE_NAMES_ENV, logged_names, names_diff
 
 
 @pytest.fixture(scope="module")
@@ -82,41 +82,6 @@ def test_parent_and_one_child_per_trial(study):
     assert "tiger/ce" in names and any(n.startswith("tiger/apao_pointwise b=") and "eta=" in n for n in names)
 
 
-MLFLOW_NAMES = ROOT / "tests" / "mlflow_names.json"
-UPDATE_NAMES_ENV = "APAO_UPDATE_MLFLOW_NAMES"
-# names present or not by machine: tags MLflow adds from where a run starts (user, entry point, git checkout),
-# and the cost metrics a machine may lack (energy without CodeCarbon, GPU memory without CUDA; also per method)
-ENVIRONMENT_TAGS = ("mlflow.source.", "mlflow.user", "mlflow.git")
-ENVIRONMENT_METRICS = tuple(name.split("/")[-1] for name in (ENERGY, GPU_MEMORY))
-ENVIRONMENT_METRIC_PREFIXES = ("system/gpu_",)  # a GPU's use, sampled where a trial trains on CUDA
-
-
-def _logged_names(runs) -> dict[str, list[str]]:
-    """The param, metric and tag names ``runs`` logged, each sorted, over all of them (values ignored)."""
-    return {"params": sorted({name for run in runs for name in run.data.params}),
-            "metrics": sorted({name for run in runs for name in run.data.metrics
-                               if name.split("/")[-1] not in ENVIRONMENT_METRICS
-                               and not name.startswith(ENVIRONMENT_METRIC_PREFIXES)}),
-            "tags": sorted({name for run in runs for name in run.data.tags if not name.startswith(ENVIRONMENT_TAGS)})}
-
-
-def names_diff(expected: dict[str, list[str]], found: dict[str, list[str]]) -> list[str]:
-    """One line per section whose names differ: the names added and removed."""
-    lines = []
-    for section in sorted(expected.keys() | found.keys()):
-        added = sorted(set(found.get(section, ())) - set(expected.get(section, ())))
-        removed = sorted(set(expected.get(section, ())) - set(found.get(section, ())))
-        if added or removed:
-            lines.append(f"{section}: added {added}, removed {removed}")
-    return lines
-
-
-def test_names_diff_names_what_was_added_and_removed():
-    assert names_diff({"a": ["x", "y"]}, {"a": ["y", "z"], "b": ["w"]}) == [
-        "a: added ['z'], removed ['x']", "b: added ['w'], removed []"]
-    assert names_diff({"a": ["x"]}, {"a": ["x"]}) == []
-
-
 @pytest.mark.e2e
 def test_the_study_logs_the_committed_mlflow_names(study):
     """The names of the params, metrics and tags a --smoke study logs (parent, and children together)
@@ -138,7 +103,7 @@ def test_the_study_logs_the_committed_mlflow_names(study):
     tracker = study["tracker"]
     parents = tracker.client.search_runs([tracker.experiment_id], "tags.`apao.role` = 'study'")
     found = {f"{role}_{kind}": names for role, runs in (("parent", parents), ("child", _children(study)))
-             for kind, names in _logged_names(runs).items()}
+             for kind, names in logged_names(runs).items()}
     if os.environ.get(UPDATE_NAMES_ENV) == "1":
         MLFLOW_NAMES.write_text(json.dumps(found, indent=1) + "\n")
     expected = json.loads(MLFLOW_NAMES.read_text())

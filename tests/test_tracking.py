@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from conftest import mlflow_sqlite
+from mlflow_names import names_diff
 
 
 def test_artifacts_and_models_go_beside_the_sqlite_database_not_into_the_working_directory(tmp_path, monkeypatch):
@@ -128,3 +129,9 @@ def test_a_kept_models_metrics_are_linked_again_idempotently(tmp_path):
     linked = tracker.client.get_logged_model(model.model_id).metrics
     assert sorted((m.key, m.value) for m in linked) == [("best/val/ndcg_at_10", 0.3), ("test/ndcg_at_10", 0.25)]
     assert [m.value for m in tracker.client.get_metric_history(run_id, "test/ndcg_at_10")] == [0.25]
+
+
+def test_names_diff_names_what_was_added_and_removed():
+    assert names_diff({"a": ["x", "y"]}, {"a": ["y", "z"], "b": ["w"]}) == [
+        "a: added ['z'], removed ['x']", "b: added ['w'], removed []"]
+    assert names_diff({"a": ["x"]}, {"a": ["x"]}) == []
