@@ -88,12 +88,14 @@ def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
 
 
 @pytest.fixture
-def two_node_cluster(tmp_path_factory, monkeypatch):
+def two_node_cluster(request, tmp_path_factory, monkeypatch):
     """docs/running.md's cluster recipe on this machine: its token step, head and worker node commands as typed
     (2 logical CPUs each; the worker carries the recipe's trial_driver resource), torn down afterwards. Ray's token
     authentication is on as a user has it: the token in a HOME of the test's own (the user's ~/.ray is never
     touched) and neither RAY_AUTH_MODE nor the suite's own token set (those are for its local Rays), so the test's
-    drivers join as the recipe's driver does."""
+    drivers join as the recipe's driver does. A test's indirect parameter ``{"worker": wrap}`` runs the worker
+    node's command line as ``wrap(command)`` (test_study_nodisk.py: in a mount namespace of its own)."""
+    wrap_worker = getattr(request, "param", {}).get("worker", lambda command: command)
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
@@ -118,6 +120,7 @@ def two_node_cluster(tmp_path_factory, monkeypatch):
                                      (recipe_command("ray start --address"), [], 2)):
             # the command as typed, then what keeps it in the foreground on this machine's share of the CPUs
             command = f"{as_here(line)} --block --disable-usage-stats --num-cpus=2 " + " ".join(options)
+            command = wrap_worker(command) if count == 2 else command
             # a node whose raylet has not registered 30 s after it started gives up (Ray's fixed wait): on a loaded
             # machine (load average 22 on 2 CPUs) a worker node did, so each node has two tries
             for attempt in (1, 2):
