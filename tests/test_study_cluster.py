@@ -195,6 +195,19 @@ def test_a_trials_placement_is_its_reservation_plus_the_driver_resource():
         {"CPU": 0.01, "trial_driver": DRIVER_RESOURCE_SHARE}]
 
 
+def test_the_workers_code_is_the_package_folder_and_the_plugin_modules_never_the_checkout_on_pythonpath(monkeypatch):
+    """What Ray's runtime_env carries to every node (a node needs neither the checkout nor apao_ray installed): the
+    package folder once, each $APAO_PLUGINS module's file or package folder, Python's caches left out."""
+    from apao_ray.study.cluster.ray_cluster import code_runtime_env
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    monkeypatch.setenv("APAO_PLUGINS", "test_toy_loss, apao_ray.losses.apao,yaml.loader,no_such_module")
+    env = code_runtime_env()
+    assert env["py_modules"] == [str(ROOT / "apao_ray"), str(ROOT / "tests" / "test_toy_loss.py"),
+                                 str(Path(yaml.__file__).parent)]
+    assert "__pycache__" in env["excludes"] and "env_vars" not in env
+
+
 def test_a_refused_token_is_told_from_an_unreachable_cluster_in_rays_chained_errors():
     """ray.init's ConnectionError hides the cause two levels down (a RuntimeError whose text holds the
     AuthenticationError): found there, whichever way it was chained; a cluster that is simply down is not one."""

@@ -67,7 +67,8 @@ def code_runtime_env() -> dict[str, Any]:
     package folder and the $APAO_PLUGINS modules, zipped once per content, uploaded to the cluster and unpacked on
     each node (Ray caches it by content), so a node needs the Python dependencies installed, not this checkout."""
     package = str(Path(__file__).resolve().parents[2])
-    return {"py_modules": [package, *plugin_paths(os.environ.get(PLUGINS_ENV, ""))], "excludes": CODE_EXCLUDES}
+    modules = dict.fromkeys([package, *plugin_paths(os.environ.get(PLUGINS_ENV, ""))])  # a plugin inside apao_ray: once
+    return {"py_modules": list(modules), "excludes": CODE_EXCLUDES}
 
 
 AUTOGROUP_ENABLED, AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled"), Path("/proc/self/autogroup")
