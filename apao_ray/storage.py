@@ -58,6 +58,14 @@ def name(location: str | Path) -> str:
     return _split_options(str(location))[0].rsplit("/", 1)[-1]
 
 
+def sibling(location: str | Path, other: str) -> str:
+    """The location named ``other`` in the directory that holds ``location`` (a URI keeps its options)."""
+    if not is_remote(location):
+        return str(Path(location).with_name(other))
+    path, options = _split_options(str(location))
+    return f"{path.rsplit('/', 1)[0]}/{other}{options}"
+
+
 def _resolve(location: str) -> tuple[pyarrow.fs.FileSystem, str]:
     """(pyarrow filesystem, path on it) of a remote location; cached (an S3 filesystem asks for its bucket's
     region) while the AWS variables it was made under stay as they are."""
@@ -182,6 +190,17 @@ def _copy_tree(source: str, destination: str, source_fs: pyarrow.fs.FileSystem,
     import pyarrow.fs
 
     pyarrow.fs.copy_files(source, destination, source_filesystem=source_fs, destination_filesystem=destination_fs)
+
+
+def move_dir(location: str | Path, new_location: str | Path) -> None:
+    """Renames the directory ``location`` to ``new_location`` (same filesystem, which must not exist yet): at once on
+    a local disk; on an object store, which has no rename, copied whole and then removed."""
+    if not is_remote(location):
+        os.replace(location, new_location)
+        return
+    filesystem, path = _remote_path(str(location))
+    _copy_tree(path, _remote_path(str(new_location))[1], filesystem, filesystem)
+    filesystem.delete_dir(path)
 
 
 def download(location: str | Path, local_dir: str | Path) -> Path:

@@ -1,5 +1,5 @@
 """training/checkpoint.py: checkpoints verified when written and when read; a damaged one set aside, the newest that
-loads used instead (train --resume over a damaged checkpoint: test_train_cli.py)."""
+loads used instead, on a local disk and on S3 (train --resume over a damaged checkpoint: test_train_cli.py)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
+from apao_ray import storage
 from apao_ray.training.checkpoint import (BEST_MODEL_FILE, MANIFEST_FILE, RESTARTS, SET_ASIDE_FILE, STATE_FILE,
                                           DamagedCheckpointError, check_checkpoint, latest_checkpoint_in,
-                                          load_checkpoint, save_checkpoint)
+                                          load_checkpoint, newest_checkpoint_at, save_checkpoint)
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.training.loop import run_trial
 from conftest import InterruptedHooks
@@ -80,6 +81,35 @@ def test_the_newest_checkpoint_that_loads_is_used_and_damaged_newer_ones_are_set
     _cut_short(tmp_path / "epoch_0001" / BEST_MODEL_FILE)
     assert latest_checkpoint_in(tmp_path, again.append, RESTARTS) is None
     assert len(again) == 1 and again[0].endswith("; training starts again from the first epoch"), again
+
+
+def test_on_an_object_store_a_damaged_newest_checkpoint_is_set_aside_and_the_one_before_used(s3_bucket, tmp_path):
+    """What the driver's finders do on S3 (moto on loopback, conftest ``s3_bucket``) as on a local disk: a checkpoint
+    altered and one cut short in the bucket are each said once, moved to ``damaged-<name>`` in the bucket, their
+    places marked, and the newest that loads is used; none of a kind loads: said, and None."""
+    local = tmp_path / "run"
+    for name, epoch in (("epoch_0001", 1), ("epoch_0002", 2), ("epoch_0003", 3), ("epoch_0003_final", 3)):
+        _write(local / "checkpoints" / name, epoch)
+    run = f"{s3_bucket}/set-aside/train-trial_id=t1"
+    storage.mirror(local, run)
+    checkpoints = storage.join(run, "checkpoints")
+    storage.write_text(storage.join(checkpoints, "epoch_0003", BEST_MODEL_FILE), "altered")
+    storage.delete(storage.join(checkpoints, "epoch_0002", STATE_FILE))
+    storage.write_text(storage.join(checkpoints, "epoch_0003_final", STATE_FILE), "cut")
+    said = []
+    assert newest_checkpoint_at(run, said.append) == storage.join(checkpoints, "epoch_0001")
+    assert len(said) == 2 and all(line.endswith("; using epoch_0001") for line in said), said
+    assert f"{checkpoints}/epoch_0003 does not load (best_model.pt has 7 bytes" in said[0]
+    assert "epoch_0002 does not load (state.pt is missing): set aside as damaged-epoch_0002" in said[1]
+    assert storage.exists(storage.join(checkpoints, "damaged-epoch_0003", BEST_MODEL_FILE))
+    kept = storage.find(storage.join(checkpoints, "epoch_0003"), "*", directories=False)
+    assert [storage.name(location) for location in kept] == [SET_ASIDE_FILE]
+    again = []
+    assert newest_checkpoint_at(run, again.append) == storage.join(checkpoints, "epoch_0001") and again == []
+    assert newest_checkpoint_at(run, again.append, up_to_epoch=1) == storage.join(checkpoints, "epoch_0001")
+    assert newest_checkpoint_at(run, again.append, final=True) is None
+    assert len(again) == 1 and "epoch_0003_final does not load (state.pt has 3 bytes" in again[0], again
+    assert again[0].endswith("set aside as damaged-epoch_0003_final; none before it loads")
 
 
 @pytest.mark.e2e  # trains 4 epochs beside the uninterrupted run's 3: tens of seconds on 2 CPUs

@@ -36,6 +36,10 @@ def test_files_are_written_appended_found_and_deleted_alike_locally_and_on_s3(ro
         assert (local / "state.pt").read_text() == "epoch_0002"
     storage.delete(found[0])
     assert not storage.exists(found[0]) and storage.exists(found[1])
+    moved = storage.sibling(found[1], "damaged-epoch_0002")  # a checkpoint set aside: renamed beside itself
+    assert moved == storage.join(run, "checkpoints", "damaged-epoch_0002")
+    storage.move_dir(found[1], moved)
+    assert storage.read_text(storage.join(moved, "state.pt")) == "epoch_0002" and not storage.exists(found[1])
 
 
 def test_a_mirror_uploads_new_and_grown_files_and_removes_what_is_gone(s3_bucket, tmp_path):

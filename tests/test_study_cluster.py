@@ -89,12 +89,14 @@ def _stop_nodes(nodes: list[subprocess.Popen]) -> None:
 
 
 @pytest.fixture
-def two_node_cluster(tmp_path_factory, monkeypatch):
+def two_node_cluster(request, tmp_path_factory, monkeypatch):
     """docs/running.md's cluster recipe on this machine: its token step, head and worker node commands as typed
     (2 logical CPUs each; the worker carries the recipe's trial_driver resource), torn down afterwards. Ray's token
     authentication is on as a user has it: the token in a HOME of the test's own (the user's ~/.ray is never
     touched) and neither RAY_AUTH_MODE nor the suite's own token set (those are for its local Rays), so the test's
-    drivers join as the recipe's driver does."""
+    drivers join as the recipe's driver does. A test's indirect parameter ``{"worker": wrap}`` runs the worker
+    node's command line as ``wrap(command)`` (test_study_nodisk.py: in a mount namespace of its own)."""
+    wrap_worker = getattr(request, "param", {}).get("worker", lambda command: command)
     home = tmp_path_factory.mktemp("home")
     monkeypatch.setenv("HOME", str(home))
     for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
@@ -119,6 +121,7 @@ def two_node_cluster(tmp_path_factory, monkeypatch):
                                      (recipe_command("ray start --address"), [], 2)):
             # the command as typed, then what keeps it in the foreground on this machine's share of the CPUs
             command = f"{as_here(line)} --block --disable-usage-stats --num-cpus=2 " + " ".join(options)
+            command = wrap_worker(command) if count == 2 else command
             # a node whose raylet has not registered 30 s after it started gives up (Ray's fixed wait): on a loaded
             # machine (load average 22 on 2 CPUs) a worker node did, so each node has two tries
             for attempt in (1, 2):
@@ -191,6 +194,19 @@ def test_a_trials_placement_is_its_reservation_plus_the_driver_resource():
     assert Resources.placement(solo.tune_resources()).bundles == [{"CPU": 0.5, "GPU": 0.25, "memory": 2.0 ** 30}]
     assert Resources.placement(Resources(3, 1.0).tune_resources(), "trial_driver").bundles == [
         {"CPU": 0.01, "trial_driver": DRIVER_RESOURCE_SHARE}]
+
+
+def test_the_workers_code_is_the_package_folder_and_the_plugin_modules_never_the_checkout_on_pythonpath(monkeypatch):
+    """What Ray's runtime_env carries to every node (a node needs neither the checkout nor apao_ray installed): the
+    package folder once, each $APAO_PLUGINS module's file or package folder, Python's caches left out."""
+    from apao_ray.study.cluster.ray_cluster import code_runtime_env
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    monkeypatch.setenv("APAO_PLUGINS", "test_toy_loss, apao_ray.losses.apao,yaml.loader,no_such_module")
+    env = code_runtime_env()
+    assert env["py_modules"] == [str(ROOT / "apao_ray"), str(ROOT / "tests" / "test_toy_loss.py"),
+                                 str(Path(yaml.__file__).parent)]
+    assert "__pycache__" in env["excludes"] and "env_vars" not in env
 
 
 def test_a_refused_token_is_told_from_an_unreachable_cluster_in_rays_chained_errors():

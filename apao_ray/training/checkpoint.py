@@ -4,9 +4,10 @@ A checkpoint directory holds ``state.pt`` (model, optimizer, scheduler, loss sta
 adaptive weights, torch RNG, epoch, early-stopping state, the metric history), ``best_model.pt``
 (weights of the best validation epoch so far, so the final test never needs an older
 checkpoint), ``reference_model.pt`` in a preference stage, ``trial_config.json``, and ``manifest.json``
-(written last: every file's size and SHA-256). Every reader goes through ``load_checkpoint`` or
-``latest_checkpoint_in``, which verify against the manifest: a checkpoint that does not load is set aside
-(``damaged-<name>``), said in one line, and the newest one that loads is used.
+(written last: every file's size and SHA-256). Every reader goes through ``load_checkpoint``,
+``latest_checkpoint_in`` or ``newest_checkpoint_at``, which verify against the manifest: a checkpoint that does not
+load is set aside (``damaged-<name>``), said in one line, and the newest one that loads is used, on a local disk as
+on an object store (``storage``).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ RULE_MODEL_PREFIX = "model_by_"  # a final checkpoint's weights of the epoch eac
 SET_ASIDE_FILE = "set_aside.txt"  # marks the place of a checkpoint set aside as damaged
 DAMAGED_PREFIX = "damaged-"  # a damaged checkpoint's new name: no reader's pattern matches it
 RESTARTS = "training starts again from the first epoch"  # a run none of whose checkpoints loads
+Location = TypeVar("Location", str, Path)  # a checkpoint's place: a local directory, or a location (``storage``)
 # how long a trial waits for its storage to take a checkpoint (an object store's outage, a full disk being cleared)
 STORAGE_WAIT_ENV = "APAO_STORAGE_WAIT_S"
 STORAGE_WAIT_S = 600.0
@@ -113,7 +115,7 @@ def seal_checkpoint(directory: str | os.PathLike) -> None:
 class DamagedCheckpointError(RuntimeError):
     """A checkpoint directory that does not load: cut short, altered or incomplete (``reason`` says how)."""
 
-    def __init__(self, directory: Path, reason: str) -> None:
+    def __init__(self, directory: str | os.PathLike, reason: str) -> None:
         super().__init__(f"checkpoint {directory} does not load: {reason}")
         self.directory, self.reason = directory, reason
 
@@ -147,6 +149,33 @@ def check_checkpoint(directory: str | os.PathLike) -> None:
             raise DamagedCheckpointError(directory, f"{name} has {size} bytes, {expected['bytes']} were written")
         if sha256_of(path) != expected["sha256"]:
             raise DamagedCheckpointError(directory, f"{name} differs from what was written (its SHA-256)")
+
+
+# a remote checkpoint -> its manifest's text when a copy of it was verified in this process: the finders of a
+# trial's checkpoint are asked several times (is it there, then log it), and a copy is a download
+_VERIFIED_REMOTE: dict[str, str] = {}
+
+
+def check_checkpoint_at(location: str | os.PathLike) -> None:
+    """``check_checkpoint`` of a location (``storage``): a remote checkpoint is verified in a local copy, once per
+    manifest.
+
+    Raises:
+        DamagedCheckpointError: naming ``location`` and what is wrong.
+    """
+    if not storage.is_remote(location):
+        return check_checkpoint(location)
+    manifest = storage.read_text(storage.join(location, MANIFEST_FILE))
+    if manifest is not None and _VERIFIED_REMOTE.get(str(location)) == manifest:
+        return None
+    with storage.local_copy(location) as local:
+        try:
+            check_checkpoint(local)
+        except DamagedCheckpointError as error:
+            raise DamagedCheckpointError(location, error.reason) from None
+    if manifest is not None:
+        _VERIFIED_REMOTE[str(location)] = manifest
+    return None
 
 
 def _load_file(directory: Path, name: str) -> Any:
@@ -208,49 +237,51 @@ def rule_checkpoint(final_dir: str | os.PathLike, rule: str, directory: str | os
     return directory
 
 
-def is_set_aside(directory: Path) -> bool:
-    """A place kept for a checkpoint that was set aside (``set_aside``), with nothing loadable in it."""
-    return (directory / SET_ASIDE_FILE).exists() and not (directory / MANIFEST_FILE).exists()
+def is_set_aside(directory: str | os.PathLike) -> bool:
+    """A place kept for a checkpoint that was set aside (``set_aside``), with nothing loadable in it; a location."""
+    return storage.exists(storage.join(directory, SET_ASIDE_FILE)) and not storage.exists(
+        storage.join(directory, MANIFEST_FILE))
 
 
-def set_aside(directory: Path, reason: str) -> Path:
-    """Renames a damaged checkpoint to ``damaged-<name>`` beside it (kept, never deleted); returns the new path.
+def set_aside(directory: str | os.PathLike, reason: str) -> str:
+    """Renames a damaged checkpoint (a location: a local directory or one on an object store) to ``damaged-<name>``
+    beside it (kept, never deleted); returns the new location.
 
     An empty directory marked ``SET_ASIDE_FILE`` keeps its place: Ray Train's record of a run lists its
     checkpoints by path and refuses to restore a run whose listed checkpoint is gone.
     """
-    target = directory.with_name(DAMAGED_PREFIX + directory.name)
+    base = storage.name(directory)
+    target = storage.sibling(directory, DAMAGED_PREFIX + base)
     for count in itertools.count(2):
-        if not target.exists():
+        if not storage.exists(target):
             break
-        target = directory.with_name(f"{DAMAGED_PREFIX}{directory.name}-{count}")
-    os.replace(directory, target)
-    directory.mkdir()
-    (directory / SET_ASIDE_FILE).write_text(f"{reason}; moved to {target.name}\n")
+        target = storage.sibling(directory, f"{DAMAGED_PREFIX}{base}-{count}")
+    storage.move_dir(directory, target)
+    storage.write_text(storage.join(directory, SET_ASIDE_FILE), f"{reason}; moved to {storage.name(target)}\n")
     return target
 
 
-def newest_loadable(candidates: Iterable[Path], say: Callable[[str], None] | None,
-                    if_none: str = "none before it loads") -> Path | None:
-    """The newest of ``candidates`` (sorted oldest first) that loads. Each damaged one newer than it is set aside
-    and said in one line (``say``) naming it, why, and which one is used instead (``if_none`` when none loads);
-    with ``say`` None they are only skipped (another process, rank 0 of the same run, sets them aside)."""
+def newest_loadable(candidates: Iterable[Location], say: Callable[[str], None] | None,
+                    if_none: str = "none before it loads") -> Location | None:
+    """The newest of ``candidates`` (locations, sorted oldest first) that loads. Each damaged one newer than it is
+    set aside and said in one line (``say``) naming it, why, and which one is used instead (``if_none`` when none
+    loads); with ``say`` None they are only skipped (another process, rank 0 of the same run, sets them aside)."""
     chosen, damaged = None, []
     for directory in reversed(list(candidates)):
         if is_set_aside(directory):  # said when it was set aside
             continue
         try:
-            check_checkpoint(directory)
+            check_checkpoint_at(directory)
         except DamagedCheckpointError as error:
             damaged.append((directory, error.reason))
             continue
         chosen = directory
         break
-    then = f"using {chosen.name}" if chosen else if_none
+    then = f"using {storage.name(chosen)}" if chosen else if_none
     for directory, reason in damaged if say is not None else ():
-        if directory.exists():  # not already moved by another reader
+        if storage.exists(directory) and not is_set_aside(directory):  # not already moved by another reader
             say(f"checkpoint {directory} does not load ({reason}): set aside as "
-                f"{set_aside(directory, reason).name}; {then}")
+                f"{storage.name(set_aside(directory, reason))}; {then}")
     return chosen
 
 
@@ -278,15 +309,15 @@ def latest_checkpoint_in(root: str | os.PathLike, say: Callable[[str], None] | N
 def newest_checkpoint_at(run: str | os.PathLike, say: Callable[[str], None] | None, up_to_epoch: int | None = None,
                          final: bool = False) -> str | None:
     """The newest final (``final``) or per-epoch checkpoint of a run directory (a location, ``storage``), at or
-    before ``up_to_epoch``: on a local disk the newest that loads (``latest_checkpoint_in``: a damaged one set
-    aside, saying so); on an object store the newest by name, verified where its local copy is loaded."""
+    before ``up_to_epoch``, that loads: damaged newer ones set aside, saying so (``newest_loadable``), on a local
+    disk as on an object store (where each is verified in a local copy)."""
     if not storage.is_remote(run):
         found = latest_checkpoint_in(run, say, up_to_epoch=up_to_epoch, final=final)
         return str(found) if found else None
     matches = [location for location in storage.find(run, "epoch_*_final" if final else "epoch_[0-9][0-9][0-9][0-9]",
                                                      recursive=True)
                if up_to_epoch is None or int(storage.name(location)[len("epoch_"):][:4]) <= up_to_epoch]
-    return max(matches, key=storage.name) if matches else None
+    return newest_loadable(sorted(matches, key=storage.name), say)
 
 
 def say_on_stderr(line: str) -> None:

@@ -17,6 +17,8 @@ from torch import nn
 
 from .. import storage
 from ..config import TrialConfig
+from ..data import Dataset
+from ..data.shipped import load_trial_dataset
 from ..names import ALLOCATOR_KEY, SCRATCH_PREFIX, WORKER_NODE_KEY
 from .checkpoint import (RESTARTS, SET_ASIDE_FILE, check_checkpoint, checkpoints_in, is_set_aside, newest_loadable,
                          with_storage_retries)
@@ -191,6 +193,18 @@ def quiet_report_log(level: str) -> None:
     logging.getLogger(context.__file__).setLevel(level)
 
 
+DATASET_FILES_KEY = "dataset_files"  # a loop config's dataset files shipped by the driver (data/shipped.py), if any
+
+
+def trial_dataset(loop_config: dict[str, Any], config: TrialConfig) -> Dataset:
+    """The dataset of the trial ``loop_config``: from this node's files, else from those the driver shipped (a
+    ``ShippedFiles``, or an ObjectRef of one); a dataset found in neither fails naming the files and this node."""
+    shipped = loop_config.get(DATASET_FILES_KEY)
+    if isinstance(shipped, ray.ObjectRef):
+        shipped = ray.get(shipped)
+    return load_trial_dataset(config.data, shipped, node=ray.util.get_node_ip_address())
+
+
 def setup_worker(loop_config: dict[str, Any]) -> MemoryCap | None:
     """Threads, warnings and memory cap of a process about to train a trial; returns the cap (None: none)."""
     limit_threads(int(loop_config.get("cpus_per_worker") or 1))
@@ -262,7 +276,8 @@ def train_in_tune_actor(loop_config: dict[str, Any]) -> dict[str, Any]:
     hooks = _tune_hooks(TuneTrialHooks, loop_config, device)
     try:
         with _failures_left([loop_config], cap):
-            return run_trial(TrialConfig.from_dict(loop_config["trial"]), hooks)
+            config = TrialConfig.from_dict(loop_config["trial"])
+            return run_trial(config, hooks, trial_dataset(loop_config, config))
     finally:
         hooks.close()
 
@@ -313,7 +328,8 @@ def train_cohort_in_tune_actor(loop_configs: list[dict[str, Any]]) -> list[dict[
                        for c in loop_configs[1:])]
     try:
         with _failures_left(loop_configs, cap):
-            finals = run_cohort([TrialConfig.from_dict(c["trial"]) for c in loop_configs], hooks)
+            configs = [TrialConfig.from_dict(c["trial"]) for c in loop_configs]
+            finals = run_cohort(configs, hooks, trial_dataset(loop_configs[0], configs[0]))
     finally:
         for member_hooks in hooks:
             member_hooks.close()
@@ -330,7 +346,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                           run_dir=loop_config.get("output_dir"))
     hooks.progress_label = loop_config.get("progress_label", "")
     try:
-        run_trial(TrialConfig.from_dict(loop_config["trial"]), hooks)
+        config = TrialConfig.from_dict(loop_config["trial"])
+        run_trial(config, hooks, trial_dataset(loop_config, config))
     except Exception as error:  # noqa: BLE001 - re-raised unless a restart would meet it again
         # ranks must stop together: a lone rank returning would stall the rest
         if not stops_for_good(error) or hooks.world_size > 1:

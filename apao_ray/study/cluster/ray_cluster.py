@@ -9,6 +9,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ...names import PLUGINS_ENV
 from ...training.memory import ALLOCATOR_ENV, allocator_env
@@ -34,8 +35,40 @@ WORKER_NICENESS_ENV = "RAY_worker_niceness"
 LOCAL_RAY_ENV = {PREEMPTION_WATCHER_ENV: "0", WORKER_NICENESS_ENV: "0"}
 API_SERVER_ENV = "RAY_API_SERVER_ADDRESS"  # where Ray's State API clients look first
 RAY_TRAIN_LOG_LEVEL_ENV = "APAO_RAY_TRAIN_LOG_LEVEL"  # Ray Train's console log level (default WARNING)
-# the driver's settings that Ray's processes read too; a cluster's nodes must be able to import the plugins
+# the driver's settings that Ray's processes read too; the plugins' modules travel with the code (code_runtime_env)
 PASSED_ENV = (RAY_TRAIN_LOG_LEVEL_ENV, PLUGINS_ENV)
+# what of the package folder never travels to the nodes (Python's caches: written per interpreter)
+CODE_EXCLUDES = ["__pycache__", "*.pyc"]
+
+
+def plugin_paths(names: str) -> list[str]:
+    """The files or package folders of the top-level modules named in ``names`` ($APAO_PLUGINS, comma-separated)
+    that are found here; a name not found is left to ``losses.import_plugins``, which names it."""
+    import importlib.util
+
+    paths = []
+    for name in dict.fromkeys(part.strip().split(".")[0] for part in names.split(",") if part.strip()):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        locations = list(spec.submodule_search_locations or [])
+        if len(locations) == 1:
+            paths.append(locations[0])
+        elif spec.origin and spec.origin.endswith(".py"):
+            paths.append(spec.origin)
+    return paths
+
+
+def code_runtime_env() -> dict[str, Any]:
+    """The code every Ray worker of a study imports, the Ray way (runtime_env ``py_modules``): this apao_ray
+    package folder and the $APAO_PLUGINS modules, zipped once per content, uploaded to the cluster and unpacked on
+    each node (Ray caches it by content), so a node needs the Python dependencies installed, not this checkout."""
+    package = str(Path(__file__).resolve().parents[2])
+    modules = dict.fromkeys([package, *plugin_paths(os.environ.get(PLUGINS_ENV, ""))])  # a plugin inside apao_ray: once
+    return {"py_modules": list(modules), "excludes": CODE_EXCLUDES}
 
 
 AUTOGROUP_ENABLED, AUTOGROUP = Path("/proc/sys/kernel/sched_autogroup_enabled"), Path("/proc/self/autogroup")
@@ -188,13 +221,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None, dashboard:
     if local and (matched := match_session_niceness()):
         print(f"{matched}, so it yields to work in other sessions as nice asks (Linux autogroups)",
               file=sys.stderr)
-    project_root = str(Path(__file__).resolve().parents[3])
-    # workers import apao_ray from this checkout even when it is not installed on the cluster
     passed = [*ray_env, *(k for k in PASSED_ENV if k in os.environ)]
     # the allocator is found on this machine; on a cluster, whose nodes may lack tcmalloc, auto keeps to glibc
     allocator = os.environ.get(ALLOCATOR_ENV) or ("auto" if local else "glibc-cached")
-    runtime_env = {"env_vars": {"PYTHONPATH": project_root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                                **{k: os.environ[k] for k in passed}, **allocator_env(allocator)}}
+    runtime_env = {**code_runtime_env(),
+                   "env_vars": {**{k: os.environ[k] for k in passed}, **allocator_env(allocator)}}
     try:
         if not local:
             ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)

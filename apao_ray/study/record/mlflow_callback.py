@@ -32,8 +32,7 @@ MODEL_METRICS = ("test/", "best/val/")  # what a trial's logged model shows on i
 
 def final_checkpoint_dir(train_root: str, trial_id: str) -> str | None:
     """The Train run's final checkpoint (best weights, test metrics, catalog), if it finished: a location
-    (``storage``) under ``train_root``. A local one must load (a damaged one is set aside, saying so); a remote one
-    is checked where its local copy is loaded."""
+    (``storage``) under ``train_root``, which loads (a damaged one is set aside, saying so, and an older one used)."""
     return newest_checkpoint_at(storage.join(train_root, train_run_name(trial_id)), say_on_stderr, final=True)
 
 

@@ -180,9 +180,10 @@ def relay(run_dir: Path, directory: Path, report: Callable[[dict[str, Any]], Non
 
 
 def run_member(config: dict[str, Any], base: TrialConfig, *, name: str, train_root: str, resources: Any,
-               label: str) -> None:
+               label: str, dataset_files: Any = None) -> None:
     """A cohort member's Tune trial (``name``: its run's name under ``train_root``): registers, then the leader
-    trains the whole cohort (``resources``: a solo trial's, as the driver has them) and a follower relays."""
+    trains the whole cohort (``resources``: a solo trial's, as the driver has them; ``dataset_files``: the
+    dataset's files the driver shipped, if any) and a follower relays."""
     from .trial import FAILURE_FILE
 
     run_dir = Path(train_root).resolve() / name
@@ -194,11 +195,11 @@ def run_member(config: dict[str, Any], base: TrialConfig, *, name: str, train_ro
         relay(run_dir, directory, tune.report, run_dir / FAILURE_FILE)
         return
     with Heartbeat(directory):  # while it waits for its members too
-        _lead(config, base, train_root, resources, wait_for_members(config, train_root))
+        _lead(config, base, train_root, resources, wait_for_members(config, train_root), dataset_files)
 
 
 def _lead(config: dict[str, Any], base: TrialConfig, train_root: str, resources: Any,
-          members: list[dict[str, Any]]) -> None:
+          members: list[dict[str, Any]], dataset_files: Any = None) -> None:
     """The leader's training of its registered ``members``."""
     from dataclasses import replace
 
@@ -210,7 +211,7 @@ def _lead(config: dict[str, Any], base: TrialConfig, train_root: str, resources:
     cohort_label = f"[cohort {config[COHORT_KEY]} of {size}: {', '.join(m['label'].strip(' []') for m in members)}] "
     loop_configs = [make_loop_config(space.trial_config(base, member["config"]), name=Path(member["run_dir"]).name,
                                      storage_path=train_root, verbose=False, progress_label=cohort_label,
-                                     resources=resources if index else replace(
+                                     dataset_files=dataset_files, resources=resources if index else replace(
                                          resources, memory_bytes=resources.memory_bytes and resources.memory_bytes * size))
                     for index, member in enumerate(members)]
     try:

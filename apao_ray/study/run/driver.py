@@ -41,9 +41,10 @@ def memory_bytes(spec: StudySpec) -> int | None:
 
 def make_trial_function(base: TrialConfig, train_root: str, resources: Resources) -> Any:
     """The Tune trainable: turns a sampled config into a TrialConfig and trains it in the trial's actor (one
-    worker) or on ``resources.num_workers`` Ray Train workers driven from there."""
+    worker) or on ``resources.num_workers`` Ray Train workers driven from there; ``dataset_files``: the dataset's
+    files the driver ships (``make_trainable``), None where each node makes the dataset itself (synthetic)."""
 
-    def apao_trial(config: dict[str, Any]) -> None:
+    def apao_trial(config: dict[str, Any], dataset_files: Any = None) -> None:
         from ray import tune
 
         from ..record.outcomes import describe
@@ -54,25 +55,30 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Resources
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
         label = f"[{describe(trial_choices(config))}] "
         if cohorts.is_member(config):  # a repeat trained in a fused cohort (--cohort-size)
-            cohorts.run_member(config, base, name=name, train_root=train_root, resources=resources, label=label)
+            cohorts.run_member(config, base, name=name, train_root=train_root, resources=resources, label=label,
+                               dataset_files=dataset_files)
             return
         run = run_in_ray_train if resources.num_workers > 1 else run_in_tune_actor
         run(space.trial_config(base, config), name=name, storage_path=train_root, resources=resources,
-            progress_label=label)
+            progress_label=label, dataset_files=dataset_files)
 
     return apao_trial
 
 
 def make_trainable(base: TrialConfig, train_root: str, resources: Resources,
-                   driver_resource: str | None = None) -> Any:
+                   driver_resource: str | None = None, dataset_files: Any = None) -> Any:
     """The Tune trainable with its reservation: a trial's (``Resources.tune_resources``), a cohort's for a cohort
-    leader, a sliver for a follower (run/cohorts.py); on nodes carrying ``driver_resource`` where given."""
+    leader, a sliver for a follower (run/cohorts.py); on nodes carrying ``driver_resource`` where given. The
+    dataset's files (``dataset_files``, data/shipped.py), where given, go once into Ray's object store, from
+    where each trial's actor fetches them: no node needs them on its disk."""
     from ray import tune
 
     trial = resources.tune_resources()
-    return tune.with_resources(make_trial_function(base, train_root, resources),
-                               lambda config: Resources.placement(cohorts.tune_resources(config, trial),
-                                                                  driver_resource))
+    trainable = make_trial_function(base, train_root, resources)
+    if dataset_files is not None:
+        trainable = tune.with_parameters(trainable, dataset_files=dataset_files)
+    return tune.with_resources(trainable, lambda config: Resources.placement(cohorts.tune_resources(config, trial),
+                                                                             driver_resource))
 
 
 def code_version() -> str:
@@ -232,7 +238,10 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                           memory_bytes(spec))
     callbacks = make_callbacks(plan.search.num_trials)
     recorder = callbacks[0]
-    trainable = make_trainable(plan.base, train_root, resources, spec.driver_resource)
+    from ...data.shipped import pack
+
+    shipped = pack(plan.base.data)  # read once here: trials on any node load it from Ray's object store
+    trainable = make_trainable(plan.base, train_root, resources, spec.driver_resource, shipped)
     storage_url = setup.optuna_storage or optuna_storage.resolve_storage_url(None, setup.tracking_uri,
                                                                               setup.output_dir)
     optuna_name = optuna_storage.optuna_study_name(plan.base.data.dataset, setup.study_name)
@@ -284,7 +293,8 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
     from .pruned import evaluate_pruned_trials
     from ..record.report import log_study_figures
 
-    evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker)
+    evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker,
+                           shipped)
     if plan.run_repeat_seeds:
         from .repeats import run_repeats
 

@@ -18,7 +18,7 @@ from ... import storage
 from ...config import TrialConfig
 from ...names import remove_scratch, scratch_prefix
 from ...training.checkpoint import FINAL_METRICS_FILE
-from ...training.worker import TrialFailedError, train_in_tune_actor, train_loop_per_worker
+from ...training.worker import DATASET_FILES_KEY, TrialFailedError, train_in_tune_actor, train_loop_per_worker
 from ..cluster.interrupt import stop_signals_end_the_run
 from ..cluster.ray_cluster import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV, init_ray
 
@@ -120,18 +120,20 @@ class Resources:
 
 
 def make_loop_config(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
-                     verbose: bool, progress_label: str) -> dict[str, Any]:
+                     verbose: bool, progress_label: str, dataset_files: Any = None) -> dict[str, Any]:
     """What the process that trains a trial is given (training/worker.py reads it); ``storage_path`` a local
-    directory or a URI (``storage``)."""
+    directory or a URI (``storage``); ``dataset_files`` the dataset's files the driver ships (data/shipped.py), if
+    any (an ObjectRef or the files)."""
     run_dir = storage.join(storage.absolute(storage_path), name)
-    return {"trial": config.to_dict(), "verbose": verbose, "progress_label": progress_label,
+    return {"trial": config.to_dict(), DATASET_FILES_KEY: dataset_files, "verbose": verbose,
+            "progress_label": progress_label,
             "max_memory_bytes": resources.memory_bytes, "output_dir": run_dir,
             "failure_file": storage.join(run_dir, FAILURE_FILE),
             "cpus_per_worker": max(1, round(resources.cpus_per_worker)), "scratch_prefix": scratch_prefix(run_dir)}
 
 
 def run_in_tune_actor(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
-                      progress_label: str = "") -> dict[str, Any]:
+                      progress_label: str = "", dataset_files: Any = None) -> dict[str, Any]:
     """Trains the trial in the calling Tune trial actor, reporting each epoch to Tune, and returns its final
     metrics. No Ray Train controller, worker group and their helper actors: 7.0 s of Ray machinery per trial
     instead of 30.5 s on 2 CPUs (benchmarks/bench_trial_overhead.py, RESULTS.md 2026-11-25). ``name`` must be
@@ -141,7 +143,7 @@ def run_in_tune_actor(config: TrialConfig, *, name: str, storage_path: str | Pat
     again; ``forget_failures`` lets a resume with --retry-failed run such trials again.
     """
     loop_config = make_loop_config(config, name=name, storage_path=storage_path, resources=resources,
-                                   verbose=False, progress_label=progress_label)
+                                   verbose=False, progress_label=progress_label, dataset_files=dataset_files)
     try:
         return train_in_tune_actor(loop_config)
     finally:  # what an earlier attempt, killed mid-way, left in the system temp directory
@@ -149,7 +151,7 @@ def run_in_tune_actor(config: TrialConfig, *, name: str, storage_path: str | Pat
 
 
 def run_in_ray_train(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
-                     progress_label: str = "") -> None:
+                     progress_label: str = "", dataset_files: Any = None) -> None:
     """Trains a study's data-parallel trial (``resources.num_workers`` > 1) as a ``TorchTrainer`` driven from the
     calling Tune trial actor; rank 0's reports reach Tune through ``TuneReportCallback``. ``name`` as for
     make_trainer. A Tune retry or a resumed study continues from the run's newest checkpoint.
@@ -159,7 +161,8 @@ def run_in_ray_train(config: TrialConfig, *, name: str, storage_path: str | Path
     from ray.tune.integration.ray_train import TuneReportCallback
 
     trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources.for_ray_train(),
-                           callbacks=[TuneReportCallback()], verbose=False, progress_label=progress_label)
+                           callbacks=[TuneReportCallback()], verbose=False, progress_label=progress_label,
+                           dataset_files=dataset_files)
     fit(trainer)
 
 
@@ -173,7 +176,7 @@ def forget_failures(storage_path: str | Path) -> int:
 
 def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, resources: Resources,
                  max_failures: int = 0, callbacks: list[Any] | None = None, verbose: bool = True,
-                 progress_label: str = "") -> TorchTrainer:
+                 progress_label: str = "", dataset_files: Any = None) -> TorchTrainer:
     """Builds (does not run) the trial's ``TorchTrainer``.
 
     ``name`` must be stable across restarts (derive it from the Tune trial id, never a
@@ -184,7 +187,8 @@ def make_trainer(config: TrialConfig, *, name: str, storage_path: str | Path, re
 
     log_level = os.environ.get(RAY_TRAIN_LOG_LEVEL_ENV, RAY_TRAIN_LOG_LEVEL)
     loop_config = {**make_loop_config(config, name=name, storage_path=storage_path, resources=resources,
-                                      verbose=verbose, progress_label=progress_label), "ray_log_level": log_level}
+                                      verbose=verbose, progress_label=progress_label, dataset_files=dataset_files),
+                   "ray_log_level": log_level}
     run_config = ray.train.RunConfig(
         name=name, storage_path=storage.absolute(storage_path),  # a URI: Ray Train uploads the checkpoints
         checkpoint_config=ray.train.CheckpointConfig(num_to_keep=2),
@@ -243,10 +247,16 @@ def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path
                      cpus_per_worker: int = 1, max_failures: int = 0, verbose: bool = True) -> dict[str, Any]:
     """Runs one trial as a TorchTrainer job and returns its final metrics; a stop signal raises
     ``cluster.interrupt.RunInterrupted`` (the run's checkpoints stay under ``storage_path/name``)."""
+    import ray
+
+    from ...data.shipped import pack
+
     init_ray(address)
     resources = Resources(num_workers=config.train.num_workers, cpus_per_worker=cpus_per_worker,
                           gpus_per_worker=1.0 if config.train.use_gpu else 0.0)
+    shipped = pack(config.data)  # the workers may run on nodes without the files: carried in Ray's object store
     trainer = make_trainer(config, name=name, storage_path=storage_path, resources=resources,
-                           max_failures=max_failures, verbose=verbose)
+                           max_failures=max_failures, verbose=verbose,
+                           dataset_files=None if shipped is None else ray.put(shipped))
     with stop_signals_end_the_run():  # raises RunInterrupted on SIGINT / SIGTERM
         return read_final_metrics(fit(trainer))
