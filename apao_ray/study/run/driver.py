@@ -20,7 +20,7 @@ from ..record.outcomes import summarize_results
 from ..search.scheduler import PerMethodASHA
 from ..setup import parent_run, parent_tags, study_state_exists
 from ..spec import space
-from ..spec.space import PAPER_KNOBS, SearchSpec, trial_choices
+from ..spec.space import PAPER_KNOBS, SearchSpec, loss_knobs, trial_choices
 from . import cohorts
 from .study import Study, invocation
 from .trial import Resources
@@ -215,7 +215,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
     def make_callbacks(num_trials: int) -> list[Any]:  # the recorder first (repeats.py reads it)
         recorder = MlflowStudyCallback(setup.tracking_uri, experiment_name(plan.base.data.dataset), parent_id,
                                        setup.study_name, train_root,
-                                       {"base": plan.base.to_dict()},
+                                       {"base": plan.base.to_dict(), "knobs": loss_knobs()},
                                        example_history, run_tags(plan.base), setup.dataset_record)
         return [recorder, ProgressCallback(metric, num_trials)]
 
