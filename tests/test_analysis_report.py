@@ -126,7 +126,7 @@ def test_no_effect_is_not_significant_and_short_schedules_are_not_compared_with_
                                       curve=(0.01, 0.02, 0.03))) for seed in (0, 1)]
     report = build_report(exports, tmp_path / "out", num_resamples=1000).read_text()
     assert "| (0.0608 / 0.0292) n/c |" in report
-    assert all(line.endswith("| not converged: val/ndcg_at_10 +33% at its last epoch (3) |")
+    assert all(line.endswith("| still rising: val/ndcg_at_10 +33% at its last epoch (3) |")
                for line in _section(report, "Test metrics")[2:])
     for line in _section(report, "Paired differences"):
         if "apao_pointwise" in line:
@@ -164,7 +164,7 @@ def test_the_report_reads_the_convergence_verdict_its_study_recorded(tmp_path):
     say converged."""
     from apao_ray.names import CONVERGED_TAG
 
-    verdict = "not converged: test ndcg_at_10 0.0060 within noise of popularity's 0.0055"
+    verdict = "no better than popularity: test ndcg_at_10 0.0060 within noise of popularity's 0.0055"
     directory = _fabricate(tmp_path / "exports", 0, 0.02)
     study = json.loads((directory / "study.json").read_text())
     study["trials"][0]["tags"][CONVERGED_TAG] = verdict  # CE's

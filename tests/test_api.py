@@ -355,7 +355,7 @@ def test_a_notebook_study_with_two_seeds_repeats_each_methods_best_and_tables_me
     for loss, row in table.iterrows():  # the verdict best and report read back, as the study computed it
         assert fresh[row["run_id"]].data.tags["apao.converged"] == row["converged"]
     # one epoch each: no slope to read, so the figure is one of early learning and says so
-    assert table.loc["apao_pointwise", "converged"].startswith("not converged: 1 validation epoch")
+    assert table.loc["apao_pointwise", "converged"].startswith("one epoch only: 1 validation epoch")
     assert re.fullmatch(r"early learning \(not converged\): [+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\] over seeds "
                         r"and users \(2 seeds\), p_holm = [\d.e+-]+ \(Holm over \d+ comparisons?: .+\)",
                         table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]), table.loc["apao_pointwise"]

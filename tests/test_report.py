@@ -55,10 +55,18 @@ def test_convergence_reads_the_validation_curves_last_slope():
     from apao_ray.analysis.results import convergence, is_early_learning
 
     assert convergence([0.010, 0.020, 0.0205]) == "converged"  # +2% at the last epoch: levelled off
-    assert convergence([0.010, 0.020, 0.030]) == "not converged: val/ndcg_at_10 +33% at its last epoch (3)"
-    assert convergence([0.004]) == "not converged: 1 validation epoch"  # no slope to read
+    assert convergence([0.010, 0.020, 0.030]) == "still rising: val/ndcg_at_10 +33% at its last epoch (3)"
+    assert convergence([0.004]) == "one epoch only: 1 validation epoch, no slope to read"
     assert convergence([0.030, 0.020]) == "converged"  # falling: past its best, not still learning
-    assert is_early_learning("converged", "not converged: 1 validation epoch") and not is_early_learning("converged")
+    assert is_early_learning("converged", "one epoch only: 1 validation epoch, no slope to read")
+    assert is_early_learning("no better than popularity: test ndcg_at_10 0.0010 below popularity's 0.0100")
+    assert is_early_learning("not converged: 1 validation epoch")  # a verdict an older study recorded
+    assert not is_early_learning("converged")
+    from apao_ray.analysis.results import joined_verdicts  # both reasons, each once, where both hold
+
+    assert joined_verdicts(["still rising: a", "converged", "no better than popularity: b", "still rising: a"]) == \
+        "still rising: a; no better than popularity: b"
+    assert joined_verdicts(["converged", "converged"]) == "converged"
 
 
 def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_labelled_early_learning(tmp_path):
@@ -83,7 +91,7 @@ def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_
     rows = {row["loss"]: row for row in table_rows(tracker, study="s", num_resamples=100)}
     assert rows["apao_pairwise"]["status"] == reason and rows["apao_pairwise"].get("run_id") is None
     assert rows["ce"]["converged"] == "converged" and rows["ce"]["vs ce test/ndcg_at_10"] == "baseline"
-    assert rows["apao_pointwise"]["converged"] == "not converged: val/ndcg_at_10 +33% at its last epoch (3)"
+    assert rows["apao_pointwise"]["converged"] == "still rising: val/ndcg_at_10 +33% at its last epoch (3)"
     assert rows["apao_pointwise"]["vs ce test/ndcg_at_10"].startswith("early learning (not converged): ")
     table = format_rows(list(rows.values()))
     assert f"| {reason} |" in table and "| converged |" in table
@@ -105,10 +113,10 @@ def test_a_method_within_noise_of_or_below_the_popularity_baseline_is_not_conver
         table = pd.DataFrame({"user": [str(u) for u in range(4000)], "ndcg_at_10": (rng.random(4000) < hit_rate) * 1.0})
         return seed_methods(RunSource("s", [record], tables={"r": table}), ["r"])[0]
 
-    assert re.fullmatch(r"not converged: test ndcg_at_10 0\.0\d{3} within noise of popularity's 0\.0\d{3}",
+    assert re.fullmatch(r"no better than popularity: test ndcg_at_10 0\.0\d{3} within noise of popularity's 0\.0\d{3}",
                         popularity_check(method(0.011), popularity))
     assert popularity_check(method(0.05), popularity) == ""  # well above it
-    assert re.fullmatch(r"not converged: test ndcg_at_10 0\.00\d{2} below popularity's 0\.0\d{3}",
+    assert re.fullmatch(r"no better than popularity: test ndcg_at_10 0\.00\d{2} below popularity's 0\.0\d{3}",
                         popularity_check(method(0.002), popularity))  # well below it: not "within noise"
 
 

@@ -24,8 +24,8 @@ from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_method,
     with_bar
 from .heuristics import baseline_sections, recorded_datasets
 from .subsets import subset_sections
-from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
-                      Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials,
+from .results import (EARLY_LEARNING, NO_BETTER_THAN_POPULARITY, ONE_EPOCH, SELECTION_METRIC, STEEP_LAST_GAIN,
+                      STILL_RISING, TEST_METRICS, TRIAL_CHOICES, Method, Paired, Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials,
                       seeds_text, unknown_knobs)
 from .stats import INTERVALS_NOTE
 
@@ -230,10 +230,13 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              "parentheses with `n/c` (not comparable) otherwise. `s/epoch (median)`: each trial's median epoch "
              "(MLflow `perf/epoch_seconds`), averaged over seeds (listed per seed where they differ by more than 2x, e.g. a "
              "CPU seed beside GPU seeds); a median, as epochs that ran beside other work on a "
-             "shared machine would pull a mean up (the cost table has the totals). `converged`: `not converged` where a "
-             f"seed's validation NDCG@10 was still rising by more than {STEEP_LAST_GAIN:.0%} at its last epoch (or it "
-             f"trained one epoch); a paired difference involving such a method is labelled `{EARLY_LEARNING}`: a "
-             "comparison of early learning, not of trained models. The training-free heuristics (popularity, last-item "
+             "shared machine would pull a mean up (the cost table has the totals). `converged` names each reason a method "
+             f"has not converged in its own words: `{STILL_RISING}` where a seed's validation NDCG@10 was still rising "
+             f"by more than {STEEP_LAST_GAIN:.0%} at its last epoch (`{ONE_EPOCH}`: it trained one epoch, no slope to "
+             f"read), `{NO_BETTER_THAN_POPULARITY}` where its test NDCG@10 is not clearly above the popularity "
+             "heuristic's (within two standard errors of the difference, or below it: the verdict the study recorded "
+             "with its dataset), both where both hold; a paired difference involving such a method is labelled "
+             f"`{EARLY_LEARNING}`: a comparison of early learning, not of trained models. The training-free heuristics (popularity, last-item "
              "transitions; `apao_ray/analysis/bar.py`) stand in the table on the same test users; a method whose test "
              "NDCG@10 is below the last-item heuristic's by more than two standard errors says `below the last-item "
              "heuristic` (`within noise of` it: above by less than two).", "",

@@ -8,8 +8,8 @@ from typing import Any
 
 from ...analysis.bar import TRAINING_FREE, bar_words, metric_means, with_bar
 from ...analysis.heuristics import HEURISTIC_LABELS
-from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, popularity_check, recorded_knobs, \
-    seeds_text
+from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, joined_verdicts, popularity_check, \
+    recorded_knobs, seeds_text
 from ...names import PLAN_TAG, REPEATS_TAG, reached_test
 from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, schedule_label
@@ -180,13 +180,13 @@ def _heuristic_rows(heuristics: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def _convergence(method: Any, heuristics: dict[str, Any] | None) -> str:
-    """A method still learning steeply at its last epoch, or no better than recommending the most popular
-    items (``heuristics``' popularity, when given), has not converged; one not clearly above the last-item
-    heuristic says so too (``analysis.bar``)."""
-    curve = method.convergence
-    if curve == "converged" and heuristics and "popularity" in heuristics:
-        curve = popularity_check(method, heuristics["popularity"]["ndcg_at_10"].to_numpy(float)) or curve
-    return with_bar(curve, bar_words(method, heuristics))
+    """A method still learning steeply at its last epoch (``still rising``), or no better than recommending the
+    most popular items (``heuristics``' popularity, when given: ``no better than popularity``), has not converged,
+    each reason in its own words; one not clearly above the last-item heuristic says so too (``analysis.bar``)."""
+    verdicts = [method.convergence]
+    if heuristics and "popularity" in heuristics:
+        verdicts.append(popularity_check(method, heuristics["popularity"]["ndcg_at_10"].to_numpy(float)))
+    return with_bar(joined_verdicts(v for v in verdicts if v), bar_words(method, heuristics))
 
 
 def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], children: list[Any], metric: str,
