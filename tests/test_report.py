@@ -156,8 +156,8 @@ def test_the_studys_answer_table_has_the_heuristics_as_rows_and_a_method_below_t
     import pandas as pd
 
     from apao_ray.names import PER_USER_FILE
-    from apao_ray.study.record.report import DESCRIPTION_LIMIT, SUBSETS_ARTIFACT, format_rows, study_description, \
-        subset_lines, table_rows
+    from apao_ray.study.record.answer import DESCRIPTION_LIMIT, SUBSETS_ARTIFACT, study_description
+    from apao_ray.study.record.report import format_rows, subset_lines, table_rows
     from apao_ray.tracking import Tracker
     from apao_ray.training.evaluation import write_per_user
     from test_analysis_report import _per_user
@@ -208,3 +208,60 @@ def test_the_studys_answer_table_has_the_heuristics_as_rows_and_a_method_below_t
     assert "| generalization | 1700 | tiger/ce b=0.3 |" in description and len(description) <= DESCRIPTION_LIMIT
     crowded = study_description("s", rows, subsets * 40)  # too long to fit: the artifact is named instead
     assert crowded.endswith(f"the parent run's artifact `{SUBSETS_ARTIFACT}`") and len(crowded) <= DESCRIPTION_LIMIT
+
+
+def test_a_tie_is_named_with_its_rule_and_cost_is_all_a_methods_trials_in_best_the_description_and_the_report(
+        tmp_path, monkeypatch):
+    """Two CE trials tie exactly on the selection metric: the first started is kept, and the table, the study's
+    MLflow description and the report all say so, with the rule. Cost is every trial of the method (the pruned one
+    too) on each surface; the chosen trial's own time goes by its own name. The description's table stays narrow."""
+    import time
+
+    from apao_ray.analysis.export import export_study, load_export
+    from apao_ray.analysis.report import build_report
+    from apao_ray.study.record.answer import ANSWER_WIDTH, shown_width, study_description
+    from apao_ray.study.record.report import format_rows, table_rows
+    from apao_ray.tracking import Tracker
+
+    monkeypatch.delenv("APAO_DATA_DIR", raising=False)  # a fabricated 'tiny' dataset: no heuristics' rows
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
+    space = {"backbones": ["tiger"], "losses": ["ce", "apao_pointwise"]}
+    parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study"}, {"space": json.dumps(space)})
+
+    def child(loss, status, val, wall, knobs=None):
+        time.sleep(0.01)  # distinct start times: the tie's rule reads them
+        run = tracker.start_run(loss, {"apao.study": "s", "backbone": "tiger", "loss": loss}, knobs or {},
+                                parent_run_id=parent)
+        tracker.log_metrics(run, {"best/val/ndcg_at_10": val, "cost/wall_seconds": wall,
+                                  **({"test/ndcg_at_10": val / 2} if status == "FINISHED" else {})}, 1)
+        tracker.end_run(run, status)
+        return run
+
+    first = child("ce", "FINISHED", 0.5, 60.0)
+    child("ce", "FINISHED", 0.5, 90.0)  # ties the first exactly
+    child("ce", "KILLED", 0.2, 30.0)  # pruned: it cost too
+    child("apao_pointwise", "FINISHED", 0.45, 120.0, {"beta": 0.20259821574970133, "eta": 0.000130412345})
+    tie = "2 trials tied on best/val/ndcg_at_10 0.5000: kept the first started"
+
+    rows = table_rows(tracker, study="s", num_resamples=100)
+    ce = next(row for row in rows if row["loss"] == "ce")
+    assert ce["run_id"] == first and ce["tie"] == tie
+    assert (ce["cost/wall_seconds"], ce["chosen_trial/wall_seconds"]) == (180.0, 60.0)
+    assert f"| {tie} |" in format_rows(rows)
+
+    description = study_description("s", rows, experiment_id=tracker.experiment_id)
+    assert f"**Ties**: tiger/ce: {tie}" in description and "kept the first started" in description.splitlines()[0]
+    assert "tiger/ce 3.0 min (chosen trial's time 1.0 min)" in description
+    table = [line for line in description.splitlines() if line.startswith("|")]
+    assert len(table) == 4 and max(map(shown_width, table)) <= ANSWER_WIDTH, table
+    assert f"[{first[:8]}](#/experiments/{tracker.experiment_id}/runs/{first})" in table[3]  # the rows: apao, ce
+    assert "| b=0.203 eta=0.00013 | 0.4500 | 0.2250 |" in table[2] and "0.2025982" not in description
+
+    export_study(tracker.tracking_uri, "s", tmp_path / "export")
+    report = build_report([load_export(tmp_path / "export")], tmp_path / "out", num_resamples=100).read_text()
+    assert f"- s: tiger/ce: {tie}" in report
+    costs = report.split("## Cost per method", 1)[1].split("\n## ", 1)[0]
+    cost = next(line for line in costs.splitlines() if "| tiger | ce |" in line)
+    cells = [cell.strip() for cell in cost.strip("|").split("|")]
+    assert cells[4:6] == ["3", "3.0"] and cells[-1] == "1.0", cells  # trials, wall min of all; the chosen's own

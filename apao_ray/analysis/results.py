@@ -149,9 +149,7 @@ class Trial:
     def method(self) -> str:
         """``loss`` and its knobs, e.g. ``apao_pointwise b=0.3 eta=0.0001``, ``focal gamma=2``: trials that differ
         in any knob are different methods."""
-        knobs = self.knobs
-        order = [*(k for k in KNOB_LABELS if k in knobs), *sorted(set(knobs) - set(KNOB_LABELS))]
-        return " ".join([self.loss, *(f"{KNOB_LABELS.get(k, k)}={_knob_text(knobs[k])}" for k in order)])
+        return " ".join(filter(None, [self.loss, knobs_label(self.knobs)]))
 
     def history(self, key: str) -> pd.Series:
         return self.export.history(self.run_id, key)
@@ -219,6 +217,12 @@ def best_of(candidates: Iterable[T], value: Callable[[T], float | None], started
     ``sweep``'s table, ``best``, the registered model, ``report`` and the grid name a method's best trial."""
     ranked = [(v, -started(c), i, c) for i, c in enumerate(candidates) if (v := value(c)) is not None]
     return max(ranked, key=lambda entry: entry[:3])[3] if ranked else None
+
+
+def knobs_label(knobs: dict[str, float]) -> str:
+    """``b=0.3 eta=0.0001 N=100``: the paper's knobs first (``KNOB_LABELS``), then any other by name, 3 digits."""
+    order = [*(k for k in KNOB_LABELS if k in knobs), *sorted(set(knobs) - set(KNOB_LABELS))]
+    return " ".join(f"{KNOB_LABELS.get(k, k)}={_knob_text(float(knobs[k]))}" for k in order)
 
 
 def _knob_text(value: float) -> str:

@@ -10,8 +10,8 @@ from ...analysis.bar import TRAINING_FREE, bar_words, metric_means, with_bar
 from ...analysis.heuristics import HEURISTIC_LABELS
 from ...analysis.results import EARLY_LEARNING, best_of, is_early_learning, joined_verdicts, popularity_check, \
     recorded_knobs, seeds_text
-from ...names import PLAN_TAG, REPEATS_TAG, reached_test
-from ...paths import apao_command
+from ...analysis.ties import tie_text, tied
+from ...names import PLAN_TAG, REPEATS_TAG, WALL, reached_test
 from ...protocol import PROTOCOL_TAG, schedule_label
 from ...tracking import Tracker
 from . import plots
@@ -21,6 +21,7 @@ from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_column
     significance_column
 
 COST_COLUMNS = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb", "cost/energy_kwh")
+CHOSEN_TIME = "chosen_trial/wall_seconds"  # the chosen trial's own wall time, beside the cost of all the method's
 
 
 def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str | None = None) -> list[dict[str, Any]]:
@@ -39,7 +40,10 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
         row: dict[str, Any] = {"backbone": backbone, "loss": loss}
         row.update(run_knobs(run.data.params))
         row[metric] = run.data.metrics[metric]
+        row["tie"] = tie_text(tied(groups[(backbone, loss)], lambda r: r.data.metrics.get(metric), run), metric,
+                              run.data.metrics[metric]) or None
         row.update({k: run.data.metrics.get(k) for k in TEST_COLUMNS})
+        row[CHOSEN_TIME] = run.data.metrics.get(WALL)  # its own; cost/* are all the method's trials (table_rows)
         # MLflow 3 keeps models as LoggedModels (models:/m-...); runs:/<id>/model also loads
         model_uri = run.data.tags.get("apao.model_uri", f"runs:/{run.info.run_id}/model")
         row.update({"run_id": run.info.run_id, "model_uri": model_uri,
@@ -53,34 +57,6 @@ def best_rows(tracker: Tracker, metric: str = "best/val/ndcg_at_10", study: str 
 def _schedule(params: dict[str, str]) -> str:
     epochs, patience = params.get("base.train.epochs"), params.get("base.train.patience")
     return schedule_label(int(epochs), int(patience)) if epochs and patience else "unknown"
-
-
-# MLflow keeps a tag value of up to 8,000 characters; the description is the run's page's first text
-DESCRIPTION_TAG, DESCRIPTION_LIMIT = "mlflow.note.content", 8000
-SUBSETS_ARTIFACT = "memorization_generalization.md"  # on the parent run: the subsets, whole
-
-
-def study_description(study: str, rows: list[dict[str, Any]], subsets: list[str] | None = None) -> str:
-    """The study's answer as the MLflow UI shows it on the parent run's page (its description): the table
-    ``sweep`` and ``best`` print (the same best trial, verdicts and intervals), what the intervals cover, and
-    whether the test columns compare with paper Table 1; then ``subsets`` (``subset_lines``) where they fit,
-    else a line naming the parent's artifact ``SUBSETS_ARTIFACT`` that holds them."""
-    from ...analysis.stats import INTERVALS_NOTE
-
-    note = paper_comparability(rows)
-    tail = f"\n\n{note}\n\n{INTERVALS_NOTE}"
-    table = format_rows(rows, "markdown").removesuffix(f"\n\n{note}")  # it ends with the note: said once, in the tail
-    head = f"**{study}**: best trial per (backbone, loss) by validation\n\n"
-    if subsets:
-        section = "\n\n" + "\n".join(subsets)
-        if len(head) + len(table) + len(tail) + len(section) > DESCRIPTION_LIMIT:
-            section = f"\n\nMemorization and generalization (test): the parent run's artifact `{SUBSETS_ARTIFACT}`"
-        tail += section
-    text = head + table + tail
-    if len(text) > DESCRIPTION_LIMIT:
-        cut = f"\n\n(table cut: `{apao_command()} best --study-name {study}` prints it whole)"
-        text = text[:DESCRIPTION_LIMIT - len(tail) - len(cut)].rsplit("\n", 1)[0] + cut + tail
-    return text
 
 
 def paper_comparability(rows: list[dict[str, Any]]) -> str:
@@ -259,14 +235,15 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     selection = [k for k in rows[0] if k.startswith("best/")] if rows else []
     spread = [k + STD_SUFFIX for k in TEST_COLUMNS] if any((row.get("n_seeds") or 0) > 1 for row in rows) else []
     significance = sorted({k for row in rows for k in row if k.startswith("vs ")})
-    costs = [k for k in COST_COLUMNS if any(row.get(k) is not None for row in rows)]
+    costs = [k for k in (*COST_COLUMNS, CHOSEN_TIME) if any(row.get(k) is not None for row in rows)]
     registered = ["registered_model"] if any(row.get("registered_model") for row in rows) else []
+    ties = ["tie"] if any(row.get("tie") for row in rows) else []
     # the paper's knobs always (the table's columns before knobs moved to the losses), others where a row has one
     recorded = {k for row in rows for k in row.get(RECORDED_KNOBS, ())}
     knobs = [k for k in knob_names() if k in PAPER_KNOBS or any(row.get(k) is not None for row in rows)]
     knobs += sorted(recorded - set(knobs))  # a plugin's knob the registry loaded here does not declare
     columns = ["backbone", "loss", *knobs, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
-               "protocol", "schedule", "converged", "run_id", *registered]
+               "protocol", "schedule", "converged", *ties, "run_id", *registered]
     if any("status" in row for row in rows):
         columns.append("status")
     if fmt == "csv":
