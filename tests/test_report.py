@@ -255,7 +255,7 @@ def test_a_tie_is_named_with_its_rule_and_cost_is_all_a_methods_trials_in_best_t
     assert "tiger/ce 3.0 min (chosen trial's time 1.0 min)" in description
     table = [line for line in description.splitlines() if line.startswith("|")]
     assert len(table) == 4 and max(map(shown_width, table)) <= ANSWER_WIDTH, table
-    assert f"[{first[:8]}](#/experiments/{tracker.experiment_id}/runs/{first})" in table[3]  # the rows: apao, ce
+    assert f"[{first[:8]}](#/experiments/{tracker.experiment_id}/runs/{first}?workflowType=machine_learning)" in table[3]  # the rows: apao, ce
     assert "| b=0.203 eta=0.00013 | 0.4500 | 0.2250 |" in table[2] and "0.2025982" not in description
 
     export_study(tracker.tracking_uri, "s", tmp_path / "export")
@@ -265,3 +265,21 @@ def test_a_tie_is_named_with_its_rule_and_cost_is_all_a_methods_trials_in_best_t
     cost = next(line for line in costs.splitlines() if "| tiger | ce |" in line)
     cells = [cell.strip() for cell in cost.strip("|").split("|")]
     assert cells[4:6] == ["3", "3.0"] and cells[-1] == "1.0", cells  # trials, wall min of all; the chosen's own
+
+
+def test_the_study_pages_verdict_reads_the_significance_cell_as_sweep_prints_it():
+    from apao_ray.study.record.answer import difference_and_verdict
+
+    holm = "over seeds and users (3 seeds), p_holm = {} (Holm over 2 comparisons: every method vs the baseline)"
+    assert difference_and_verdict("+0.0041 [0.0012, 0.0070] " + holm.format("0.003")) == \
+        ("+0.0041 [0.0012, 0.0070]", "better (p_holm 0.003, 3 seeds)")
+    assert difference_and_verdict("-0.0041 [-0.0070, -0.0012] " + holm.format("2.0e-04"))[1] == \
+        "worse (p_holm 2.0e-04, 3 seeds)"
+    assert difference_and_verdict("early learning (not converged): +0.0010 [-0.0020, 0.0040] " + holm.format("0.310")) \
+        == ("+0.0010 [-0.0020, 0.0040]", "early learning: no difference shown (p_holm 0.310, 3 seeds)")
+    one = "+0.0024 [0.0013, 0.0035] over test users, 1 seed: training variance not measured"
+    assert difference_and_verdict(one) == ("+0.0024 [0.0013, 0.0035]", "none (1 seed)")
+    assert difference_and_verdict(one + "; a verdict needs ~24 seeds at seed sd 0.0040")[1] == \
+        "none (1 seed; a verdict needs ~24)"
+    assert difference_and_verdict("baseline") == ("baseline", "-")
+    assert difference_and_verdict("- (no ce trial to compare with)") == ("-", "no ce trial to compare with")

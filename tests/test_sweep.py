@@ -375,3 +375,4 @@ def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
                                            "metrics.`best/tiger/apao_pointwise/val/ndcg_at_10`",
                                            "metrics.`best/tiger/apao_pointwise/test/ndcg_at_10`"]
     assert view["columnOrder"][:3] == ["attributes.`Run Name`", "runDateAndNestInfo", "duration"]
+    assert view["selectedColumns"][4:6] == ["params.`beta`", "params.`eta`"]  # the knobs the study's losses tune

@@ -14,6 +14,7 @@ from typing import Any
 from ...analysis.results import knobs_label
 from ...analysis.stats import DEFAULT_CONFIDENCE, INTERVALS_NOTE, ONE_SEED
 from ...analysis.ties import TIE_RULE
+from ...mlflow_ui import run_link
 from ...names import WALL, shown_metric
 from ...paths import apao_command
 from .report import RECORDED_KNOBS, format_rows, paper_comparability
@@ -57,12 +58,15 @@ def difference_and_verdict(cell: str | None) -> tuple[str, str]:
     rest = found["rest"]
     p_value = re.search(r"\bp(?:_holm)? = (\S+?)[,;)]?(?:\s|$)", rest)
     if ONE_SEED in rest or p_value is None:
-        verdict = "none (1 seed)"
+        needed = re.search(r"a verdict needs (.+?) seeds", rest)
+        verdict = f"none (1 seed; a verdict needs {needed[1]})" if needed else "none (1 seed)"
     else:
         alpha, p = 1 - DEFAULT_CONFIDENCE, float(p_value[1])
         sign = "better" if found["interval"].startswith("+") else "worse"
         name = "p_holm" if "p_holm" in rest else "p"
-        verdict = f"{sign if p < alpha else 'no difference shown'} ({name} {p_value[1]})"
+        seeds = re.search(r"\((\d+) seeds\)", rest)
+        verdict = f"{sign if p < alpha else 'no difference shown'} ({name} {p_value[1]}" + \
+            (f", {seeds[1]} seeds)" if seeds else ")")
     return found["interval"], f"early learning: {verdict}" if found["early"] else verdict
 
 
@@ -87,8 +91,7 @@ def answer_table(rows: list[dict[str, Any]], experiment_id: str | None = None) -
     for row in rows:
         difference, verdict = difference_and_verdict(row.get(significance) if significance else None)
         run_id = row.get("run_id")
-        link = "-" if not run_id else (f"[{run_id[:8]}](#/experiments/{experiment_id}/runs/{run_id})"
-                                       if experiment_id else run_id[:8])
+        link = "-" if not run_id else run_link(experiment_id, run_id) if experiment_id else run_id[:8]
         cells = [method_name(row), row_knobs(row), shown_metric(row.get(selection)) if selection else "-",
                  shown_metric(row.get(test)), difference, verdict, link]
         lines.append("| " + " | ".join(cells) + " |")
@@ -142,6 +145,32 @@ def study_description(study: str, rows: list[dict[str, Any]], subsets: list[str]
         cut = f"\n\n(table cut: the artifact `{ANSWER_ARTIFACT}` holds it whole)"
         text = text[:DESCRIPTION_LIMIT - len(tail) - len(cut)].rsplit("\n", 1)[0] + cut + tail
     return text
+
+
+def registered_words(row: dict[str, Any], dataset: str, alias: str, parent_run_id: str | None,
+                     experiment_id: str) -> tuple[tuple[str, dict[str, str]], tuple[str, dict[str, str]]]:
+    """(description, tags) of a method's registered model and of the version ``row`` (a ``table_rows`` row)
+    registers: the study, the knobs (3 digits), the selection rule and any tie, validation and test, the difference
+    from the baseline and its verdict, and links to the trial's run and the study's parent run."""
+    selection, test, significance = _keys([row])
+    difference, verdict = difference_and_verdict(row.get(significance) if significance else None)
+    method, knobs, study = method_name(row), row_knobs(row), row.get("study") or "-"
+    rule = selection_rule(selection or "best/val/ndcg_at_10")
+    run = run_link(experiment_id, row["run_id"])
+    parent = run_link(experiment_id, parent_run_id) if parent_run_id else "-"
+    lines = [f"**{method}** chosen by study **{study}**: {rule}.", "",
+             *answer_table([row], experiment_id), "",
+             f"Tie: {row.get('tie') or 'none'}. Trial's run: {run}; the study's run (its whole answer): {parent}."]
+    version_tags = {"apao.study": study, "apao.knobs": knobs, "apao.selection_rule": rule,
+                    "apao.tie": row.get("tie") or "none", "apao.verdict": verdict, "apao.difference": difference,
+                    "apao.run_id": row["run_id"], "apao.parent_run_id": parent_run_id or "-",
+                    **({selection: shown_metric(row.get(selection))} if selection else {}),
+                    test: shown_metric(row.get(test))}
+    model = (f"The best {method} on {dataset}: `@{alias}` points at the version of the latest `best` (each version's "
+             f"description and tags say which study, knobs, rule and verdict chose it).",
+             {"apao.dataset": dataset, "apao.method": method, "apao.study": study, "apao.knobs": knobs,
+              "apao.verdict": verdict, "apao.selection_rule": rule})
+    return model, ("\n".join(lines), version_tags)
 
 
 def wide_table(rows: list[dict[str, Any]]) -> str:

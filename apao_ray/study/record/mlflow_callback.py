@@ -266,16 +266,19 @@ def summary_metric_name(backbone: str, loss: str, metric: str) -> str:
     return f"best/{backbone}/{loss}/{metric.removeprefix('best/')}"
 
 
-def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: str) -> list[str]:
+def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: str,
+                  knobs: tuple[str, ...] = ()) -> list[str]:
     """The runs table's columns for a study: per method, the parent's validation and test summary (the
-    collapsed study row answers), then each trial's validation and test metric, outcome and model."""
+    collapsed study row answers), then each trial's ``knobs`` (the params its losses tune), validation and test
+    metric, outcome and model."""
     from ...mlflow_ui import column
 
     test = "test/" + metric.rsplit("/", 1)[-1]
     per_method = [column("metrics", summary_metric_name(backbone, loss, key))
                   for backbone in backbones for loss in losses for key in (metric, test)]
-    return [*per_method, column("metrics", metric), column("metrics", test), column("metrics", "test/recall_at_10"),
-            column("tags", OUTCOME_TAG), column("attributes", "Models")]
+    return [*per_method, *(column("params", knob) for knob in knobs), column("metrics", metric),
+            column("metrics", test), column("metrics", "test/recall_at_10"), column("tags", OUTCOME_TAG),
+            column("attributes", "Models")]
 
 
 def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str, metric: str) -> dict[str, float]:

@@ -269,7 +269,10 @@ def _seeds_cell(row: dict[str, Any]) -> str:
 def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
                   alias: str = "best") -> list[tuple[str, int, bool] | None]:
     """Points ``apao-<dataset>-<backbone>-<loss>@best`` at each row's model; per row, its
-    ``(models:/<name>@best, version, whether the version is new)``, None without a model."""
+    ``(models:/<name>@best, version, whether the version is new)``, None without a model. The model and the
+    version say what chose it (``answer.registered_words``: study, knobs, selection rule, tie, verdict, runs)."""
+    from .answer import registered_words  # it imports this module
+
     registered: list[tuple[str, int, bool] | None] = []
     for row in rows:
         if not row.get("model_uri"):  # a method without a finished trial has no model
@@ -277,6 +280,9 @@ def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
             continue
         name = f"apao-{dataset}-{row['backbone']}-{row['loss']}"
         version, is_new = tracker.register_best(row["model_uri"], name, alias)
+        parent = tracker.find_run({"apao.study": row.get("study") or "", "apao.role": "study"})
+        tracker.describe_registered(name, version, *registered_words(row, dataset, alias, parent,
+                                                                      tracker.experiment_id))
         registered.append((f"models:/{name}@{alias}", version, is_new))
     return registered
 

@@ -149,8 +149,10 @@ def open_parent_run(tracker: Tracker, study: Study) -> str:
     from ...mlflow_ui import save_runs_view, view_key
     from ..record.mlflow_callback import study_columns
 
+    knobs = loss_knobs()
     save_runs_view(tracker, view_key(setup.study_name), study_columns(
-        plan.search.backbones, plan.search.losses, f"best/val/{plan.base.train.metric}"))
+        plan.search.backbones, plan.search.losses, f"best/val/{plan.base.train.metric}",
+        tuple(dict.fromkeys(knob for loss in plan.search.losses for knob in knobs.get(loss, ())))))
     tracker.set_tags(parent_id, {**run_tags(plan.base),
                                  "command_line": redact(" ".join(study.command_line)), "code_version": code_version(),
                                  "dataset_checksums": json.dumps(setup.dataset.checksums, sort_keys=True),
