@@ -85,7 +85,7 @@ def answer_table(rows: list[dict[str, Any]], experiment_id: str | None = None) -
     it in the same MLflow UI (``#/experiments/<id>/runs/<run id>``)."""
     selection, test, significance = _keys(rows)
     baseline = significance.split()[1] if significance else "baseline"
-    header = ["method", "knobs", "val " + (selection or "-").rsplit("/", 1)[-1], test, f"vs {baseline} (95% CI)",
+    header = ["method", "knobs", "val " + (selection or "-").rsplit("/", 1)[-1], test.replace("/", " "), f"vs {baseline} (95% CI)",
               "verdict", "run"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
@@ -116,7 +116,7 @@ def answer_notes(rows: list[dict[str, Any]]) -> list[str]:
              for row in trained if row.get(WALL) is not None]
     notes = [("Ties", ties), ("Not converged", unconverged), ("No finished trial", unfinished),
              ("Cost, wall time of all a method's trials (the price of its answer)", costs)]
-    return [f"**{title}**: " + "; ".join(items) for title, items in notes if items]
+    return [f"- **{title}**: " + "; ".join(items) for title, items in notes if items]
 
 
 def _minutes(seconds: float | None) -> str:
