@@ -1,5 +1,6 @@
 """The study's answer where MLflow shows it: the parent run's description (a narrow table that fits a 1600-px
-window, the notes under it), the wide table as the parent's artifact, and the registered model's words and tags.
+window, the notes under it), the wide table as the parent's artifact, and the registered best models
+(``register_best``) with their words and tags.
 
 The narrow table keeps what answers the question (method, knobs, validation, test, the difference from the baseline
 with its interval, the verdict, a link to the run); each row shows at most ``ANSWER_WIDTH`` characters. What
@@ -17,6 +18,7 @@ from ...analysis.ties import TIE_RULE
 from ...mlflow_ui import run_link
 from ...names import WALL, shown_metric
 from ...paths import apao_command
+from ...tracking import Tracker
 from .report import RECORDED_KNOBS, format_rows, paper_comparability
 
 # MLflow keeps a tag value of up to 8,000 characters; the description is the run's page's first text
@@ -145,6 +147,25 @@ def study_description(study: str, rows: list[dict[str, Any]], subsets: list[str]
         cut = f"\n\n(table cut: the artifact `{ANSWER_ARTIFACT}` holds it whole)"
         text = text[:DESCRIPTION_LIMIT - len(tail) - len(cut)].rsplit("\n", 1)[0] + cut + tail
     return text
+
+
+def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
+                  alias: str = "best") -> list[tuple[str, int, bool] | None]:
+    """Points ``apao-<dataset>-<backbone>-<loss>@best`` at each row's model; per row, its
+    ``(models:/<name>@best, version, whether the version is new)``, None without a model. The model and the
+    version say what chose it (``answer.registered_words``: study, knobs, selection rule, tie, verdict, runs)."""
+    registered: list[tuple[str, int, bool] | None] = []
+    for row in rows:
+        if not row.get("model_uri"):  # a method without a finished trial has no model
+            registered.append(None)
+            continue
+        name = f"apao-{dataset}-{row['backbone']}-{row['loss']}"
+        version, is_new = tracker.register_best(row["model_uri"], name, alias)
+        parent = tracker.find_run({"apao.study": row.get("study") or "", "apao.role": "study"})
+        tracker.describe_registered(name, version, *registered_words(row, dataset, alias, parent,
+                                                                      tracker.experiment_id))
+        registered.append((f"models:/{name}@{alias}", version, is_new))
+    return registered
 
 
 def registered_words(row: dict[str, Any], dataset: str, alias: str, parent_run_id: str | None,

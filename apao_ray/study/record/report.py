@@ -266,27 +266,6 @@ def _seeds_cell(row: dict[str, Any]) -> str:
     return seeds_text(str(row.get("seeds") or ""), row.get("n_seeds"))
 
 
-def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
-                  alias: str = "best") -> list[tuple[str, int, bool] | None]:
-    """Points ``apao-<dataset>-<backbone>-<loss>@best`` at each row's model; per row, its
-    ``(models:/<name>@best, version, whether the version is new)``, None without a model. The model and the
-    version say what chose it (``answer.registered_words``: study, knobs, selection rule, tie, verdict, runs)."""
-    from .answer import registered_words  # it imports this module
-
-    registered: list[tuple[str, int, bool] | None] = []
-    for row in rows:
-        if not row.get("model_uri"):  # a method without a finished trial has no model
-            registered.append(None)
-            continue
-        name = f"apao-{dataset}-{row['backbone']}-{row['loss']}"
-        version, is_new = tracker.register_best(row["model_uri"], name, alias)
-        parent = tracker.find_run({"apao.study": row.get("study") or "", "apao.role": "study"})
-        tracker.describe_registered(name, version, *registered_words(row, dataset, alias, parent,
-                                                                      tracker.experiment_id))
-        registered.append((f"models:/{name}@{alias}", version, is_new))
-    return registered
-
-
 def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str, Any]], beam_size: int) -> None:
     """Per-prefix recall of the best trial per method (Optuna's own plots come from optuna_storage.py)."""
     best: dict[str, dict[str, Any]] = {}
