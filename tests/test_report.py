@@ -276,7 +276,9 @@ def test_the_study_pages_verdict_reads_the_significance_cell_as_sweep_prints_it(
     assert difference_and_verdict("-0.0041 [-0.0070, -0.0012] " + holm.format("2.0e-04"))[1] == \
         "worse (p_holm 2.0e-04, 3 seeds)"
     assert difference_and_verdict("early learning (not converged): +0.0010 [-0.0020, 0.0040] " + holm.format("0.310")) \
-        == ("+0.0010 [-0.0020, 0.0040]", "early learning: no difference shown (p_holm 0.310, 3 seeds)")
+        == ("+0.0010 [-0.0020, 0.0040]", "early learning (p_holm 0.310, 3 seeds)")
+    assert difference_and_verdict("early learning (not converged): +0.0024 [0.0013, 0.0035] over test users, "
+                                  "1 seed: training variance not measured")[1] == "early learning (1 seed)"
     one = "+0.0024 [0.0013, 0.0035] over test users, 1 seed: training variance not measured"
     assert difference_and_verdict(one) == ("+0.0024 [0.0013, 0.0035]", "none (1 seed)")
     assert difference_and_verdict(one + "; a verdict needs ~24 seeds at seed sd 0.0040")[1] == \

@@ -26,8 +26,8 @@ from .heuristics import baseline_sections, recorded_datasets
 from .subsets import subset_sections
 from .ties import selection_ties
 from .results import (EARLY_LEARNING, NO_BETTER_THAN_POPULARITY, ONE_EPOCH, SELECTION_METRIC, STEEP_LAST_GAIN,
-                      STILL_RISING, TEST_METRICS, TRIAL_CHOICES, Method, Paired, Trial, compare_methods, finished_trials, group_methods, is_early_learning, unfinished_trials,
-                      seeds_text, unknown_knobs)
+                      STILL_RISING, TEST_METRICS, TRIAL_CHOICES, Method, Paired, Trial, compare_methods, finished_trials,
+                      group_methods, is_early_learning, unfinished_trials, seeds_text, unknown_knobs)
 from .stats import INTERVALS_NOTE
 
 REPORT_FILE = "report.md"
@@ -129,7 +129,8 @@ def _cost_table(methods: list[Method]) -> list[str]:
         cells = [method.dataset, method.backbone, method.label, seeds_text(method.seeds), str(len(records)),
                  *(_number(cost[key] / 60, 1) if key in cost else "-" for key in (WALL, CPU)),
                  *(_number(cost[key], 0) if key in cost else "-" for key in (RSS, GPU_MEMORY)),
-                 f"{cost[ENERGY]:.3g}" if ENERGY in cost else "-", method.tag_values("apao.energy_method", "not recorded"),
+                 f"{cost[ENERGY]:.3g}" if ENERGY in cost else "-",
+                 method.tag_values("apao.energy_method", "not recorded"),
                  _minutes(method, WALL, "perf/total_seconds")]  # perf/: runs before cost/ existed
         lines.append("| " + " | ".join(cells) + " |")
     return lines

@@ -28,7 +28,7 @@ def tie_text(num_others: int, metric: str, value: float) -> str:
 
 
 def selection_ties(exports: list[StudyExport]) -> list[str]:
-    """Per (study, backbone, loss) whose best trial tied others on ``SELECTION_METRIC``: ``study: tiger/ce: <tie_text>``."""
+    """Per (study, backbone, loss) whose best trial tied others on ``SELECTION_METRIC``: ``s: tiger/ce: <tie_text>``."""
     candidates = [t for t in finished_trials(exports, "all") if REPEATS_TAG not in t.tags]
     lines = []
     for chosen in finished_trials(exports):

@@ -19,7 +19,7 @@ from ...mlflow_ui import run_link
 from ...names import WALL, shown_metric
 from ...paths import apao_command
 from ...tracking import Tracker
-from .report import RECORDED_KNOBS, format_rows, paper_comparability
+from .report import CHOSEN_TIME, RECORDED_KNOBS, format_rows, paper_comparability
 
 # MLflow keeps a tag value of up to 8,000 characters; the description is the run's page's first text
 DESCRIPTION_TAG, DESCRIPTION_LIMIT = "mlflow.note.content", 8000
@@ -49,7 +49,8 @@ def row_knobs(row: dict[str, Any]) -> str:
 def difference_and_verdict(cell: str | None) -> tuple[str, str]:
     """A significance cell (``seeds.significance_cells``) as (difference with its 95% CI, verdict): ``better``/
     ``worse`` where >= 2 seeds and Holm's p is under 1 - confidence, ``no difference shown`` above it, ``none (1
-    seed)`` where training variance was not measured; ``early learning: ...`` where a method had not converged."""
+    seed)`` where training variance was not measured; ``early learning (...)`` where a method had not converged
+    (the table's notes say why)."""
     if not cell:
         return "-", "-"
     if cell == "baseline":
@@ -59,17 +60,15 @@ def difference_and_verdict(cell: str | None) -> tuple[str, str]:
         return "-", cell.removeprefix("- ").strip("()")
     rest = found["rest"]
     p_value = re.search(r"\bp(?:_holm)? = (\S+?)[,;)]?(?:\s|$)", rest)
+    early = "early learning" if found["early"] else ""  # a comparison of models still learning: no verdict on methods
     if ONE_SEED in rest or p_value is None:
         needed = re.search(r"a verdict needs (.+?) seeds", rest)
-        verdict = f"none (1 seed; a verdict needs {needed[1]})" if needed else "none (1 seed)"
-    else:
-        alpha, p = 1 - DEFAULT_CONFIDENCE, float(p_value[1])
-        sign = "better" if found["interval"].startswith("+") else "worse"
-        name = "p_holm" if "p_holm" in rest else "p"
-        seeds = re.search(r"\((\d+) seeds\)", rest)
-        verdict = f"{sign if p < alpha else 'no difference shown'} ({name} {p_value[1]}" + \
-            (f", {seeds[1]} seeds)" if seeds else ")")
-    return found["interval"], f"early learning: {verdict}" if found["early"] else verdict
+        return found["interval"], f"{early or 'none'} (1 seed" + (f"; a verdict needs {needed[1]})" if needed else ")")
+    alpha, p = 1 - DEFAULT_CONFIDENCE, float(p_value[1])
+    sign = "better" if found["interval"].startswith("+") else "worse"
+    seeds = re.search(r"\((\d+) seeds\)", rest)
+    detail = f"({'p_holm' if 'p_holm' in rest else 'p'} {p_value[1]}" + (f", {seeds[1]} seeds)" if seeds else ")")
+    return found["interval"], f"{early or (sign if p < alpha else 'no difference shown')} {detail}"
 
 
 def _keys(rows: list[dict[str, Any]]) -> tuple[str | None, str, str | None]:
@@ -87,8 +86,8 @@ def answer_table(rows: list[dict[str, Any]], experiment_id: str | None = None) -
     it in the same MLflow UI (``#/experiments/<id>/runs/<run id>``)."""
     selection, test, significance = _keys(rows)
     baseline = significance.split()[1] if significance else "baseline"
-    header = ["method", "knobs", "val " + (selection or "-").rsplit("/", 1)[-1], test.replace("/", " "), f"vs {baseline} (95% CI)",
-              "verdict", "run"]
+    header = ["method", "knobs", "val " + (selection or "-").rsplit("/", 1)[-1], test.replace("/", " "),
+              f"vs {baseline} (95% CI)", "verdict", "run"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         difference, verdict = difference_and_verdict(row.get(significance) if significance else None)
@@ -112,9 +111,10 @@ def answer_notes(rows: list[dict[str, Any]]) -> list[str]:
     ties = [f"{method_name(row)}: {row['tie']}" for row in trained if row.get("tie")]
     unconverged = [f"{method_name(row)}: {row['converged']}" for row in trained
                    if row.get("converged") and row["converged"] != "converged"]
-    unfinished = [f"{method_name(row)}: {row['status']}" for row in trained if row.get("status") not in (None, "finished")]
-    costs = [f"{method_name(row)} {_minutes(row.get(WALL))}" + (f" (chosen trial's time {_minutes(row['chosen_trial/wall_seconds'])})"
-                                                               if row.get("chosen_trial/wall_seconds") is not None else "")
+    unfinished = [f"{method_name(row)}: {row['status']}" for row in trained
+                  if row.get("status") not in (None, "finished")]
+    costs = [f"{method_name(row)} {_minutes(row[WALL])}" + (f" (chosen trial's time {_minutes(row[CHOSEN_TIME])})"
+                                                           if row.get(CHOSEN_TIME) is not None else "")
              for row in trained if row.get(WALL) is not None]
     notes = [("Ties", ties), ("Not converged", unconverged), ("No finished trial", unfinished),
              ("Cost, wall time of all a method's trials (the price of its answer)", costs)]
