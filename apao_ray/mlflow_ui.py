@@ -30,6 +30,12 @@ def runs_table_url(tracking_uri: str, experiment_id: str, view_key: str | None =
     return f"{redact(base)}/#/experiments/{experiment_id}/runs?workflowType=machine_learning{view}"
 
 
+def run_link(experiment_id: str, run_id: str) -> str:
+    """A markdown link to a run's page inside the UI (a description's link: no server address), labelled by the run
+    id's first 8 characters, with the switch that keeps MLflow 3.17 off its GenAI view (``runs_table_url``)."""
+    return f"[{run_id[:8]}](#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning)"
+
+
 def ui_hint(tracking_uri: str, experiment_id: str, view_key: str | None = None) -> str:
     """How to look at a study's runs: the command that serves a database (its job runner off: it doubles
     the server's processes and memory for nothing a study uses), and the runs table's link."""

@@ -91,6 +91,20 @@ def counted(number: float, noun: str, plural: str | None = None) -> str:
     return f"{number} {noun if number == 1 else plural or noun + 's'}"
 
 
+KNOB_DIGITS, METRIC_DECIMALS = 3, 4  # how a knob and a metric are shown (params, run names, descriptions)
+
+
+def shown_knob(value: Any) -> Any:
+    """A knob as the MLflow UI shows it: a float to ``KNOB_DIGITS`` significant digits (``0.203`` for
+    0.20259821574970133), anything else as it is; the trial trains on its exact value (``trial_config.json``)."""
+    return float(f"{value:.{KNOB_DIGITS}g}") if isinstance(value, float) else value
+
+
+def shown_metric(value: float | None) -> str:
+    """A metric as text: ``METRIC_DECIMALS`` decimals (``0.0257``), ``-`` for none; the metric keeps every digit."""
+    return "-" if value is None else f"{value:.{METRIC_DECIMALS}f}"
+
+
 def train_run_name(trial_id: str) -> str:
     """A trial's Train run name, from the Tune trial id and no timestamp: a restored trial finds its checkpoints."""
     return f"train-trial_id={trial_id}"

@@ -171,7 +171,7 @@ class Selection:
 
     Each trial keeps the epoch ``rule`` picks (``protocol.select_by``: a validation metric, or ``loss``) and stops
     early on it; trials are ranked by ``key`` (``best/val/<metric>``, the validation ``metric`` at the kept epoch),
-    best first in direction ``mode``, a tie going to the trial that started first (``analysis.results.best_of``).
+    best first in direction ``mode``, a tie going to the trial that started first (``analysis.outcome.best_of``).
     Optuna, ASHA, the progress lines, the study's table, ``best``, ``report``, the registered ``@best`` model and the
     parent run's answer all read this one value.
     """

@@ -353,18 +353,23 @@ def test_a_notebook_study_with_two_seeds_repeats_each_methods_best_and_tables_me
     # the same answer on the study's page in the MLflow UI: its best runs, their intervals, what they cover
     note = Tracker(result.tracking_uri, "apao-synthetic").client.get_run(result.parent_run_id).data.tags[
         "mlflow.note.content"]
-    assert all(run_id in note for run_id in table["run_id"]) and "over seeds and users (2 seeds)" in note
+    assert all(run_id in note for run_id in table["run_id"]) and ", 2 seeds)" in note
+    from apao_ray.study.record.answer import ANSWER_ARTIFACT, ANSWER_WIDTH, shown_width
+
+    answer = [line for line in note.split("\n\n")[1].splitlines() if line.startswith("|")]  # the narrow table
+    assert len(answer) == 6 and max(map(shown_width, answer)) <= ANSWER_WIDTH, answer
+    assert "test/recall_at_20" not in note and ANSWER_ARTIFACT in note  # the wide table is the artifact
     assert "training randomness" in note and "| last-item transitions (training-free) |" in note
     # the methods on memorization and generalization cases, with the labels the trials wrote into their tables
     assert "**Memorization and generalization (test)**" in note and "labels read from the per-user tables" in note
     assert re.search(r"\| memorization \| \d+ \| tiger/ce \| 0,1 \(2 seeds\) \|", note), note
     client = Tracker(result.tracking_uri, "apao-synthetic").client
-    assert "memorization_generalization.md" in {a.path for a in client.list_artifacts(result.parent_run_id)}
+    assert {"memorization_generalization.md", ANSWER_ARTIFACT} <= {a.path for a in client.list_artifacts(result.parent_run_id)}
     fresh = {run.info.run_id: run for run in Tracker(result.tracking_uri, "apao-synthetic").child_runs()}
     for loss, row in table.iterrows():  # the verdict best and report read back, as the study computed it
         assert fresh[row["run_id"]].data.tags["apao.converged"] == row["converged"]
     # one epoch each: no slope to read, so the figure is one of early learning and says so
-    assert table.loc["apao_pointwise", "converged"].startswith("not converged: 1 validation epoch")
+    assert table.loc["apao_pointwise", "converged"].startswith("one epoch only: 1 validation epoch")
     assert re.fullmatch(r"early learning \(not converged\): [+-]\d\.\d{4} \[-?\d\.\d{4}, -?\d\.\d{4}\] over seeds "
                         r"and users \(2 seeds\), p_holm = [\d.e+-]+ \(Holm over \d+ comparisons?: .+\)",
                         table.loc["apao_pointwise", "vs ce test/ndcg_at_10"]), table.loc["apao_pointwise"]

@@ -65,6 +65,18 @@ def test_best_prints_uris_registers_once_per_run_and_names_its_seeds(synthetic, 
     tied = _trial(tracker, parent, checkpoint, example, 0.5, seed=7)
     out, err = _best(tracker.tracking_uri, capsys, "--format", "json")
     assert json.loads(out)[0]["run_id"] == better != tied and f"models:/{NAME}@best: version 2 unchanged" in err, err
+    tie = "2 trials tied on best/val/ndcg_at_10 0.5000: kept the first started"
+    assert json.loads(out)[0]["tie"] == tie  # named, with the rule that broke it, on the table and the model
+    version = tracker.client.get_model_version(NAME, "2")
+    assert version.tags["apao.tie"] == tie and version.tags["apao.study"] == "s"
+    assert version.tags["apao.selection_rule"] == "the best trial per (backbone, loss) by best/val/ndcg_at_10; " \
+        "a tie: kept the first started"
+    assert (version.tags["apao.run_id"], version.tags["apao.parent_run_id"]) == (better, parent)
+    assert version.tags["best/val/ndcg_at_10"] == "0.5000" and version.tags["apao.verdict"] == "-"  # CE: the baseline
+    assert f"#/experiments/{tracker.experiment_id}/runs/{parent}?workflowType=machine_learning)" in version.description
+    assert f"| tiger/ce | - | 0.5000 | 0.2500 | baseline | - | [{better[:8]}]" in version.description
+    model = tracker.client.get_registered_model(NAME)
+    assert model.tags["apao.method"] == "tiger/ce" and "@best" in model.description
     from apao_ray.analysis.export import trial_record
     from apao_ray.analysis.results import finished_trials
     from apao_ray.study.record.seeds import RunSource

@@ -391,9 +391,9 @@ def test_results_table_calls_columns_paper_comparable_only_on_the_paper_schedule
     text = format_rows([row, short_row])
     assert "NOT comparable to paper Table 1" in text and "20 epochs / patience 5" in text
     # the study's MLflow description says it once, also where its table is cut to fit MLflow's tag
-    from apao_ray.study.record.report import DESCRIPTION_LIMIT, study_description
+    from apao_ray.study.record.answer import DESCRIPTION_LIMIT, study_description
 
-    for rows in ([row, short_row], [{**short_row, "run_id": f"r{i:03d}"} for i in range(80)]):
+    for rows in ([row, short_row], [{**short_row, "run_id": f"r{i:03d}"} for i in range(200)]):
         description = study_description("s", rows)
         assert description.count("comparable to paper Table 1") == 1 and len(description) <= DESCRIPTION_LIMIT
     assert "(table cut: " in description and description.rstrip().endswith("no verdict.")

@@ -64,10 +64,18 @@ def test_convergence_reads_the_validation_curves_last_slope():
     from apao_ray.analysis.results import convergence, is_early_learning
 
     assert convergence([0.010, 0.020, 0.0205]) == "converged"  # +2% at the last epoch: levelled off
-    assert convergence([0.010, 0.020, 0.030]) == "not converged: val/ndcg_at_10 +33% at its last epoch (3)"
-    assert convergence([0.004]) == "not converged: 1 validation epoch"  # no slope to read
+    assert convergence([0.010, 0.020, 0.030]) == "still rising: val/ndcg_at_10 +33% at its last epoch (3)"
+    assert convergence([0.004]) == "one epoch only: 1 validation epoch, no slope to read"
     assert convergence([0.030, 0.020]) == "converged"  # falling: past its best, not still learning
-    assert is_early_learning("converged", "not converged: 1 validation epoch") and not is_early_learning("converged")
+    assert is_early_learning("converged", "one epoch only: 1 validation epoch, no slope to read")
+    assert is_early_learning("no better than popularity: test ndcg_at_10 0.0010 below popularity's 0.0100")
+    assert is_early_learning("not converged: 1 validation epoch")  # a verdict an older study recorded
+    assert not is_early_learning("converged")
+    from apao_ray.analysis.results import joined_verdicts  # both reasons, each once, where both hold
+
+    assert joined_verdicts(["still rising: a", "converged", "no better than popularity: b", "still rising: a"]) == \
+        "still rising: a; no better than popularity: b"
+    assert joined_verdicts(["converged", "converged"]) == "converged"
 
 
 def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_labelled_early_learning(tmp_path):
@@ -92,7 +100,7 @@ def test_a_deferred_method_keeps_the_plans_row_and_an_unconverged_comparison_is_
     rows = {row["loss"]: row for row in table_rows(tracker, study="s", num_resamples=100)}
     assert rows["apao_pairwise"]["status"] == reason and rows["apao_pairwise"].get("run_id") is None
     assert rows["ce"]["converged"] == "converged" and rows["ce"]["vs ce test/ndcg_at_10"] == "baseline"
-    assert rows["apao_pointwise"]["converged"] == "not converged: val/ndcg_at_10 +33% at its last epoch (3)"
+    assert rows["apao_pointwise"]["converged"] == "still rising: val/ndcg_at_10 +33% at its last epoch (3)"
     assert rows["apao_pointwise"]["vs ce test/ndcg_at_10"].startswith("early learning (not converged): ")
     table = format_rows(list(rows.values()))
     assert f"| {reason} |" in table and "| converged |" in table
@@ -114,10 +122,10 @@ def test_a_method_within_noise_of_or_below_the_popularity_baseline_is_not_conver
         table = pd.DataFrame({"user": [str(u) for u in range(4000)], "ndcg_at_10": (rng.random(4000) < hit_rate) * 1.0})
         return seed_methods(RunSource("s", [record], tables={"r": table}), ["r"])[0]
 
-    assert re.fullmatch(r"not converged: test ndcg_at_10 0\.0\d{3} within noise of popularity's 0\.0\d{3}",
+    assert re.fullmatch(r"no better than popularity: test ndcg_at_10 0\.0\d{3} within noise of popularity's 0\.0\d{3}",
                         popularity_check(method(0.011), popularity))
     assert popularity_check(method(0.05), popularity) == ""  # well above it
-    assert re.fullmatch(r"not converged: test ndcg_at_10 0\.00\d{2} below popularity's 0\.0\d{3}",
+    assert re.fullmatch(r"no better than popularity: test ndcg_at_10 0\.00\d{2} below popularity's 0\.0\d{3}",
                         popularity_check(method(0.002), popularity))  # well below it: not "within noise"
 
 
@@ -157,8 +165,8 @@ def test_the_studys_answer_table_has_the_heuristics_as_rows_and_a_method_below_t
     import pandas as pd
 
     from apao_ray.names import PER_USER_FILE
-    from apao_ray.study.record.report import DESCRIPTION_LIMIT, SUBSETS_ARTIFACT, format_rows, study_description, \
-        subset_lines, table_rows
+    from apao_ray.study.record.answer import DESCRIPTION_LIMIT, SUBSETS_ARTIFACT, study_description
+    from apao_ray.study.record.report import format_rows, subset_lines, table_rows
     from apao_ray.tracking import Tracker
     from apao_ray.training.evaluation import write_per_user
     from test_analysis_report import _per_user
@@ -237,3 +245,80 @@ def test_each_study_is_read_by_its_own_selection_and_best_refuses_to_mix_two(tmp
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("studies/best.py: error: these studies select their best trial differently") \
         and "best/val/recall_at_20 (max)" in error and error.endswith("(--study-name)"), error
+
+
+def test_a_tie_is_named_with_its_rule_and_cost_is_all_a_methods_trials_in_best_the_description_and_the_report(
+        tmp_path, monkeypatch):
+    """Two CE trials tie exactly on the selection metric: the first started is kept, and the table, the study's
+    MLflow description and the report all say so, with the rule. Cost is every trial of the method (the pruned one
+    too) on each surface; the chosen trial's own time goes by its own name. The description's table stays narrow."""
+    import time
+
+    from apao_ray.analysis.export import export_study, load_export
+    from apao_ray.analysis.report import build_report
+    from apao_ray.study.record.answer import ANSWER_WIDTH, shown_width, study_description
+    from apao_ray.study.record.report import format_rows, table_rows
+    from apao_ray.tracking import Tracker
+
+    monkeypatch.delenv("APAO_DATA_DIR", raising=False)  # a fabricated 'tiny' dataset: no heuristics' rows
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "no-cache"))
+    tracker = Tracker(mlflow_sqlite(tmp_path), "apao-tiny")
+    space = {"backbones": ["tiger"], "losses": ["ce", "apao_pointwise"]}
+    parent = tracker.start_run("study s", {"apao.study": "s", "apao.role": "study"}, {"space": json.dumps(space)})
+
+    def child(loss, status, val, wall, knobs=None):
+        time.sleep(0.01)  # distinct start times: the tie's rule reads them
+        run = tracker.start_run(loss, {"apao.study": "s", "backbone": "tiger", "loss": loss}, knobs or {},
+                                parent_run_id=parent)
+        tracker.log_metrics(run, {"best/val/ndcg_at_10": val, "cost/wall_seconds": wall,
+                                  **({"test/ndcg_at_10": val / 2} if status == "FINISHED" else {})}, 1)
+        tracker.end_run(run, status)
+        return run
+
+    first = child("ce", "FINISHED", 0.5, 60.0)
+    child("ce", "FINISHED", 0.5, 90.0)  # ties the first exactly
+    child("ce", "KILLED", 0.2, 30.0)  # pruned: it cost too
+    child("apao_pointwise", "FINISHED", 0.45, 120.0, {"beta": 0.20259821574970133, "eta": 0.000130412345})
+    tie = "2 trials tied on best/val/ndcg_at_10 0.5000: kept the first started"
+
+    rows = table_rows(tracker, study="s", num_resamples=100)
+    ce = next(row for row in rows if row["loss"] == "ce")
+    assert ce["run_id"] == first and ce["tie"] == tie
+    assert (ce["cost/wall_seconds"], ce["chosen_trial/wall_seconds"]) == (180.0, 60.0)
+    assert f"| {tie} |" in format_rows(rows)
+
+    description = study_description("s", rows, experiment_id=tracker.experiment_id)
+    assert f"**Ties**: tiger/ce: {tie}" in description and "kept the first started" in description.splitlines()[0]
+    assert "tiger/ce 3.0 min (chosen trial's time 1.0 min)" in description
+    table = [line for line in description.splitlines() if line.startswith("|")]
+    assert len(table) == 4 and max(map(shown_width, table)) <= ANSWER_WIDTH, table
+    assert f"[{first[:8]}](#/experiments/{tracker.experiment_id}/runs/{first}?workflowType=machine_learning)" in table[3]  # the rows: apao, ce
+    assert "| b=0.203 eta=0.00013 | 0.4500 | 0.2250 |" in table[2] and "0.2025982" not in description
+
+    export_study(tracker.tracking_uri, "s", tmp_path / "export")
+    report = build_report([load_export(tmp_path / "export")], tmp_path / "out", num_resamples=100).read_text()
+    assert f"- s: tiger/ce: {tie}" in report
+    costs = report.split("## Cost per method", 1)[1].split("\n## ", 1)[0]
+    cost = next(line for line in costs.splitlines() if "| tiger | ce |" in line)
+    cells = [cell.strip() for cell in cost.strip("|").split("|")]
+    assert cells[4:6] == ["3", "3.0"] and cells[-1] == "1.0", cells  # trials, wall min of all; the chosen's own
+
+
+def test_the_study_pages_verdict_reads_the_significance_cell_as_sweep_prints_it():
+    from apao_ray.study.record.answer import difference_and_verdict
+
+    holm = "over seeds and users (3 seeds), p_holm = {} (Holm over 2 comparisons: every method vs the baseline)"
+    assert difference_and_verdict("+0.0041 [0.0012, 0.0070] " + holm.format("0.003")) == \
+        ("+0.0041 [0.0012, 0.0070]", "better (p_holm 0.003, 3 seeds)")
+    assert difference_and_verdict("-0.0041 [-0.0070, -0.0012] " + holm.format("2.0e-04"))[1] == \
+        "worse (p_holm 2.0e-04, 3 seeds)"
+    assert difference_and_verdict("early learning (not converged): +0.0010 [-0.0020, 0.0040] " + holm.format("0.310")) \
+        == ("+0.0010 [-0.0020, 0.0040]", "early learning (p_holm 0.310, 3 seeds)")
+    assert difference_and_verdict("early learning (not converged): +0.0024 [0.0013, 0.0035] over test users, "
+                                  "1 seed: training variance not measured")[1] == "early learning (1 seed)"
+    one = "+0.0024 [0.0013, 0.0035] over test users, 1 seed: training variance not measured"
+    assert difference_and_verdict(one) == ("+0.0024 [0.0013, 0.0035]", "none (1 seed)")
+    assert difference_and_verdict(one + "; a verdict needs ~24 seeds at seed sd 0.0040")[1] == \
+        "none (1 seed; a verdict needs ~24)"
+    assert difference_and_verdict("baseline") == ("baseline", "-")
+    assert difference_and_verdict("- (no ce trial to compare with)") == ("-", "no ce trial to compare with")

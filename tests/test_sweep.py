@@ -340,6 +340,7 @@ def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
     beside its real one), its name says method and knobs, its model carries them; the parent holds each
     method's headline metrics and the printed link opens a view with those columns."""
     from apao_ray.config import TrialConfig
+    from apao_ray.study.spec.space import knob_names
     from apao_ray.tracking import flatten
 
     tracker = study["tracker"]
@@ -348,8 +349,10 @@ def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
     for child in _children(study):
         params, loss = child.data.params, child.data.tags["loss"]
         knobs = {"beta", "eta"} if loss == "apao_pointwise" else set()
+        # no knob of another loss either: a CE run has no beta (every registered loss's knobs, here beta and eta)
         assert set(params) == (every_base_param - {"base.loss.name", "base.model.backbone"}
-                               - {f"base.loss.{knob}" for knob in knobs}) | {"backbone", "loss"} | knobs
+                               - {f"base.loss.{knob}" for knob in knob_names()}) | {"backbone", "loss"} | knobs
+        assert all(float(params[knob]) == float(f"{float(params[knob]):.3g}") for knob in knobs)  # 3 digits shown
         assert (params["backbone"], params["loss"], params["base.train.epochs"]) == ("tiger", loss, "3")
         expected_name = "tiger/ce" if loss == "ce" else \
             f"tiger/apao_pointwise b={float(params['beta']):.3g} eta={float(params['eta']):.2g}"
@@ -378,3 +381,4 @@ def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
                                            "metrics.`best/tiger/apao_pointwise/val/ndcg_at_10`",
                                            "metrics.`best/tiger/apao_pointwise/test/ndcg_at_10`"]
     assert view["columnOrder"][:3] == ["attributes.`Run Name`", "runDateAndNestInfo", "duration"]
+    assert view["selectedColumns"][4:6] == ["params.`beta`", "params.`eta`"]  # the knobs the study's losses tune

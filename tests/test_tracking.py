@@ -131,6 +131,24 @@ def test_a_kept_models_metrics_are_linked_again_idempotently(tmp_path):
     assert [m.value for m in tracker.client.get_metric_history(run_id, "test/ndcg_at_10")] == [0.25]
 
 
+def test_a_runs_params_hold_only_its_own_losss_knobs_shown_to_three_digits():
+    """A CE run has no beta or eta (they do not apply to it: MLflow's Compare would plot them); a tuned run's
+    knobs read 0.203, not 0.20259821574970133."""
+    from apao_ray.config import TrialConfig
+    from apao_ray.study.record.mlflow_callback import child_params
+    from apao_ray.study.spec.space import loss_knobs
+    from apao_ray.tracking import flatten
+
+    knobs = loss_knobs()
+    ce = flatten(child_params(TrialConfig(), {"backbone": "tiger", "loss": "ce"}, knobs))
+    assert not [key for key in ce if key.rsplit(".", 1)[-1] in {"beta", "eta", "num_negatives"}], sorted(ce)
+    pairwise = flatten(child_params(TrialConfig(), {"backbone": "tiger", "loss": "apao_pairwise",
+                                                    "beta": 0.20259821574970133, "eta": 0.000130412345}, knobs))
+    assert (pairwise["beta"], pairwise["eta"]) == (0.203, 0.00013)
+    # a knob of its own loss that the study does not tune stays, under base.loss
+    assert pairwise["base.loss.num_negatives"] == TrialConfig().loss.num_negatives and "base.loss.beta" not in pairwise
+
+
 def test_names_diff_names_what_was_added_and_removed():
     assert names_diff({"a": ["x", "y"]}, {"a": ["y", "z"], "b": ["w"]}) == [
         "a: added ['z'], removed ['x']", "b: added ['w'], removed []"]

@@ -6,7 +6,7 @@ paired differences, the grid, the study's answer table and its MLflow descriptio
 last-item heuristic beside the methods, with the same metrics on the same test users, and a method whose
 per-user test NDCG@10 (its seeds pooled) is below the last-item heuristic's by more than two standard errors of
 the difference says so in its verdict (``below the last-item heuristic: ...``; ``within noise of`` when it is
-above by less than two), as a method no better than popularity says ``not converged`` (``results``).
+above by less than two), as a method no better than popularity says ``no better than popularity`` (``results``).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import pandas as pd
 
 from ..cli.types import positive_int
 from ..paths import add_tracking_uri_argument
-from ..names import PER_USER_VALID_FILE, counted
+from ..names import PER_USER_VALID_FILE, SUMMED, counted
 from ..protocol import Selection, recorded_selection
 from .per_user import PER_USER_FILE, read_per_user, recompute_per_user
 
@@ -86,6 +86,19 @@ def trial_record(run: Any) -> dict[str, Any]:
             "start_time": run.info.start_time, "end_time": run.info.end_time,
             "tags": _tags(run.data.tags), "params": dict(sorted(run.data.params.items())),
             "metrics": dict(sorted(run.data.metrics.items()))}
+
+
+def cost_totals(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
+    """Per (backbone, loss), every run's ``cost/*`` (finished, pruned or failed: all cost): wall and CPU
+    seconds and energy summed, the largest peak memory."""
+    totals: dict[tuple[str, str], dict[str, float]] = {}
+    for record in records:
+        method = (record["tags"].get("backbone", "?"), record["tags"].get("loss", "?"))
+        for key, value in record["metrics"].items():
+            if key.startswith("cost/"):
+                sums = totals.setdefault(method, {})
+                sums[key] = sums.get(key, 0.0) + value if key in SUMMED else max(sums.get(key, 0.0), value)
+    return totals
 
 
 def _epoch_rows(client: Any, run: Any) -> list[tuple[str, str, int, float]]:

@@ -16,18 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from ..cli.types import positive_int
-from ..names import PLAN_TAG, PLUGINS_ENV, counted
+from ..names import CPU, ENERGY, GPU_MEMORY, PLAN_TAG, PLUGINS_ENV, RSS, WALL, counted
 from ..paths import add_tracking_uri_argument
 from ..rank_metrics import AT_10_METRICS, FULL_SORT, metric_label
-from .export import STUDY_FILE, StudyExport, export_study, load_export, sole_study
+from .export import STUDY_FILE, StudyExport, cost_totals, export_study, load_export, sole_study
 from .grid import build_grid, load_queue, queue_path_default
 from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_method, heuristic_paired, metric_means, \
     with_bar
 from .heuristics import baseline_sections, recorded_datasets
 from .subsets import subset_sections
-from .results import (EARLY_LEARNING, SELECTION_METRIC, STEEP_LAST_GAIN, TEST_METRICS, TRIAL_CHOICES, Method, Paired,
-                      Trial, compare_methods, finished_trials, group_methods, is_early_learning, seeds_text,
-                      selection_of, unfinished_trials, unknown_knobs)
+from .ties import selection_ties
+from .results import (EARLY_LEARNING, NO_BETTER_THAN_POPULARITY, ONE_EPOCH, SELECTION_METRIC, STEEP_LAST_GAIN,
+                      STILL_RISING, TEST_METRICS, TRIAL_CHOICES, Method, Paired, Trial, compare_methods, finished_trials,
+                      group_methods, is_early_learning, seeds_text, selection_of, unfinished_trials, unknown_knobs)
 from .stats import INTERVALS_NOTE
 
 REPORT_FILE = "report.md"
@@ -118,21 +119,30 @@ def _minutes(method: Method, *keys: str) -> str:
 
 
 def _cost_table(methods: list[Method]) -> list[str]:
-    """Per method, summed over its seeds (listed per seed on mixed devices): wall and CPU time; energy; the largest
-    peak memory."""
-    header = ["dataset", "backbone", "method", "seeds", "wall min", "CPU min", "peak RSS MB", "peak GPU MB", "energy kWh",
-              "energy method"]
+    """Per method, its cost: every trial of its (backbone, loss) in its studies (finished, pruned or failed: the
+    price of the answer, as ``sweep``, ``best`` and the study's MLflow page give it) summed (peak memory: the largest);
+    then the chosen trial's own wall time (summed over seeds, or per seed on mixed devices)."""
+    header = ["dataset", "backbone", "method", "seeds", "trials", "wall min", "CPU min", "peak RSS MB", "peak GPU MB",
+              "energy kWh", "energy method", "chosen trial's time (wall min)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for method in methods:
-        energy = method.values("cost/energy_kwh")
-        rss, gpu = method.values("cost/peak_rss_mb"), method.values("cost/peak_gpu_memory_mb")
-        cells = [method.dataset, method.backbone, method.label, seeds_text(method.seeds),
-                 _minutes(method, "cost/wall_seconds", "perf/total_seconds"),  # perf/: runs before cost/ existed
-                 _minutes(method, "cost/cpu_seconds"),
-                 _number(max(rss), 0) if rss else "-", _number(max(gpu), 0) if gpu else "-",
-                 f"{sum(energy):.3g}" if energy else "-", method.tag_values("apao.energy_method", "not recorded")]
+        records = method_records(method)
+        cost = cost_totals(records).get((method.backbone, method.loss), {})
+        cells = [method.dataset, method.backbone, method.label, seeds_text(method.seeds), str(len(records)),
+                 *(_number(cost[key] / 60, 1) if key in cost else "-" for key in (WALL, CPU)),
+                 *(_number(cost[key], 0) if key in cost else "-" for key in (RSS, GPU_MEMORY)),
+                 f"{cost[ENERGY]:.3g}" if ENERGY in cost else "-",
+                 method.tag_values("apao.energy_method", "not recorded"),
+                 _minutes(method, WALL, "perf/total_seconds")]  # perf/: runs before cost/ existed
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def method_records(method: Method) -> list[dict[str, Any]]:
+    """Every trial record of the method's (backbone, loss) in the studies its seeds come from, whatever its end."""
+    exports = {trial.export.name: trial.export for trial in method.trials}.values()
+    return [record for export in exports for record in export.trials
+            if (record["tags"].get("backbone"), record["tags"].get("loss")) == (method.backbone, method.loss)]
 
 
 def _unfinished_table(methods: list[Method]) -> list[str]:
@@ -224,6 +234,7 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
     bars = dataset_heuristics({m.dataset for m in methods}, data_dir)
     plans = _plans(exports)
     unknown = unknown_knobs([trial for method in methods for trial in method.trials])
+    ties = selection_ties(exports) if trials == "best" else []
     lines = [f"# Study report: {', '.join(e.name for e in exports)}", "",
              f"Generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python -m apao_ray report`. "
              f"Trials: {_chosen_by(exports) if trials == 'best' else 'all finished'}; "
@@ -234,20 +245,26 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
                 + ". They label and group the methods as recorded; their ranges and meaning are unknown here.", ""]
                if unknown else []),
              "## Test metrics (beam 20): mean ± sample std over seeds", "", *_metrics_table(methods, bars), "",
+             *(["Ties on the selection metric (a tie goes to the trial that started first):", "",
+                *(f"- {line}" for line in ties), ""] if ties else []),
              "`paper R@10 / N@10` is SPEC §6 (paper Table 1). It is shown plain only where every seed ran the `paper` "
              "protocol on the paper's schedule (tag `apao.schedule` = `paper`: 200 epochs, patience 20); in "
              "parentheses with `n/c` (not comparable) otherwise. `s/epoch (median)`: each trial's median epoch "
              "(MLflow `perf/epoch_seconds`), averaged over seeds (listed per seed where they differ by more than 2x, e.g. a "
              "CPU seed beside GPU seeds); a median, as epochs that ran beside other work on a "
-             "shared machine would pull a mean up (the cost table has the totals). `converged`: `not converged` where a "
-             f"seed's validation NDCG@10 was still rising by more than {STEEP_LAST_GAIN:.0%} at its last epoch (or it "
-             f"trained one epoch); a paired difference involving such a method is labelled `{EARLY_LEARNING}`: a "
-             "comparison of early learning, not of trained models. The training-free heuristics (popularity, last-item "
+             "shared machine would pull a mean up (the cost table has the totals). `converged` names each reason a method "
+             f"has not converged in its own words: `{STILL_RISING}` where a seed's validation NDCG@10 was still rising "
+             f"by more than {STEEP_LAST_GAIN:.0%} at its last epoch (`{ONE_EPOCH}`: it trained one epoch, no slope to "
+             f"read), `{NO_BETTER_THAN_POPULARITY}` where its test NDCG@10 is not clearly above the popularity "
+             "heuristic's (within two standard errors of the difference, or below it: the verdict the study recorded "
+             "with its dataset), both where both hold; a paired difference involving such a method is labelled "
+             f"`{EARLY_LEARNING}`: a comparison of early learning, not of trained models. The training-free heuristics (popularity, last-item "
              "transitions; `apao_ray/analysis/bar.py`) stand in the table on the same test users; a method whose test "
              "NDCG@10 is below the last-item heuristic's by more than two standard errors says `below the last-item "
              "heuristic` (`within noise of` it: above by less than two).", "",
-             "## Cost per method (summed over seeds, or per seed where their epochs differ by more than 2x, as between a "
-             "CPU and a GPU; peak memory: the largest)", "", *_cost_table(methods), ""]
+             "## Cost per method: all its trials (the price of the answer, as `sweep` and `best` give it; peak memory: "
+             "the largest), and the chosen trial's own time (summed over seeds, or per seed where their epochs differ "
+             "by more than 2x, as between a CPU and a GPU)", "", *_cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
     if compared:
         lines += [f"`over seeds`: {INTERVALS_NOTE} `seed N`: that seed alone, 95% bootstrap CI over test users only (no verdict). A one-seed "

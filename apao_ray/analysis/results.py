@@ -43,21 +43,33 @@ VALIDATION_CURVE = "val/ndcg_at_10"
 # learning, not a converged model
 STEEP_LAST_GAIN = 0.10
 EARLY_LEARNING = "early learning (not converged)"
+# the two reasons a method has not converged, each in its own words (docs/results.md, "converged")
+STILL_RISING = "still rising"  # its validation curve had not levelled off when training ended
+NO_BETTER_THAN_POPULARITY = "no better than popularity"  # its test metric is not clearly above popularity's
+ONE_EPOCH = "one epoch only"  # a single validation epoch: no slope to read
+NOT_CONVERGED = (STILL_RISING, NO_BETTER_THAN_POPULARITY, ONE_EPOCH, "not converged")  # the last: older studies' tags
 
 
 def convergence(curve: list[float]) -> str:
-    """``converged`` or ``not converged: ...`` for a validation curve (one value per epoch, in order): one
-    epoch shows no slope; a last epoch that added more than ``STEEP_LAST_GAIN`` of the value was still
-    rising steeply."""
+    """``converged``, ``still rising: ...`` or ``one epoch only: ...`` for a validation curve (one value per epoch,
+    in order): one epoch shows no slope; a last epoch that added more than ``STEEP_LAST_GAIN`` of the value was
+    still rising steeply."""
     if not curve:
         return "unknown: no validation curve"
     if len(curve) < 2:
-        return "not converged: 1 validation epoch"
+        return f"{ONE_EPOCH}: 1 validation epoch, no slope to read"
     last, before = curve[-1], curve[-2]
     gain = (last - before) / last if last > 0 else 0.0
     if gain > STEEP_LAST_GAIN:
-        return f"not converged: {VALIDATION_CURVE} +{gain:.0%} at its last epoch ({len(curve)})"
+        return f"{STILL_RISING}: {VALIDATION_CURVE} +{gain:.0%} at its last epoch ({len(curve)})"
     return "converged"
+
+
+def joined_verdicts(verdicts: Iterable[str]) -> str:
+    """``converged`` when every verdict is, else each distinct reason once, ``; ``-joined (a method can be still
+    rising and no better than popularity at once)."""
+    parts = [part for verdict in verdicts for part in verdict.split("; ") if part != "converged"]
+    return "; ".join(dict.fromkeys(parts)) or "converged"
 
 
 def pooled_test_values(method: "Method", metric: str = "ndcg_at_10") -> np.ndarray:
@@ -79,19 +91,19 @@ def standing(values: np.ndarray, other: np.ndarray) -> str:
 
 
 def popularity_check(method: "Method", popularity: np.ndarray, metric: str = "ndcg_at_10") -> str:
-    """``not converged: ...`` when the method's per-user test ``metric`` (its seeds pooled) is above the popularity
-    baseline's by less than two standard errors of the difference ("within noise of" it, or "below" it by more
-    than two), else ``""`` (also without per-user tables)."""
+    """``no better than popularity: ...`` when the method's per-user test ``metric`` (its seeds pooled) is above the
+    popularity baseline's by less than two standard errors of the difference ("within noise of" it, or "below" it
+    by more than two), else ``""`` (also without per-user tables)."""
     values = pooled_test_values(method, metric)
     where = standing(values, popularity)
     if where:
-        return f"not converged: test {metric} {values.mean():.4f} {where} popularity's {popularity.mean():.4f}"
+        return f"{NO_BETTER_THAN_POPULARITY}: test {metric} {values.mean():.4f} {where} popularity's {popularity.mean():.4f}"
     return ""
 
 
 def is_early_learning(*statuses: str) -> bool:
     """Whether a comparison involves a method that had not converged (its figure is one of early learning)."""
-    return any(status.startswith("not converged") for status in statuses)
+    return any(status.startswith(NOT_CONVERGED) for status in statuses)
 
 
 @dataclass
@@ -134,9 +146,7 @@ class Trial(Outcome):
     def method(self) -> str:
         """``loss`` and its knobs, e.g. ``apao_pointwise b=0.3 eta=0.0001``, ``focal gamma=2``: trials that differ
         in any knob are different methods."""
-        knobs = self.knobs
-        order = [*(k for k in KNOB_LABELS if k in knobs), *sorted(set(knobs) - set(KNOB_LABELS))]
-        return " ".join([self.loss, *(f"{KNOB_LABELS.get(k, k)}={_knob_text(knobs[k])}" for k in order)])
+        return " ".join(filter(None, [self.loss, knobs_label(self.knobs)]))
 
     def history(self, key: str) -> pd.Series:
         return self.export.history(self.run_id, key)
@@ -177,11 +187,11 @@ class Method:
 
     @property
     def convergence(self) -> str:
-        """Over its seeds: the first ``not converged`` of the verdicts its study's end recorded (``CONVERGED_TAG``,
-        which also compared it with popularity) and of its trials' validation curves, else ``converged``."""
+        """Over its seeds: every reason it had not converged (``joined_verdicts``) among the verdicts its study's end
+        recorded (``CONVERGED_TAG``, which also compared it with popularity) and its trials' validation curves."""
         recorded = [trial.tags[CONVERGED_TAG] for trial in self.trials if trial.tags.get(CONVERGED_TAG)]
-        statuses = recorded + [convergence(list(trial.history(VALIDATION_CURVE).sort_index())) for trial in self.trials]
-        return next((s for s in statuses if s != "converged"), "converged")
+        curves = [convergence(list(trial.history(VALIDATION_CURVE).sort_index())) for trial in self.trials]
+        return joined_verdicts(recorded + curves)
 
     @property
     def paper(self) -> tuple[float, float] | None:
@@ -196,6 +206,12 @@ def seeds_text(seeds: str | Iterable[int], count: int | None = None) -> str:
         return "-"
     count = count or len(listed.split(","))
     return f"{listed} ({counted(count, 'seed')})"
+
+
+def knobs_label(knobs: dict[str, float]) -> str:
+    """``b=0.3 eta=0.0001 N=100``: the paper's knobs first (``KNOB_LABELS``), then any other by name, 3 digits."""
+    order = [*(k for k in KNOB_LABELS if k in knobs), *sorted(set(knobs) - set(KNOB_LABELS))]
+    return " ".join(f"{KNOB_LABELS.get(k, k)}={_knob_text(float(knobs[k]))}" for k in order)
 
 
 def _knob_text(value: float) -> str:

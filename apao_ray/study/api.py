@@ -106,8 +106,8 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
     from ..analysis.bar import TRAINING_FREE, heuristic_tables
     from ..tracking import Tracker, experiment_name
     from ..names import CONVERGED_TAG
-    from .record.report import DESCRIPTION_TAG, RECORDED_KNOBS, SUBSETS_ARTIFACT, study_description, subset_lines, \
-        table_rows
+    from .record.answer import ANSWER_ARTIFACT, DESCRIPTION_TAG, SUBSETS_ARTIFACT, study_description, wide_table
+    from .record.report import RECORDED_KNOBS, subset_lines, table_rows
     from .run.driver import StudyOutcome, check_same_schedule
     from .run.study import Study, invocation
     from .run.driver import run_study as run_planned
@@ -136,7 +136,8 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
         subsets = subset_lines(tracker, setup.study_name, dataset, heuristics)
         if subsets:
             tracker.log_text(outcome.parent_run_id, "\n".join(subsets) + "\n", SUBSETS_ARTIFACT)
-        description = study_description(setup.study_name, rows, subsets)
+        tracker.log_text(outcome.parent_run_id, wide_table(rows), ANSWER_ARTIFACT)
+        description = study_description(setup.study_name, rows, subsets, tracker.experiment_id)
         tracker.set_tags(outcome.parent_run_id, {DESCRIPTION_TAG: description})
         from .search.optuna_summary import save_answer_note  # and on the Optuna study's page in optuna-dashboard
 

@@ -158,6 +158,19 @@ class ModelLogging:
         newest = max(ready, key=lambda model: model.creation_timestamp, default=None)
         return None if newest is None else f"models:/{newest.model_id}"
 
+    def describe_registered(self, name: str, version: int, model_words: tuple[str, dict[str, str]],
+                            version_words: tuple[str, dict[str, str]]) -> None:
+        """Gives the registered model ``name`` and its ``version`` each a description and tags (``(description,
+        tags)``): what the model is, and which study, knobs, rule and verdict chose this version."""
+        description, tags = model_words
+        self.client.update_registered_model(name, description=description)
+        for key, value in tags.items():
+            self.client.set_registered_model_tag(name, key, str(value)[:5000])
+        description, tags = version_words
+        self.client.update_model_version(name, str(version), description=description)
+        for key, value in tags.items():
+            self.client.set_model_version_tag(name, str(version), key, str(value)[:5000])
+
     def register_best(self, model_uri: str, name: str, alias: str = "best") -> tuple[int, bool]:
         """Points ``name@alias`` at ``model_uri``, registering it as a new version unless the alias already
         points to a version logged by the same run (re-running ``best`` on an unchanged study adds nothing).

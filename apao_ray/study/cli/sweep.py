@@ -229,7 +229,8 @@ def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> i
     args = parser.parse_args(argv)
     from ...tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
     from ...data import dataset_label
-    from ..record.report import format_rows, register_best, study_selection, table_rows
+    from ..record.answer import register_best
+    from ..record.report import format_rows, study_selection, table_rows
 
     try:
         uri = resolve_tracking_uri(args.tracking_uri)

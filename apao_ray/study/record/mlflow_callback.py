@@ -14,7 +14,8 @@ from ray import tune
 from ... import storage
 from ...config import TrialConfig
 from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, REPEATS_TAG,
-                     RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, train_run_name)
+                     RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, shown_knob,
+                     train_run_name)
 from ...rank_metrics import AT_10_METRICS
 from ...tracking import Tracker
 from ...training.checkpoint import FINAL_METRICS_FILE, newest_checkpoint_at, say_on_stderr
@@ -36,16 +37,20 @@ def final_checkpoint_dir(train_root: str, trial_id: str) -> str | None:
     return newest_checkpoint_at(storage.join(train_root, train_run_name(trial_id)), say_on_stderr, final=True)
 
 
-def child_params(config: TrialConfig, choices: dict[str, Any]) -> dict[str, Any]:
+def child_params(config: TrialConfig, choices: dict[str, Any],
+                 loss_knobs: dict[str, list[str]] | None = None) -> dict[str, Any]:
     """A child run's params: the config the trial trained (``base.*``, the study's base with the trial's
     backbone, loss, knobs and seed in it) and its choices (``backbone``, ``loss``, ``beta``...), each value once:
-    a ``base.loss.name`` or ``base.loss.beta`` beside ``loss`` and ``beta`` would show the study's base, not this trial."""
+    a ``base.loss.name`` or ``base.loss.beta`` beside ``loss`` and ``beta`` would show the study's base, not this trial.
+    With ``loss_knobs`` (each registered loss's knob names), a knob of another loss is left out: a CE run has no
+    ``beta``. Knobs are shown to ``KNOB_DIGITS`` significant digits (``trial_config.json`` keeps every digit)."""
     base = config.to_dict()
     del base["model"]["backbone"], base["loss"]["name"]
-    for knob in choices:
+    others = {k for names in (loss_knobs or {}).values() for k in names} - set((loss_knobs or {}).get(choices["loss"], ()))
+    for knob in {*choices, *others}:
         base["loss"].pop(knob, None)
         base["loss"]["extra"].pop(knob, None)
-    return {"base": base, **choices}
+    return {"base": base, **{name: shown_knob(value) for name, value in choices.items()}}
 
 
 class MlflowStudyCallback(tune.Callback):
@@ -89,7 +94,8 @@ class MlflowStudyCallback(tune.Callback):
             run_id = self.tracker.start_run(name, {TRIAL_TAG: trial.trial_id, STUDY_TAG: self.study_name,
                                                    "backbone": choices["backbone"], "loss": choices["loss"],
                                                    **seeds, **getattr(self, "run_tags", {})},
-                                            child_params(config, choices), parent_run_id=self.parent_run_id)
+                                            child_params(config, choices, self.trial_params.get("knobs")),
+                                            parent_run_id=self.parent_run_id)
             if self.dataset_record:
                 self.tracker.log_dataset(run_id, self.dataset_record)
         self.run_ids[trial.trial_id] = run_id
@@ -186,7 +192,7 @@ class MlflowStudyCallback(tune.Callback):
         if model_uri is not None:  # its metrics too: the kill may have come between logging and linking them
             self.tracker.link_model_metrics(run_id, model_uri, MODEL_METRICS)
         config = trial_config(TrialConfig.from_dict(self.trial_params["base"]), trial.config)
-        params = child_params(config, trial_choices(trial.config))
+        params = child_params(config, trial_choices(trial.config), self.trial_params.get("knobs"))
         if model_uri is None:
             own_tags = rule_models.model_tags(checkpoint, rule_models.own_rule(checkpoint))
             model_uri = self.tracker.log_recommender(run_id, checkpoint, self.example_history, params, MODEL_METRICS,
@@ -268,18 +274,19 @@ def summary_metric_name(backbone: str, loss: str, metric: str) -> str:
     return f"best/{backbone}/{loss}/{metric.removeprefix('best/')}"
 
 
-def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: str) -> list[str]:
+def study_columns(backbones: tuple[str, ...], losses: tuple[str, ...], metric: str,
+                  knobs: tuple[str, ...] = ()) -> list[str]:
     """The runs table's columns for a study: per method, the parent's validation and test summary (the
-    collapsed study row answers), then each trial's validation and test metric, its other registered test metrics
-    at 10 (``rank_metrics``), outcome and model."""
+    collapsed study row answers), then each trial's ``knobs`` (the params its losses tune), validation and test
+    metric, its other registered test metrics at 10 (``rank_metrics``), outcome and model."""
     from ...mlflow_ui import column
 
     test = "test/" + metric.rsplit("/", 1)[-1]
     per_method = [column("metrics", summary_metric_name(backbone, loss, key))
                   for backbone in backbones for loss in losses for key in (metric, test)]
     others = [column("metrics", f"test/{name}") for name in AT_10_METRICS if f"test/{name}" != test]
-    return [*per_method, column("metrics", metric), column("metrics", test), *others,
-            column("tags", OUTCOME_TAG), column("attributes", "Models")]
+    return [*per_method, *(column("params", knob) for knob in knobs), column("metrics", metric),
+            column("metrics", test), *others, column("tags", OUTCOME_TAG), column("attributes", "Models")]
 
 
 def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str) -> dict[str, float]:

@@ -10,8 +10,10 @@ from ...analysis.bar import TRAINING_FREE, bar_words, metric_means, with_bar
 from ...analysis.heuristics import HEURISTIC_LABELS
 from ...analysis.export import trial_record
 from ...analysis.outcome import FAILED, PRUNED_STATE, Outcome, best_trial
-from ...analysis.results import EARLY_LEARNING, is_early_learning, popularity_check, recorded_knobs, seeds_text
-from ...names import PLAN_TAG
+from ...analysis.results import EARLY_LEARNING, is_early_learning, joined_verdicts, popularity_check, recorded_knobs, \
+    seeds_text
+from ...analysis.ties import tie_text, tied
+from ...names import PLAN_TAG, WALL
 from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, Selection, recorded_selection, schedule_label
 from ...rank_metrics import PER_USER_METRICS
@@ -22,6 +24,7 @@ from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_column
     significance_column
 
 COST_COLUMNS = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb", "cost/energy_kwh")
+CHOSEN_TIME = "chosen_trial/wall_seconds"  # the chosen trial's own wall time, beside the cost of all the method's
 
 
 def study_parents(tracker: Tracker, study: str | None = None) -> list[Any]:
@@ -62,7 +65,10 @@ def best_rows(tracker: Tracker, metric: str | None = None, study: str | None = N
         row: dict[str, Any] = {"backbone": backbone, "loss": loss}
         row.update(run_knobs(record["params"]))
         row.update({key: metrics.get(key) for key in dict.fromkeys((selection.key, shown_key(metric, selection)))})
+        row["tie"] = tie_text(tied(groups[(backbone, loss)], lambda r: r["metrics"].get(selection.key), record),
+                              selection.key, metrics[selection.key]) or None
         row.update({k: metrics.get(k) for k in TEST_COLUMNS})
+        row[CHOSEN_TIME] = metrics.get(WALL)  # its own; cost/* are all the method's trials (table_rows)
         # MLflow 3 keeps models as LoggedModels (models:/m-...); runs:/<id>/model also loads
         model_uri = tags.get("apao.model_uri", f"runs:/{record['run_id']}/model")
         row.update({"run_id": record["run_id"], "model_uri": model_uri, "study": tags.get("apao.study"),
@@ -75,34 +81,6 @@ def best_rows(tracker: Tracker, metric: str | None = None, study: str | None = N
 def _schedule(params: dict[str, str]) -> str:
     epochs, patience = params.get("base.train.epochs"), params.get("base.train.patience")
     return schedule_label(int(epochs), int(patience)) if epochs and patience else "unknown"
-
-
-# MLflow keeps a tag value of up to 8,000 characters; the description is the run's page's first text
-DESCRIPTION_TAG, DESCRIPTION_LIMIT = "mlflow.note.content", 8000
-SUBSETS_ARTIFACT = "memorization_generalization.md"  # on the parent run: the subsets, whole
-
-
-def study_description(study: str, rows: list[dict[str, Any]], subsets: list[str] | None = None) -> str:
-    """The study's answer as the MLflow UI shows it on the parent run's page (its description): the table
-    ``sweep`` and ``best`` print (the same best trial, verdicts and intervals), what the intervals cover, and
-    whether the test columns compare with paper Table 1; then ``subsets`` (``subset_lines``) where they fit,
-    else a line naming the parent's artifact ``SUBSETS_ARTIFACT`` that holds them."""
-    from ...analysis.stats import INTERVALS_NOTE
-
-    note = paper_comparability(rows)
-    tail = f"\n\n{note}\n\n{INTERVALS_NOTE}"
-    table = format_rows(rows, "markdown").removesuffix(f"\n\n{note}")  # it ends with the note: said once, in the tail
-    head = f"**{study}**: best trial per (backbone, loss) by validation\n\n"
-    if subsets:
-        section = "\n\n" + "\n".join(subsets)
-        if len(head) + len(table) + len(tail) + len(section) > DESCRIPTION_LIMIT:
-            section = f"\n\nMemorization and generalization (test): the parent run's artifact `{SUBSETS_ARTIFACT}`"
-        tail += section
-    text = head + table + tail
-    if len(text) > DESCRIPTION_LIMIT:
-        cut = f"\n\n(table cut: `{apao_command()} best --study-name {study}` prints it whole)"
-        text = text[:DESCRIPTION_LIMIT - len(tail) - len(cut)].rsplit("\n", 1)[0] + cut + tail
-    return text
 
 
 def paper_comparability(rows: list[dict[str, Any]]) -> str:
@@ -200,13 +178,13 @@ def _heuristic_rows(heuristics: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 
 def _convergence(method: Any, heuristics: dict[str, Any] | None) -> str:
-    """A method still learning steeply at its last epoch, or no better than recommending the most popular
-    items (``heuristics``' popularity, when given), has not converged; one not clearly above the last-item
-    heuristic says so too (``analysis.bar``)."""
-    curve = method.convergence
-    if curve == "converged" and heuristics and "popularity" in heuristics:
-        curve = popularity_check(method, heuristics["popularity"]["ndcg_at_10"].to_numpy(float)) or curve
-    return with_bar(curve, bar_words(method, heuristics))
+    """A method still learning steeply at its last epoch (``still rising``), or no better than recommending the
+    most popular items (``heuristics``' popularity, when given: ``no better than popularity``), has not converged,
+    each reason in its own words; one not clearly above the last-item heuristic says so too (``analysis.bar``)."""
+    verdicts = [method.convergence]
+    if heuristics and "popularity" in heuristics:
+        verdicts.append(popularity_check(method, heuristics["popularity"]["ndcg_at_10"].to_numpy(float)))
+    return with_bar(joined_verdicts(v for v in verdicts if v), bar_words(method, heuristics))
 
 
 def _requested_rows(tracker: Tracker, rows: list[dict[str, Any]], records: list[dict[str, Any]],
@@ -276,14 +254,15 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
     selection = [k for k in rows[0] if k.startswith("best/")] if rows else []
     spread = [k + STD_SUFFIX for k in TEST_COLUMNS] if any((row.get("n_seeds") or 0) > 1 for row in rows) else []
     significance = sorted({k for row in rows for k in row if k.startswith("vs ")})
-    costs = [k for k in COST_COLUMNS if any(row.get(k) is not None for row in rows)]
+    costs = [k for k in (*COST_COLUMNS, CHOSEN_TIME) if any(row.get(k) is not None for row in rows)]
     registered = ["registered_model"] if any(row.get("registered_model") for row in rows) else []
+    ties = ["tie"] if any(row.get("tie") for row in rows) else []
     # the paper's knobs always (the table's columns before knobs moved to the losses), others where a row has one
     recorded = {k for row in rows for k in row.get(RECORDED_KNOBS, ())}
     knobs = [k for k in knob_names() if k in PAPER_KNOBS or any(row.get(k) is not None for row in rows)]
     knobs += sorted(recorded - set(knobs))  # a plugin's knob the registry loaded here does not declare
     columns = ["backbone", "loss", *knobs, *selection, *TEST_COLUMNS, *spread, "seeds", *significance, *costs,
-               "protocol", "schedule", "converged", "run_id", *registered]
+               "protocol", "schedule", "converged", *ties, "run_id", *registered]
     if any("status" in row for row in rows):
         columns.append("status")
     if fmt == "csv":
@@ -304,21 +283,6 @@ def format_rows(rows: list[dict[str, Any]], fmt: str = "markdown") -> str:
 
 def _seeds_cell(row: dict[str, Any]) -> str:
     return seeds_text(str(row.get("seeds") or ""), row.get("n_seeds"))
-
-
-def register_best(tracker: Tracker, rows: list[dict[str, Any]], dataset: str,
-                  alias: str = "best") -> list[tuple[str, int, bool] | None]:
-    """Points ``apao-<dataset>-<backbone>-<loss>@best`` at each row's model; per row, its
-    ``(models:/<name>@best, version, whether the version is new)``, None without a model."""
-    registered: list[tuple[str, int, bool] | None] = []
-    for row in rows:
-        if not row.get("model_uri"):  # a method without a finished trial has no model
-            registered.append(None)
-            continue
-        name = f"apao-{dataset}-{row['backbone']}-{row['loss']}"
-        version, is_new = tracker.register_best(row["model_uri"], name, alias)
-        registered.append((f"models:/{name}@{alias}", version, is_new))
-    return registered
 
 
 def log_study_figures(tracker: Tracker, parent_run_id: str, rows: list[dict[str, Any]], beam_size: int,

@@ -13,6 +13,7 @@ import math
 import tempfile
 from typing import Any
 
+from ...analysis.export import cost_totals  # noqa: F401 (the study table's cost, read from here)
 from ...analysis.per_user import PER_USER_FILE, read_per_user
 from ...analysis.results import Method, Trial, compare_methods, with_repeats
 from ...names import PER_USER_VALID_FILE, SUMMED
@@ -95,16 +96,3 @@ def significance_cells(methods: list[Method], baseline: str = "ce", metric: str 
     for method in methods:
         cells.setdefault((method.backbone, method.loss), f"- (no {baseline} trial to compare with)")
     return cells
-
-
-def cost_totals(records: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, float]]:
-    """Per (backbone, loss), every run's ``cost/*`` (finished, pruned or failed: all cost): wall and CPU
-    seconds and energy summed, the largest peak memory."""
-    totals: dict[tuple[str, str], dict[str, float]] = {}
-    for record in records:
-        method = (record["tags"].get("backbone", "?"), record["tags"].get("loss", "?"))
-        for key, value in record["metrics"].items():
-            if key.startswith("cost/"):
-                sums = totals.setdefault(method, {})
-                sums[key] = sums.get(key, 0.0) + value if key in SUMMED else max(sums.get(key, 0.0), value)
-    return totals

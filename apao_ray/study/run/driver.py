@@ -22,7 +22,7 @@ from ..record.outcomes import summarize_results
 from ..search.scheduler import PerMethodASHA
 from ..setup import parent_run, parent_tags, study_state_exists
 from ..spec import space
-from ..spec.space import PAPER_KNOBS, SearchSpec, trial_choices
+from ..spec.space import PAPER_KNOBS, SearchSpec, loss_knobs, trial_choices
 from . import cohorts
 from .study import Study, invocation
 from .trial import Resources
@@ -163,8 +163,10 @@ def open_parent_run(tracker: Tracker, study: Study) -> str:
     from ...mlflow_ui import save_runs_view, view_key
     from ..record.mlflow_callback import study_columns
 
+    knobs = loss_knobs()
     save_runs_view(tracker, view_key(setup.study_name), study_columns(
-        plan.search.backbones, plan.search.losses, Selection.of(plan.base).key))
+        plan.search.backbones, plan.search.losses, Selection.of(plan.base).key,
+        tuple(dict.fromkeys(knob for loss in plan.search.losses for knob in knobs.get(loss, ())))))
     tracker.set_tags(parent_id, {**run_tags(plan.base),
                                  "command_line": redact(" ".join(study.command_line)), "code_version": code_version(),
                                  "dataset_checksums": json.dumps(setup.dataset.checksums, sort_keys=True),
@@ -229,7 +231,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
     def make_callbacks(num_trials: int) -> list[Any]:  # the recorder first (repeats.py reads it)
         recorder = MlflowStudyCallback(setup.tracking_uri, experiment_name(plan.base.data.dataset), parent_id,
                                        setup.study_name, train_root,
-                                       {"base": plan.base.to_dict()},
+                                       {"base": plan.base.to_dict(), "knobs": loss_knobs()},
                                        example_history, run_tags(plan.base), setup.dataset_record)
         return [recorder, ProgressCallback(selection.key, num_trials)]
 

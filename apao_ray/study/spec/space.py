@@ -197,6 +197,11 @@ def registered_losses() -> tuple[str, ...]:
     return tuple(LOSSES)
 
 
+def loss_knobs() -> dict[str, list[str]]:
+    """Each registered loss's knob names (none for a baseline): which knob params apply to which loss's runs."""
+    return {loss: [knob.name for knob in knobs_of(loss)] for loss in registered_losses()}
+
+
 def knob_names() -> tuple[str, ...]:
     """Every registered loss's knob names: ``PAPER_KNOBS`` first (the table's columns), then the others."""
     declared = {k.name for loss in registered_losses() for k in knobs_of(loss)}
