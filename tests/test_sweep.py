@@ -4,13 +4,14 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import sys
 
 import numpy as np
 import pytest
 
-from conftest import (BEST, SWEEP, best_rows, launch_until, mid_trial, mlflow_sqlite, run_script, runs_state,
+from conftest import (BEST, ROOT, SWEEP, best_rows, launch_until, mid_trial, mlflow_sqlite, run_script, runs_state,
                       study_runs)
 from mlflow_names import MLFLOW_NAMES, UPDATE_NAMES_ENV, logged_names, names_diff
 
@@ -382,3 +383,18 @@ def test_mlflow_names_say_what_each_trial_ran_and_the_study_row_answers(study):
                                            "metrics.`best/tiger/apao_pointwise/test/ndcg_at_10`"]
     assert view["columnOrder"][:3] == ["attributes.`Run Name`", "runDateAndNestInfo", "duration"]
     assert view["selectedColumns"][4:6] == ["params.`beta`", "params.`eta`"]  # the knobs the study's losses tune
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(not any(shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome")),
+                    reason="no chromium on PATH (apt-get install chromium): the study's pages are not opened")
+def test_the_study_page_shows_the_whole_answer_table_at_1600_px_and_optuna_dashboard_the_note(study):
+    """Headless Chromium (docs/make_screenshots.py's pages): the answer table fits; the dashboard shows the note."""
+    pytest.importorskip("optuna_dashboard", reason="optuna-dashboard (the dashboard extra) is not installed")
+    sys.path.insert(0, str(ROOT / "docs"))
+    from make_screenshots import study_pages
+
+    facts = study_pages(study["dir"], study["stdout"])
+    assert facts["headers"][:2] == ["method", "knobs"] and "verdict" in facts["headers"], facts
+    assert facts["table_right"] <= facts["width"] == 1600 and facts["about_left"] < 1600, facts
+    assert facts["note_shown"], facts
