@@ -113,7 +113,9 @@ class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
         self.device = ray.train.torch.get_device()
         self.verbose = verbose
         self.reports: list[dict[str, Any]] = []
-        self.run_dir = Path(run_dir) if run_dir else None  # rank 0 appends its reports there (a study's record)
+        # rank 0 appends its reports there (a study's record): a local directory or a URI (``storage``), never a
+        # Path, which would turn s3://bucket into s3:/bucket
+        self.run_dir = str(run_dir) if run_dir else None
         self._open_scratch(scratch_prefix)
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
@@ -141,13 +143,13 @@ class RayTrainHooks(ScratchCheckpoints, TrainingHooks):
         if self.run_dir is not None and self.rank == 0:
             append_report(self.run_dir, metrics)
         name = f"epoch_{int(metrics['epoch']):04d}" + ("_final" if metrics.get("done") else "")
-        place = self.run_dir / name if self.run_dir is not None else None
+        place = storage.join(self.run_dir, name) if self.run_dir is not None else None
         if checkpoint_dir is not None and place is not None and is_set_aside(place):
             # Ray Train lists the set-aside checkpoint's place until it deletes it, and a new checkpoint of the
             # same name would go with it: an epoch's is left out (the next epoch's is written); the final one,
             # after which Ray deletes nothing, takes the place
             if metrics.get("done"):
-                (place / SET_ASIDE_FILE).unlink()
+                storage.delete(storage.join(place, SET_ASIDE_FILE))
             else:
                 shutil.rmtree(checkpoint_dir, ignore_errors=True)
                 checkpoint_dir = None
