@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from apao_ray.rank_metrics import AT_10_METRICS, PER_USER_METRICS
 from conftest import ROOT, mlflow_sqlite, run_script
 
 pytestmark = pytest.mark.e2e
@@ -158,16 +159,14 @@ def test_report_from_mlflow_equals_the_report_from_the_exports(studies, tmp_path
 
     assert f"{np.mean(values):.4f} ± {np.std(values, ddof=1):.4f}" in ce
     compared = [r for r in rows if "apao_pointwise b=0.3 eta=0.0001 - ce" in r]
-    paired = [r for r in compared if r.split("|")[4].strip() in ("recall_at_10", "recall_at_20", "ndcg_at_10",
-                                                                 "ndcg_at_20")]
+    paired = [r for r in compared if r.split("|")[4].strip() in PER_USER_METRICS]  # every registered metric
     # a verdict over both seeds; none per seed (one seed does not measure training variance)
-    assert len(paired) == 4 and all(r.count("p_holm = ") == 1 and "over seeds and users (2 seeds)" in r
+    assert len(paired) == len(PER_USER_METRICS) == 5 and all(r.count("p_holm = ") == 1 and "over seeds and users (2 seeds)" in r
                                     and r.endswith("| 600 |") for r in paired)
-    # and the same at the epoch of each selection rule every trial recorded (Recall/NDCG@10; no full sort on a CPU)
+    # and the same at the epoch of each selection rule every trial recorded (the metrics at 10; no full sort on a CPU)
     assert sorted(r.split("|")[4].strip() for r in compared if r not in paired) == sorted(
-        f"{metric}_by_{rule}" for metric in ("recall_at_10", "ndcg_at_10") for rule in ("last", "val_loss",
-                                                                                          "val_ndcg_at_10"))
-    cost = next(r for r in rows if "| ce | 0,1 (2 seeds) |" in r and r.count("|") == 11)  # the cost table's row
-    assert cost.split("|")[6].strip() != "-"  # CPU minutes summed over both seeds
+        f"{metric}_by_{rule}" for metric in AT_10_METRICS for rule in ("last", "val_loss", "val_ndcg_at_10"))
+    cost = next(r for r in rows if "| ce | 0,1 (2 seeds) |" in r and r.count("|") == 13)  # the cost table's row
+    assert cost.split("|")[7].strip() != "-"  # CPU minutes summed over every trial of both seeds' studies
     for name in ("prefix_recall.png", "beam_retention.png", "adaptive_weights.png", "val_ndcg_at_10.png"):
         assert (from_exports / name).stat().st_size > 5000
