@@ -113,7 +113,8 @@ def test_best_report_registry_and_parent_name_the_studys_winner_whatever_metric_
     from apao_ray.analysis.export import export_study, load_export
     from apao_ray.analysis.results import finished_trials
     from apao_ray.study.record.mlflow_callback import log_study_summary
-    from apao_ray.study.record.report import study_description, table_rows
+    from apao_ray.study.record.answer import study_description
+    from apao_ray.study.record.report import table_rows
     from apao_ray.tracking import Tracker
 
     checkpoint = train_tiny("tiger", tmp_path / "trial", synthetic)
@@ -135,7 +136,8 @@ def test_best_report_registry_and_parent_name_the_studys_winner_whatever_metric_
         assert [t.run_id for t in finished_trials([load_export(tmp_path / f"export-{selected}")])] == [winner]
         rows = table_rows(tracker, "best/val/recall_at_20", "s", baseline=None)
         assert [row["run_id"] for row in rows] == [winner]
-        description = study_description("s", table_rows(tracker, study="s", baseline=None))
+        description = study_description("s", table_rows(tracker, study="s", baseline=None),
+                                        experiment_id=tracker.experiment_id)  # its rows link each run by id
         assert winner in description and loser not in description
         summary = log_study_summary(tracker, parent, "s")
         expected = tracker.client.get_run(winner).data.metrics
