@@ -14,7 +14,6 @@ from ...analysis.results import EARLY_LEARNING, is_early_learning, joined_verdic
     seeds_text
 from ...analysis.ties import tie_text, tied
 from ...names import PLAN_TAG, WALL
-from ...paths import apao_command
 from ...protocol import PROTOCOL_TAG, Selection, recorded_selection, schedule_label
 from ...rank_metrics import PER_USER_METRICS
 from ...tracking import Tracker

@@ -16,7 +16,7 @@ from typing import Any
 from ...analysis.export import cost_totals  # noqa: F401 (the study table's cost, read from here)
 from ...analysis.per_user import PER_USER_FILE, read_per_user
 from ...analysis.results import Method, Trial, compare_methods, with_repeats
-from ...names import PER_USER_VALID_FILE, SUMMED
+from ...names import PER_USER_VALID_FILE
 from ...protocol import Selection
 from ...rank_metrics import PER_USER_METRICS
 
