@@ -60,6 +60,29 @@ def test_a_trial_run_again_keeps_its_last_attempts_end_as_history_not_as_its_sta
     assert run.data.tags["apao.previous_error"] == "TrialStartError: killed" and "apao.error" not in run.data.tags
 
 
+def test_a_final_report_tested_again_after_a_driver_died_keeps_one_test_in_its_run(tmp_path):
+    """A driver killed after it logged a trial's final report, before the trial completed: resumed from its final
+    checkpoint, the trial tests the same weights again and reports them; its run keeps the test it has (a study
+    resumed this way had test/ndcg_at_10 twice). An epoch's report repeated at another step is still logged."""
+    from types import SimpleNamespace
+
+    from apao_ray.study.record.mlflow_callback import MlflowStudyCallback
+    from apao_ray.tracking import Tracker
+
+    uri = mlflow_sqlite(tmp_path)
+    tracker = Tracker(uri, "apao-resumed")
+    parent = tracker.start_run("study", {"apao.role": "study"})
+    trial = SimpleNamespace(trial_id="t1", config={})
+    final = {"done": True, "epochs_trained": 3, "epoch": 3, "test/ndcg_at_10": 0.25, "perf/total_seconds": 9.0}
+    run_id = tracker.start_run("t1", {"apao.trial_id": "t1", "apao.study": "s"}, parent_run_id=parent)
+    for attempt in (1, 2):  # a driver each, the second one finding the trial's run by its tags
+        callback = MlflowStudyCallback(uri, "apao-resumed", parent, "s", tmp_path / "train_runs", {"base": {}}, [])
+        callback.on_trial_result(0, [], trial, {"epoch": attempt, "val/ndcg_at_10": 0.1 * attempt})
+        callback.on_trial_result(0, [], trial, final)
+    assert tracker.metric_history(run_id, "test/ndcg_at_10") == [(3, 0.25)]
+    assert tracker.metric_history(run_id, "val/ndcg_at_10") == [(1, 0.1), (2, 0.2)]
+
+
 def test_a_model_left_half_logged_by_a_killed_driver_is_marked_failed_and_logged_again(tmp_path, monkeypatch):
     """log_model names the model as the run's output before it uploads MLmodel: a driver killed in between
     (here: interrupted at the upload, which MLflow does not mark FAILED, as after SIGKILL) leaves a PENDING

@@ -140,12 +140,20 @@ class MlflowStudyCallback(tune.Callback):
             if result.get(ENERGY_METHOD_KEY):
                 self.tracker.set_tags(run_id, {ENERGY_TAG: result[ENERGY_METHOD_KEY]})
         step = int(result.get("epoch", result.get("training_iteration", 0)))
+        if is_final_report(result) and self._tested_at(run_id, step):
+            # the driver died after logging this final report and before the trial completed: resumed from its
+            # final checkpoint, the trial tested the same weights again; its run keeps the one test it has
+            metrics = {}
         self.tracker.log_metrics(run_id, metrics, step)
         if result.get(WORKER_NODE_KEY) and trial.trial_id not in self._nodes_tagged:
             self.tracker.set_tags(run_id, {NODE_TAG: result[WORKER_NODE_KEY], "apao.node_ip": result.get("node_ip", ""),
                                            PRECISION_TAG: result.get(PRECISION_KEY, ""),
                                            ALLOCATOR_TAG: result.get(ALLOCATOR_KEY, "")})
             self._nodes_tagged.add(trial.trial_id)
+
+    def _tested_at(self, run_id: str, step: int) -> bool:
+        """Whether ``run_id`` already holds a final report's test at ``step`` (perf/total_seconds is in every one)."""
+        return any(logged == step for logged, _ in self.tracker.metric_history(run_id, "perf/total_seconds"))
 
     def _finished(self, trial: Any) -> bool:
         """Whether the trial trained to its end and was tested (its final report and checkpoint exist)."""
