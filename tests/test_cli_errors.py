@@ -76,6 +76,13 @@ BAD_INPUTS = [
     (["sweep", "--seed", "1", "--seeds", "0,1"], "--seed 1 and --seeds 0,1"),
     (["train", "--epochs", "-1"], "--epochs: '-1' must be"),
     (["train", "--loss", "nope"], "unknown loss 'nope'"),
+    (["train", "--backbone", "gpt"], "invalid choice: 'gpt'"),
+    (["train", "--smoke", "--select-by", "ndcg@10"], "select_by='ndcg@10' is not a validation metric"),
+    (["sweep", "--backbones", "tiger,gpt"], "unknown backbone(s) ['gpt']; choose from ['tiger', 'llama']"),
+    (["sweep", "--precision", "fp16"], "invalid choice: 'fp16'"),
+    (["best", "--baseline", "cee"], "--baseline: 'cee' is not one of apao_pairwise, apao_pointwise"),
+    (["best", "--metric", "ndcg@10"], "--metric: 'ndcg@10' is not a validation metric; choose from recall_at_5"),
+    (["report", "--exports", ".", "--out", "r", "--baseline", "cee"], "--baseline: 'cee' is not one of apao_pairwise"),
 ]
 
 
@@ -100,3 +107,53 @@ def test_a_bad_input_is_one_error_line_exit_2_and_no_stray_file(argv, named, tmp
     assert "Traceback" not in captured.err and len(errors) == 1 and errors[0] == lines[-1], captured.err
     assert named in errors[0], errors[0]
     assert sorted(os.listdir(work)) == [], "a refused command left files behind"
+
+
+def _registries() -> list[tuple[list[str], str, list[str]]]:
+    """(command, flag, the names it accepts), each read from the registry or constant that defines them."""
+    from apao_ray.config import FULL_SORT_TEST, PRECISIONS, PROTOCOL_NAMES, WEIGHTING_MODES, TrialConfig
+    from apao_ray.data import known_dataset_names
+    from apao_ray.losses import LOSSES
+    from apao_ray.models import BACKBONES
+    from apao_ray.protocol import selectable_metrics
+    from apao_ray.reuse.export import FORMATS
+    from apao_ray.analysis.results import TRIAL_CHOICES
+    from apao_ray.study.spec.space import knob_names
+
+    losses, metrics = sorted(LOSSES), selectable_metrics(TrialConfig())
+    found = [(["best"], "--baseline", losses), (["report"], "--baseline", losses),
+             (["best"], "--metric", [name for name in metrics if not name.startswith("loss")]),
+             (["export"], "--format", list(FORMATS)), (["report"], "--trials", list(TRIAL_CHOICES)),
+             (["data", "stats"], "--dataset", list(known_dataset_names()))]
+    for command, one in (("sweep", False), ("train", True)):
+        found += [([command], "--loss" if one else "--losses", losses),
+                  ([command], "--backbone" if one else "--backbones", list(BACKBONES)),
+                  ([command], "--knob", list(knob_names())), ([command], "--select-by", metrics),
+                  ([command], "--dataset", list(known_dataset_names())), ([command], "--precision", list(PRECISIONS)),
+                  ([command], "--full-sort-test", list(FULL_SORT_TEST)), ([command], "--protocol", list(PROTOCOL_NAMES)),
+                  ([command], "--weighting", list(WEIGHTING_MODES))]
+    return found
+
+
+def _flag_help(command: list[str], flag: str, capsys) -> str:
+    """The lines --help prints for ``flag`` of ``command``, joined (argparse wraps them)."""
+    with pytest.raises(SystemExit):
+        cli.main([*command, "--help"])
+    text = capsys.readouterr().out
+    start = re.search(rf"^  {re.escape(flag)}[ ,=\n]", text, re.M)
+    assert start, f"{' '.join(command)} --help has no {flag}"
+    entry = text[start.start():]
+    following = re.search(r"^  -", entry[3:], re.M)
+    return " ".join(entry[:following.start() + 3 if following else None].split())
+
+
+def test_every_flag_with_a_fixed_set_of_values_lists_them_in_its_help(capsys, monkeypatch):
+    """A flag whose values come from a registry (losses, backbones, knobs, metrics, formats, ...) lists every name
+    the registry holds now in its --help: a registry that grows without its flag's help fails here."""
+    monkeypatch.setenv("COLUMNS", "100")
+    registries = _registries()
+    assert len(registries) >= 20
+    for command, flag, names in registries:
+        listed = _flag_help(command, flag, capsys)
+        missing = [name for name in names if not re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", listed)]
+        assert len(names) >= 1 and not missing, f"{' '.join(command)} {flag}: {missing} not in its help: {listed}"

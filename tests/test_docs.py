@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -70,3 +71,42 @@ def test_cli_reference_is_the_cli_help():
     for command in commands:
         assert f"\n## python -m apao_ray {command}\n" in committed
         assert f"usage: python -m apao_ray {command}" in committed, command
+
+
+# a citation of this project's own tracker: the word issue(s) before a number, or a "#" number followed by item,
+# part, asks or 's; an external project's ("ray-project/ray#41364", "pytest-xdist#1386", "cornac PR #715") and a
+# queue position ("queued #3") are not (the examples in the test below are split so this file passes too)
+INTERNAL_ISSUE = re.compile(r"(?i)\bissues?\s+#?\d+|(?<![\w.-])#\d+(?:\s+(?:item|part|asks)\b|'s\b)")
+UNSEARCHED = ("benchmarks/results/",)  # committed exports of finished studies: their data stays as recorded
+
+
+def internal_issue_citations(text: str) -> list[str]:
+    return [match.group(0) for match in INTERNAL_ISSUE.finditer(text)]
+
+
+def test_issue_pattern_finds_internal_citations_and_passes_external_ones():
+    cited = "issue " + "#12; see issues " + "#8, #17 and #47" + " item 3 as #17" + "'s probe found; #9" + " part 1"
+    assert internal_issue_citations(cited) == [f"issue {n}" for n in ("#12",)] + [f"issues {n}" for n in ("#8",)] + \
+        [f"#{n}" for n in ("47 item", "17's", "9 part")]
+    external = ("ray-project/ray#41364 pytest-xdist#1386's fix, PreferredAI/cornac PR #715, queued #3: seeds 0, "
+                "colour #ff0000, step 3 of 4")
+    assert internal_issue_citations(external) == []
+
+
+def test_no_tracked_text_cites_an_internal_issue():
+    """The code, docs and benchmarks name the behaviour, never a ticket of the project's own tracker."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    paths = [name for name in listed.stdout.split("\0") if name and not name.startswith(UNSEARCHED)]
+    assert len(paths) > 100, paths
+    found = {}
+    for name in paths:
+        try:
+            text = (ROOT / name).read_text()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # binary, or deleted in the working tree
+        citations = internal_issue_citations(text)
+        if citations:
+            found[name] = citations
+    assert not found, f"internal issue numbers (name the behaviour instead): {found}"

@@ -1,5 +1,5 @@
 """benchmarks/evidence/: gpu_full_protocol.py's trial files, written by a real (tiny) trial, become a study
-export that the report reads like a sweep's (a lent GPU machine has no Ray or MLflow to record them); and
+export that the report reads like a sweep's (a GPU machine without Ray or MLflow cannot record them); and
 diagnose_full.py re-evaluates finished trials' checkpoints as their own test metrics say."""
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_trial_files_export_to_what_the_report_reads(tmp_path, gpu_script, one_t
     gpu_script.one("ce", 0, args)  # what each trial's subprocess runs
     finished = json.loads((out / "ce-seed0.json").read_text())
     assert finished["finished"] and len(finished["epochs"]) == 2
-    # a trial the call's deadline stopped: its epochs only (gpu_script.partial writes these from metrics.jsonl)
+    # a trial its --deadline stopped: its epochs only (gpu_script.partial writes these from metrics.jsonl)
     stopped = [{**epoch, "val/ndcg_at_10": value} for epoch, value in zip(finished["epochs"], (0.03, 0.05))]
     (out / "apao_pointwise-seed0.json").write_text(json.dumps({"loss": "apao_pointwise", "seed": 0, "finished": False,
                                                                 "epochs": stopped}))
@@ -69,7 +69,7 @@ def test_trial_files_export_to_what_the_report_reads(tmp_path, gpu_script, one_t
 
     report = build_report([export], tmp_path / "report").read_text()
     assert "| synthetic | tiger | ce | 0 (1 seed) |" in report  # the finished trial's test metrics
-    assert "stopped at the GPU call's deadline | 2 |" in report  # the stopped one among the unfinished
+    assert "stopped at its --deadline | 2 |" in report  # the stopped one among the unfinished
 
 
 @pytest.mark.e2e
@@ -147,15 +147,15 @@ def test_diagnosis_re_evaluates_each_trials_selected_weights_as_its_test_metrics
 
 
 def test_the_gpu_queue_names_studies_as_office_full_sh_and_skips_the_finished_ones():
-    """benchmarks/gpu/next_call.py: a study run on a GPU must be the same study (name, flags) as office_full.sh's on
+    """benchmarks/gpu/next_job.py: a study run on a GPU must be the same study (name, flags) as office_full.sh's on
     a CPU, and the committed exports decide what is done: Office TIGER seeds 0-2 are, the reference CE is not."""
     import os
     import re
     import subprocess
 
-    spec = importlib.util.spec_from_file_location("next_call", ROOT / "benchmarks" / "gpu" / "next_call.py")
-    next_call = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(next_call)
+    spec = importlib.util.spec_from_file_location("next_job", ROOT / "benchmarks" / "gpu" / "next_job.py")
+    next_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(next_job)
     script = (ROOT / "benchmarks" / "evidence" / "office_full.sh").read_text()
     for dataset, backbone, losses, protocol in (("office", "tiger", "ce,apao_pointwise", "paper"),
                                                 ("office", "tiger", "ce", "reference"),
@@ -165,34 +165,34 @@ def test_the_gpu_queue_names_studies_as_office_full_sh_and_skips_the_finished_on
         prelude = script[:script.index("export APAO_DATA_DIR")]  # the name's lines, before anything runs
         printed = subprocess.run(["bash", "-c", re.sub(r"^cd .*$", "", prelude, flags=re.M) + 'echo "$study"'],
                                  env=env, capture_output=True, text=True, check=True).stdout.strip()
-        assert next_call.study_name(dataset, backbone, tuple(losses.split(",")), protocol, 3) == printed
-    assert all(next_call.is_done(f"office-full-tiger-seed{seed}", ("ce", "apao_pointwise")) for seed in (0, 1, 2))
-    assert next_call.is_done("office-full-tiger-reference-ce-seed0", ("ce",))
-    studies = [row["study"] for row in next_call.pending()]
+        assert next_job.study_name(dataset, backbone, tuple(losses.split(",")), protocol, 3) == printed
+    assert all(next_job.is_done(f"office-full-tiger-seed{seed}", ("ce", "apao_pointwise")) for seed in (0, 1, 2))
+    assert next_job.is_done("office-full-tiger-reference-ce-seed0", ("ce",))
+    studies = [row["study"] for row in next_job.pending()]
     assert not {"office-full-tiger-seed1", "office-full-tiger-reference-ce-seed0"} & set(studies)
     first = json.loads((ROOT / "benchmarks" / "evidence" / "queue.json").read_text())["items"][0]
-    assert studies[0] == next_call.study_name(first["dataset"], first["backbone"], tuple(first["losses"]),
+    assert studies[0] == next_job.study_name(first["dataset"], first["backbone"], tuple(first["losses"]),
                                               first["protocol"], first["seeds"][0])
-    assert not next_call.is_done("office-full-tiger-seed0", ("ce", "apao_pairwise"))
+    assert not next_job.is_done("office-full-tiger-seed0", ("ce", "apao_pairwise"))
 
 
-def test_a_gpu_calls_export_lands_as_a_study_the_grid_reads(tmp_path):
-    """next_call.py --land: the files a call brings back (export.tar.gz, gpu.csv, ...) become <results>/<study>,
+def test_a_gpu_jobs_export_lands_as_a_study_the_grid_reads(tmp_path):
+    """next_job.py --land: the files a job copies back (export.tar.gz, gpu.csv, ...) become <results>/<study>,
     the grid counts it, and a study already there is never overwritten."""
     import shutil
     import tarfile
 
-    spec = importlib.util.spec_from_file_location("next_call", ROOT / "benchmarks" / "gpu" / "next_call.py")
-    next_call = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(next_call)
-    files_at, results = tmp_path / "device", tmp_path / "results"
-    files_at.mkdir()
-    with tarfile.open(files_at / "export.tar.gz", "w:gz") as archive:  # as study.sh packs it
+    spec = importlib.util.spec_from_file_location("next_job", ROOT / "benchmarks" / "gpu" / "next_job.py")
+    next_job = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(next_job)
+    job_out, results = tmp_path / "gpu_out", tmp_path / "results"
+    job_out.mkdir()
+    with tarfile.open(job_out / "export.tar.gz", "w:gz") as archive:  # as study.sh packs it
         archive.add(ROOT / "benchmarks" / "results" / "office-full-tiger-seed1", arcname="export")
-    (files_at / "gpu.csv").write_text("timestamp, name, utilization.gpu [%], memory.used [MiB]\n")
+    (job_out / "gpu.csv").write_text("timestamp, name, utilization.gpu [%], memory.used [MiB]\n")
     results.mkdir()
     shutil.copytree(ROOT / "benchmarks" / "results" / "office-full-tiger-seed0", results / "office-full-tiger-seed0")
-    target = next_call.land(files_at, "office-full-tiger-seed1", results, tmp_path / "grid")
+    target = next_job.land(job_out, "office-full-tiger-seed1", results, tmp_path / "grid")
     assert json.loads((target / "study.json").read_text())["study"] == "office-full-tiger-seed1"
     assert (target / "gpu_h200.csv").exists() and sorted(p.name for p in (target / "per_user").iterdir())
     grid = (tmp_path / "grid" / "grid.md").read_text()
@@ -200,4 +200,4 @@ def test_a_gpu_calls_export_lands_as_a_study_the_grid_reads(tmp_path):
     # where Office's files are here the verdict goes on (below the last-item heuristic, ...): the count is the point
     assert "(n=2)" in ce and "| done (seeds 0,1)" in ce, ce
     with pytest.raises(SystemExit, match="exists"):
-        next_call.land(files_at, "office-full-tiger-seed1", results, tmp_path / "grid")
+        next_job.land(job_out, "office-full-tiger-seed1", results, tmp_path / "grid")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cli.types import positive_int
+from ..cli.types import OneOf, positive_int
 from ..names import CPU, ENERGY, GPU_MEMORY, PLAN_TAG, PLUGINS_ENV, RSS, WALL, counted
 from ..paths import add_tracking_uri_argument
 from ..rank_metrics import AT_10_METRICS, FULL_SORT, metric_label
@@ -348,6 +348,12 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loss_names() -> list[str]:
+    from ..losses import LOSSES  # imports torch: only for --help or a given --baseline
+
+    return sorted(LOSSES)
+
+
 def register(subparsers: Any) -> None:
     """Adds ``report`` to ``python -m apao_ray``."""
     parser = subparsers.add_parser("report", help="markdown report with figures and significance from studies",
@@ -361,7 +367,8 @@ def register(subparsers: Any) -> None:
                         help="export directories, or folders of them (e.g. benchmarks/results); --exports A B "
                              "or --exports A --exports B")
     parser.add_argument("--out", required=True, help="directory for report.md and its PNGs")
-    parser.add_argument("--baseline", default="ce", help="loss every other method is compared with (default ce)")
+    parser.add_argument("--baseline", default="ce", action=OneOf, names=_loss_names,
+                        help="loss every other method is compared with: one of %(names)s (default ce)")
     parser.add_argument("--trials", choices=TRIAL_CHOICES, default="best",
                         help="per (study, backbone, loss): the best trial by the study's recorded selection (the one "
                              "`best` and the study's table name), or all (default best)")

@@ -36,3 +36,30 @@ def non_negative_int(text: str) -> int:
 
 def non_negative_float(text: str) -> float:
     return bounded_number(text, float, 0)
+
+
+class OneOf(argparse.Action):
+    """A flag whose value is one of ``names()``, a registry read only when ``--help`` shows it or the flag is
+    given: the loss registry imports torch, which a command that never reads it should not pay for. ``%(names)s``
+    in the help becomes the names; a value outside them is refused in one line naming it and the names."""
+
+    def __init__(self, option_strings: list[str], dest: str, names: Any = None, **kwargs: Any) -> None:
+        if names is None:
+            raise ValueError(f"{option_strings}: OneOf needs names=, a function returning the allowed values")
+        self.names = names
+        super().__init__(option_strings, dest, **kwargs)
+
+    @property
+    def help(self) -> str | None:
+        return None if self._help is None else self._help.replace("%(names)s", ", ".join(self.names()))
+
+    @help.setter
+    def help(self, text: str | None) -> None:
+        self._help = text
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, value: Any,
+                 option_string: str | None = None) -> None:
+        allowed = list(self.names())
+        if value not in allowed:
+            parser.error(f"argument {option_string}: {value!r} is not one of {', '.join(allowed)}")
+        setattr(namespace, self.dest, value)

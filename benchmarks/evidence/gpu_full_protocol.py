@@ -164,7 +164,7 @@ def write_export(folder: Path, study: str, to_dir: Path, args: argparse.Namespac
                   "status": "FINISHED" if trial["finished"] else "KILLED", "start_time": None, "end_time": None,
                   "tags": {"backbone": backbone, "loss": loss, "apao.study": study, "apao.seed": str(seed),
                            "apao.precision": str(best.get("precision", "")), **run_tags(config),
-                           "apao.outcome": "finished" if trial["finished"] else "stopped at the GPU call's deadline"},
+                           "apao.outcome": "finished" if trial["finished"] else "stopped at its --deadline"},
                   "params": {"backbone": backbone, "loss": loss, **{k: str(v) for k, v in knobs.items()},
                              **{k: str(v) for k, v in flatten({"base": config.to_dict()}).items()}},
                   "metrics": dict(sorted(metrics.items())), "per_user": None,

@@ -1,4 +1,4 @@
-"""Issue #47 item 4, the part the data can answer: do the validation and test targets differ in popularity,
+"""Why APAO leads CE on validation and ties on test, the part the data can answer: do the validation and test targets differ in popularity,
 and does APAO's difference to CE on test depend on how popular a user's test target is?
 
 APAO leads CE on validation at nearly every epoch of every Office/TIGER seed and ties on test. Validation and

@@ -80,11 +80,19 @@ KIND_TYPES: dict[str, Callable[[str], Any]] = {
     "duration": duration, "knobs": knob_range}
 
 
-def registered_names(registry: str) -> str:
-    """The names ``registry`` (``"losses"``) holds now, built-in and plugins, as ``--help`` lists them."""
+def registry_names(registry: str) -> list[str]:
+    """The names ``registry`` (``"losses"``, or ``"knobs"``: every registered loss's) holds now, plugins included."""
     from ...losses import LOSSES  # imports torch: only when a command builds its flags, not with the spec
-    names = {"losses": LOSSES}[registry]
-    return ", ".join(sorted(names))
+    from ..spec.space import knob_names
+
+    if registry not in ("losses", "knobs"):
+        raise ValueError(f"unknown registry {registry!r}; choose from ['knobs', 'losses']")
+    return sorted(LOSSES) if registry == "losses" else list(knob_names())
+
+
+def registered_names(registry: str) -> str:
+    """The names ``registry`` holds now, as ``--help`` lists them."""
+    return ", ".join(registry_names(registry))
 
 
 def add_field_argument(parser: Any, entry: Field, default: Any = MISSING) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 
 from ...config import PROTOCOL_NAMES, WEIGHTING_MODES, TrialConfig
-from ...protocol import KNOBS, PRESET_HELP, PRESETS, apply_protocol
+from ...protocol import KNOBS, PRESET_HELP, PRESETS, apply_protocol, selectable_metrics
 from ...cli.types import non_negative_float
 
 
@@ -26,9 +26,10 @@ def add_protocol_arguments(parser: argparse.ArgumentParser, with_eta: bool = Tru
         "protocol", "which protocol the run follows (docs/PROTOCOLS.md); each knob flag beats the preset")
     group.add_argument("--protocol", choices=PROTOCOL_NAMES, default="paper",
                        help="; ".join(f"{name}: {text}" for name, text in PRESET_HELP.items()) + " (default paper)")
-    group.add_argument("--select-by", help="validation metric that keeps the epoch, e.g. ndcg_at_10 or recall_at_20 "
-                       "(higher is better), or 'loss': the lowest validation loss, i.e. the epoch's training "
-                       "objective (APAO: CE + beta * weighted prefix loss) as the MEAN over the validation split "
+    group.add_argument("--select-by", help="what keeps the epoch, one of "
+                       f"{', '.join(selectable_metrics(TrialConfig()))} (named at the default --beam-size): a "
+                       "validation metric (higher is better), or 'loss': the lowest validation loss, i.e. the epoch's "
+                       "training objective (APAO: CE + beta * weighted prefix loss) as the MEAN over the validation split "
                        "(the released code reads its last evaluation batch only); preset "
                        f"{_preset_values('select_by')}")
     group.add_argument("--weighting", choices=WEIGHTING_MODES,

@@ -4,15 +4,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from ...names import counted
 from ...paths import absolute_data_dir_env, add_tracking_uri_argument
-from ...protocol import KNOBS
+from ...cli.types import OneOf
+from ...config import TrialConfig
+from ...protocol import KNOBS, selectable_metrics
 from ..spec.study import StudySpec, quick_changes
-from .fields import add_field_arguments, field_values, number
+from .fields import add_field_arguments, field_values, number, registry_names
 from .protocol import add_protocol_arguments
 
 SWEEP_EPILOG = """\
@@ -202,6 +205,18 @@ def report_interrupted(result: Any, argv: list[str]) -> int:
     return exit_code(result.stop_signal or signal.SIGINT)
 
 
+SHOWN_METRICS = tuple(name for name in selectable_metrics(TrialConfig()) if not name.startswith("loss"))
+
+
+def shown_metric(text: str) -> str:
+    """``--metric``: a validation metric the trials report (its cutoffs may differ from the default's), or
+    ``best/val/<name>``; a name of no registered metric is refused, naming the metrics."""
+    name = text.removeprefix("best/val/")
+    if re.sub(r"\d+", "K", name) not in {re.sub(r"\d+", "K", known) for known in SHOWN_METRICS}:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a validation metric; choose from {', '.join(SHOWN_METRICS)}")
+    return text
+
+
 def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Best trial per (backbone, loss) of a "
                                      "dataset's studies, chosen by the selection each study recorded (its validation "
@@ -212,11 +227,13 @@ def build_best_parser(prog: str = "studies/best.py") -> argparse.ArgumentParser:
     parser.add_argument("--dataset", help="dataset whose experiment (apao-<dataset>) to read (default: the store's "
                         "only one; required where it holds several)")
     parser.add_argument("--study-name", help="only this study (default: every study of the dataset)")
-    parser.add_argument("--metric", help="a validation metric to show as a column too (recall_at_20 or "
-                        "best/val/recall_at_20), whose test metric --baseline then compares; it never changes which "
-                        "trial is best: the study's selection does (default: the selection's metric)")
-    parser.add_argument("--baseline", default="ce", help="loss every method is compared with, per user on the test "
-                        "metric of --metric: over seeds and users with a Holm-corrected p where it has >= 2 seeds, "
+    parser.add_argument("--metric", type=shown_metric, help="a validation metric to show as a column too, one of "
+                        f"{', '.join(SHOWN_METRICS)} (named at the default --beam-size; best/val/<name> alike), whose "
+                        "test metric --baseline then compares; it never changes which trial is best: the study's "
+                        "selection does (default: the selection's metric)")
+    parser.add_argument("--baseline", default="ce", action=OneOf, names=lambda: registry_names("losses"),
+                        help="loss every method is compared with, one of %(names)s, per user on the test metric of "
+                        "--metric: over seeds and users with a Holm-corrected p where it has >= 2 seeds, "
                         "users only and no verdict with 1 (default %(default)s)")
     parser.add_argument("--format", choices=("markdown", "csv", "json"), default="markdown", help="default %(default)s")
     add_tracking_uri_argument(parser)

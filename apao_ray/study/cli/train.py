@@ -49,8 +49,8 @@ def build_parser(prog: str = "studies/train.py") -> argparse.ArgumentParser:
     parser.add_argument("--backbone", choices=BACKBONE_NAMES, default="tiger", help="default %(default)s")
     parser.add_argument("--loss", default="ce", help=f"one of {registered_names('losses')} (default %(default)s)")
     parser.add_argument("--knob", action="append", default=[], type=knob_value, metavar="NAME=VALUE",
-                        help="set a knob the loss declares, built-in or plugin (Loss.knobs: beta, eta, num_negatives, "
-                             "...; repeatable; default: the knob's default); one the loss does not declare is refused")
+                        help=f"set a knob the loss declares, built-in or plugin (Loss.knobs: {registered_names('knobs')}; "
+                             "repeatable; default: the knob's default); one the loss does not declare is refused")
     parser.add_argument("--beta", type=non_negative_float, default=None,
                         help="the same as --knob beta=VALUE: weight of the prefix loss (default 0.1)")
     parser.add_argument("--num-negatives", type=positive_int, default=None,

@@ -116,8 +116,8 @@ class StudySpec:
                                                "--quick)", kind="int_range")
     knob_ranges: dict[str, tuple[float, float]] = option(
         factory=dict, kind="knobs", flag="--knob", metavar="NAME=LOW:HIGH",
-        help="search range of any knob a loss declares, built-in or plugin (Loss.knobs: beta, eta, num_negatives, "
-             "...; repeatable; LOW=HIGH fixes it; default: the knob's own range; docs/own-loss.md)")
+        help="search range of any knob a loss declares, built-in or plugin (Loss.knobs: %(names)s; repeatable; "
+             "LOW=HIGH fixes it; default: the knob's own range; docs/own-loss.md)", lists="knobs")
     pretrain_ce_epochs: int | None = option(None, "CE epochs before a loss that needs a CE stage (dpo/dmpo/sdpo; "
                                             "default half the epochs)", low=0, integer=True)
     enqueue_paper_setting: bool = option(True, "each tuned (backbone, loss) starts with the paper's setting (Table 5) "

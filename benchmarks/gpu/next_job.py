@@ -1,17 +1,18 @@
-"""The evidence queue on a GPU machine that runs one job of at most 10 minutes at a time: which queued study fits
-one job next and the command for it, and, after it, the study's files landed as a committed export and the
+"""The evidence queue on a GPU machine reached through a job system (one job at a time, each of at most 10 minutes,
+its input a copy of the checkout of at most 64 MiB, its output a folder copied back): which queued study fits one
+job next and the commands for it, and, after the job, the study's files landed as a committed export and the
 Table 1 grid rebuilt.
 
-    python benchmarks/gpu/next_call.py              # the next unfinished (item, seed) that fits a job, and the job
-    python benchmarks/gpu/next_call.py --land gpu_out --study NAME   # after it: its output folder -> benchmarks/results
+    python benchmarks/gpu/next_job.py              # the next unfinished (item, seed) that fits a job, and the job
+    python benchmarks/gpu/next_job.py --land gpu_out --study NAME   # after it: its output folder -> benchmarks/results
 
 The queue is benchmarks/evidence/queue.json (what `report --grid` reads); a study is done when
 benchmarks/results/<study>/study.json holds a finished trial of each of its losses. Names and flags are
 office_full.sh's, so a study started on a CPU and one run here are the same study. One job holds one study
 (benchmarks/gpu/study.sh) of at most ~8 minutes: its trials share the GPU (two already fill an H200: 2026-11-27,
-3.30 s per Office TIGER epoch each, 1.27x one trial's throughput), and nothing carries a study's checkpoints from
-one job to the next (a TIGER trial's are ~100 MB, more than the 64 MiB copied to the machine), so a study that
-does not fit one job waits for a machine with a longer limit (the listing says what it needs).
+3.30 s per Office TIGER epoch each, 1.27x one trial's throughput), and nothing takes a study's checkpoints from
+one job to the next (a TIGER trial's are ~100 MB, more than a job's 64 MiB input), so a study that does not fit
+one job waits for a machine that runs longer jobs (the listing says what it needs).
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def pending() -> list[dict]:
     return rows
 
 
-def call_for(row: dict) -> str:
+def job_for(row: dict) -> str:
     n = len(row["losses"])
     env = (f"BUDGET= STUDY={row['study']} DATASET={row['dataset']} GPUS_PER_TRIAL={1 / n:.3g} "
            f"CPUS_PER_TRIAL={16 // n} STUDY_LIMIT={STUDY_LIMIT_S} FALLBACK_SEEDS={row['seed']} "
@@ -86,7 +87,7 @@ def call_for(row: dict) -> str:
             f"# then copy the checkout with .gpu/wheels-cp312 and .gpu/datasets to the GPU machine and run there,\n"
             f"# as one job of at most 10 minutes:\nOUT=gpu_out {env} bash benchmarks/gpu/study.sh\n"
             f"# then, with gpu_out copied back here:\n"
-            f"python benchmarks/gpu/next_call.py --land gpu_out --study {row['study']}")
+            f"python benchmarks/gpu/next_job.py --land gpu_out --study {row['study']}")
 
 
 def land(out_dir: Path, study: str, results: Path = RESULTS,
@@ -127,7 +128,7 @@ def main() -> int:
         print(f"{row['study']:<48} ~{row['minutes']:5.1f} min on one H200  "
               f"{'fits one job' if row['fits'] else 'needs a longer job than the 10-minute limit'}")
     ready = next((row for row in rows if row["fits"]), None)
-    print("\nnext job:\n" + call_for(ready) if ready else "\nnothing queued fits one job")
+    print("\nnext job:\n" + job_for(ready) if ready else "\nnothing queued fits one job")
     return 0
 
 
