@@ -1,6 +1,6 @@
 """A study on a Ray cluster as docs/running.md's recipe runs one: the recipe's node commands as typed (Ray's token
-authentication on, as a user has it), trials of one study on both nodes with one SQLite store, trial drivers pinned
-to the nodes that carry a resource (``--driver-resource``), the refusals a driver meets. The KubeRay manifest is
+authentication on, as a user has it), trial drivers pinned to the nodes that carry a resource (``--driver-resource``),
+the refusals a driver meets (trials of one study on both nodes: tests/test_study_nodisk.py). The KubeRay manifest is
 checked, not run."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import json
 import os
 import shlex
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,8 +19,8 @@ import yaml
 
 from apao_ray.study.cluster.ray_cluster import stable_free_port
 from apao_ray.study.run.trial import DRIVER_RESOURCE_SHARE, Resources
-from conftest import ROOT, mlflow_sqlite, run_script
-from test_study_reliability import SWEEP, _children, mlflow_server  # noqa: F401 - a fixture
+from conftest import ROOT, run_script
+from test_study_reliability import _children, mlflow_server  # noqa: F401 - a fixture
 
 RAY = str(Path(sys.executable).with_name("ray"))
 
@@ -139,54 +139,6 @@ def two_node_cluster(request, tmp_path_factory, monkeypatch):
         _stop_nodes(nodes)
 
 
-@pytest.mark.e2e
-def test_four_concurrent_trials_on_two_ray_nodes_lose_no_metric_in_sqlite(tmp_path, two_node_cluster):
-    """4 trials at once on a head + worker node started with `ray start`, all logging to one SQLite file.
-    0.9 CPU per trial on 2-CPU nodes: a node holds at most two trials, so both nodes must train."""
-    address, node_ids = two_node_cluster
-    db = tmp_path / "mlflow.db"
-    mlflow_sqlite(tmp_path)
-    result = run_script([SWEEP, "--smoke", "--num-samples", "3", "--max-concurrent", "4", "--cpus-per-trial", "0.9",
-                         "--address", address, "--output-dir", str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{db}"],
-                        cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    assert "Started a local Ray instance" not in result.stderr  # it joined the running cluster
-    assert "database is locked" not in result.stderr + result.stdout
-    from apao_ray.tracking import Tracker
-
-    tracker = Tracker(f"sqlite:///{db}", "apao-synthetic")
-    children = _children(tracker)
-    assert len(children) == 4 and all(c.info.status == "FINISHED" for c in children.values())
-    assert {c.data.tags["apao.node_id"] for c in children.values()} == node_ids  # trained on both nodes
-    # trials really ran at once: some two were between their start (Tune launched them) and their test at the
-    # same time; run one after the other, none would be. Not their training alone: a smoke trial trains ~4 s
-    # once its worker is up, and the four workers' starts (torch imports on 2 CPUs) were seen in CI staggered
-    # by more than that. The run's end is later than its test by the driver's model logging, one trial at a time.
-    tested = [tracker.client.get_metric_history(c.info.run_id, "test/ndcg_at_10")[0].timestamp for c in children.values()]
-    spans = [(c.info.start_time, end) for c, end in zip(children.values(), tested)]
-    assert any(a[0] < b[1] and b[0] < a[1] for i, a in enumerate(spans) for b in spans[i + 1:]), spans
-    # four writers on one SQLite file lost nothing and doubled nothing: no (run, key, step) is stored twice,
-    # and every run holds the same metric keys as the runs of its loss, each per-epoch one at both epochs
-    run_ids = [c.info.run_id for c in children.values()]
-    loss_of = {c.info.run_id: c.data.tags["loss"] for c in children.values()}
-    marks = ",".join("?" * len(run_ids))
-    with sqlite3.connect(db) as connection:
-        doubled = connection.execute(f"select run_uuid, key, step, count(*) from metrics where run_uuid in ({marks}) "
-                                     "group by run_uuid, key, step having count(*) > 1", run_ids).fetchall()
-        stored = connection.execute(f"select run_uuid, key, group_concat(step) from metrics where run_uuid in ({marks}) "
-                                    "group by run_uuid, key", run_ids).fetchall()
-    assert doubled == [], doubled
-    keys = {run: {key: sorted(map(int, steps.split(","))) for r, key, steps in stored if r == run} for run in run_ids}
-    for run in run_ids:
-        same_loss = [other for other in run_ids if loss_of[other] == loss_of[run]]
-        assert all(set(keys[other]) == set(keys[run]) for other in same_loss), (loss_of[run], keys)
-        per_epoch = [key for key in keys[run] if key.startswith(("train/", "val/", "perf/epoch"))]
-        assert len(per_epoch) >= 15 and all(keys[run][key] == [1, 2] for key in per_epoch), keys[run]  # CE: 19
-    for run in children.values():
-        assert [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")] == [1, 2]
-        assert len(tracker.metric_history(run.info.run_id, "test/recall_at_10")) == 1
-
-
 def test_a_trials_placement_is_its_reservation_plus_the_driver_resource():
     """Tune's public PlacementGroupFactory, one bundle: a one-worker trial's CPUs, GPUs and memory cap; a
     data-parallel trial's driver sliver; with --driver-resource, a share of that resource added to either."""
@@ -263,7 +215,7 @@ def test_the_docs_cluster_recipe_pins_trial_drivers_and_refuses_a_driver_without
     """The recipe's nodes (token auth on, the worker carrying trial_driver) and its driver command, a smoke study
     in place of the recipe's study size, against an MLflow server: every trial's driver (where a one-worker
     trial trains) ran on the worker node. Three trials of 1 CPU at once on 2-CPU nodes: unpinned, one node
-    cannot hold them all and both train (test_study_reliability.py's four trials); pinned, the third waits.
+    cannot hold them all and both train (tests/test_study_nodisk.py's four trials); pinned, the third waits.
     A sweep that keeps token mode off, one that holds no token, and a train run that keeps token mode off are
     refused in one line naming the fix, before anything starts."""
     address, node_ids = two_node_cluster
@@ -279,11 +231,12 @@ def test_the_docs_cluster_recipe_pins_trial_drivers_and_refuses_a_driver_without
     sweep = [str(ROOT / words[1]), *words[2:], "--smoke", "--num-samples", "2", "--max-concurrent", "3"]
 
     train = [str(ROOT / "studies" / "train.py"), "--smoke", "--address", address, "--output-dir", str(tmp_path)]
-    for command, refused_env, fix in (
-            (sweep, {"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here: unset RAY_AUTH_MODE"),
-            (sweep, {"HOME": str(tmp_path)}, "this machine holds none: put the head's token in"),
-            (train, {"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here: unset RAY_AUTH_MODE")):
-        refused = run_script(command, cwd=tmp_path, timeout=300, env=refused_env)
+    refusals = ((sweep, {"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here: unset RAY_AUTH_MODE"),
+                (sweep, {"HOME": str(tmp_path)}, "this machine holds none: put the head's token in"),
+                (train, {"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here: unset RAY_AUTH_MODE"))
+    with ThreadPoolExecutor(len(refusals)) as pool:  # side by side: each is a Python start and one refused connection
+        results = list(pool.map(lambda case: run_script(case[0], cwd=tmp_path, timeout=300, env=case[1]), refusals))
+    for refused, (_, _, fix) in zip(results, refusals):
         errors = [line for line in refused.stderr.splitlines() if "error:" in line]
         assert refused.returncode == 2 and len(errors) == 1, refused.stderr[-3000:]
         assert f"the Ray cluster at '{address}' requires its token" in errors[0] and fix in errors[0], errors

@@ -1,7 +1,7 @@
 """What a cluster does to a study, and what the study does about it: a Ray node lost while one of its trials
-trains, storage that refuses writes for a while, a driver killed and started again elsewhere. Each time the same
-command finishes every planned trial exactly once (every epoch logged once, none trained again from scratch) and
-keeps what had finished. Real Ray nodes (`ray start --block`, tests/test_study_cluster.py's fixture), a real S3 API
+trains, storage that refuses writes for a while (a driver killed and started again elsewhere: tests/test_sweep_s3.py).
+Each time the same command finishes every planned trial exactly once (every epoch logged once, none trained again
+from scratch) and keeps what had finished. Real Ray nodes (`ray start --block`, tests/test_study_cluster.py's fixture), a real S3 API
 server (moto, tests/conftest.py), real SQLite MLflow and Optuna stores, the --smoke configuration."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SWEEP, launch_until, mid_trial, mlflow_sqlite, run_script
+from conftest import SWEEP, every_trial_finished_once, launch_until, mid_trial, mlflow_sqlite
 from test_study_cluster import _alive_nodes, two_node_cluster  # noqa: F401 - a fixture
 
 EPOCHS = 6  # the fault comes with several epochs still to train
@@ -40,32 +40,6 @@ def _trials(db: Path) -> dict[str, dict]:
         return {}
     return {trial: {"status": status, "node": node, "epochs": sorted(int(s) for s in (steps or "").split(",") if s)}
             for trial, status, node, steps in rows}
-
-
-def _every_trial_finished_once(uri: str, workdir: Path, num_trials: int, optuna_db: Path) -> dict:
-    """Asserts the study's end: ``num_trials`` child runs, one per trial, each FINISHED with every epoch validated
-    exactly once and a test; the Optuna study holds each trial once, COMPLETE with MLflow's value. Returns the
-    child runs by trial id."""
-    import optuna
-
-    from apao_ray.tracking import Tracker
-
-    tracker = Tracker(uri, "apao-synthetic")
-    runs = tracker.child_runs()
-    children = {run.data.tags["apao.trial_id"]: run for run in runs}
-    assert len(runs) == len(children) == num_trials, [(r.data.tags["apao.trial_id"], r.info.status) for r in runs]
-    for trial_id, run in children.items():
-        assert run.info.status == "FINISHED" and run.data.tags["apao.outcome"] == "finished", (trial_id, run.data.tags)
-        steps = [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")]
-        assert steps == list(range(1, EPOCHS + 1)), (trial_id, steps)
-        assert len(tracker.metric_history(run.info.run_id, "test/ndcg_at_10")) == 1, trial_id
-    trials = optuna.load_study(study_name="apao-synthetic/synthetic-study", storage=f"sqlite:///{optuna_db}").trials
-    assert sorted(t.user_attrs["tune_trial_id"] for t in trials) == sorted(children), trials
-    for trial in trials:
-        assert trial.state == optuna.trial.TrialState.COMPLETE, trial
-        run = children[trial.user_attrs["tune_trial_id"]]
-        assert trial.value == pytest.approx(run.data.metrics["best/val/ndcg_at_10"], rel=1e-9)
-    return {"tracker": tracker, "children": children}
 
 
 @contextlib.contextmanager
@@ -118,7 +92,7 @@ def test_a_trial_whose_node_is_lost_continues_from_its_checkpoint_on_the_node_le
         _, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr[-4000:]
     assert len(_alive_nodes(address, env)) == 1  # the worker node is gone for good
-    end = _every_trial_finished_once(uri, tmp_path, 2, tmp_path / "optuna.db")
+    end = every_trial_finished_once(uri, 2, tmp_path / "optuna.db", EPOCHS)
     (lost,) = at_loss
     run = end["children"][lost]
     resumed = _resumed_after(end["tracker"], run)
@@ -197,46 +171,13 @@ def test_an_object_store_outage_mid_study_is_waited_out_and_costs_no_trial(tmp_p
     finally:
         relay.down()  # its port closed for good
     assert process.returncode == 0, stderr[-4000:]
-    end = _every_trial_finished_once(uri, tmp_path, 2, tmp_path / "optuna.db")
+    end = every_trial_finished_once(uri, 2, tmp_path / "optuna.db", EPOCHS)
     for run in end["children"].values():  # waited, never restarted from a checkpoint
         assert not _resumed_after(end["tracker"], run), run.data.tags["apao.trial_id"]
     refused = [line for line in stderr.splitlines() if f"storage {output}/" in line and "refused" in line]
     took = [line for line in stderr.splitlines() if f"storage {output}/" in line and " took " in line]
     assert refused and took, stderr[-4000:]
     assert "trying again for up to 600 s ($APAO_STORAGE_WAIT_S)" in refused[0], refused
-
-
-@pytest.mark.e2e
-def test_a_driver_killed_and_started_again_elsewhere_finishes_every_trial_once(tmp_path):
-    """SIGKILL to the study's whole process group (its driver and the local Ray it started: a lost machine) once a
-    trial has validated an epoch; then `sweep --resume` from another working directory and HOME, given the
-    study's output directory, MLflow store and Optuna storage explicitly, as on another machine. Every planned
-    trial finishes once; a trial cut mid-way continues from its checkpoint; a trial finished before the kill keeps
-    its run."""
-    first, second = tmp_path / "first", tmp_path / "second"
-    for directory in (first, second, tmp_path / "home"):
-        directory.mkdir()
-    shared = tmp_path / "shared"
-    uri = mlflow_sqlite(shared)
-    where = ["--output-dir", str(shared / "runs"), "--tracking-uri", uri, "--optuna-storage", str(shared / "optuna.db")]
-    # one trial at a time: when the kill comes one has finished and the next trains
-    command = [sys.executable, SWEEP, *SMALL, "--max-concurrent", "1", *where]
-    process, at_kill = launch_until(command, first, lambda state: _trials(shared / "mlflow.db") and any(
-        t["status"] == "RUNNING" and t["epochs"] for t in _trials(shared / "mlflow.db").values()) and any(
-        t["status"] == "FINISHED" for t in _trials(shared / "mlflow.db").values()), timeout=900)
-    os.killpg(process.pid, signal.SIGKILL)
-    process.communicate(timeout=60)
-    before = _trials(shared / "mlflow.db")
-    result = run_script([*command[1:], "--resume"], cwd=second, env={"HOME": str(tmp_path / "home")})
-    assert result.returncode == 0, result.stderr[-4000:]
-    end = _every_trial_finished_once(uri, second, 2, shared / "optuna.db")
-    (finished,) = [trial for trial, facts in before.items() if facts["status"] == "FINISHED"]
-    (cut,) = [trial for trial, facts in before.items() if facts["status"] == "RUNNING"]
-    assert set(end["children"]) == {finished, cut}
-    resumed = _resumed_after(end["tracker"], end["children"][cut])
-    assert resumed and min(resumed) >= max(before[cut]["epochs"]), (resumed, before)
-    assert not _resumed_after(end["tracker"], end["children"][finished])
-    assert not list(second.iterdir()), "the resumed study wrote into its working directory"
 
 
 @pytest.mark.parametrize("error, said", [
