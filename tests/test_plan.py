@@ -1,5 +1,5 @@
 """study/plan/plan.py: budget parsing and fitting arithmetic, the plan's text and the order its trials start in
-(no training; the probe and its cache: test_plan_probes.py)."""
+(no training; the probe and its cache: test_probe.py)."""
 from __future__ import annotations
 
 import json
