@@ -13,7 +13,7 @@ from apao_ray.study.plan.make import cost_summary
 from apao_ray.study.plan.plan import Plan
 from apao_ray.study.plan.probe_cache import probe_key
 
-from test_budget import CE, POINTWISE, SLOW
+from test_budget import CE, POINTWISE
 
 
 def test_the_plan_estimates_each_methods_cost_and_the_summary_sets_it_beside_the_actual():
