@@ -12,8 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests")); sys.path.insert(0, str(ROOT))
-from test_tables import office_as_table
-from test_tokenize import popularity_recall_at_10
+from test_own_data import office_as_table
+from test_semantic_ids import popularity_recall_at_10
 from conftest import TINY_MODEL
 from apao_ray.data import load_dataset
 from apao_ray.config import DataConfig, LossConfig, ModelConfig, TrainConfig, TrialConfig

@@ -14,7 +14,7 @@ from conftest import SWEEP, mlflow_sqlite, run_script
 def test_smoke_study_with_two_workers_per_trial_trains_each_trial_on_two_ranks(tmp_path):
     """`sweep --smoke --workers-per-trial 2`: a trial is a 2-worker TorchTrainer driven from its Tune actor,
     planned as 2 workers, recorded as such in MLflow, and tested and logged like any other trial. One APAO trial:
-    that its adaptive weights and every loss train alike on 2 ranks and on one is test_loop_data_parallel.py's."""
+    that its adaptive weights and every loss train alike on 2 ranks and on one is test_data_parallel.py's."""
     uri = mlflow_sqlite(tmp_path)
     result = run_script([SWEEP, "--smoke", "--workers-per-trial", "2", "--cpus-per-trial", "1", "--losses",
                          "apao_pointwise", "--num-samples", "1", "--epochs", "2", "--output-dir",

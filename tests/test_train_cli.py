@@ -65,14 +65,14 @@ def test_the_micro_batch_is_the_devices_fastest_unless_given(tmp_path, capsys, f
 
 def _uninterrupted_reference(tmp_path: Path, epochs: int, num_workers: int) -> dict:
     """The same trial run with the plain loop and the worker's thread count: in this process, or on as many
-    torch.distributed ranks (tests/test_loop_data_parallel.py) as the run's workers."""
+    torch.distributed ranks (tests/test_data_parallel.py) as the run's workers."""
     from apao_ray.study.cli.train import build_parser, trial_config_from_args
     from apao_ray.training.hooks import TrainingHooks
     from apao_ray.training.loop import run_trial
 
     config = trial_config_from_args(build_parser().parse_args(_killed_run_flags(epochs, num_workers)))
     if num_workers > 1:
-        from test_loop_data_parallel import train
+        from test_data_parallel import train
 
         train(config, tmp_path / "reference")
         return torch.load(tmp_path / "reference" / "rank0_final.pt", weights_only=False)
@@ -152,7 +152,7 @@ def test_a_non_finite_loss_fails_the_run_once_with_its_reason(tmp_path):
     """beta=1e39 overflows the APAO loss: the run stops with the reason and exit status 1, and Ray
     Train does not restart it from the checkpoint (--max-failures 3 would otherwise retry 3 times). On the
     Llama backbone with the pairwise loss, the train command's other model and loss family (that Llama with
-    APAO-pairwise learns beyond popularity is test_loop.py's)."""
+    APAO-pairwise learns beyond popularity is test_training.py's)."""
     result = run_script([TRAIN, *COMMON, "--backbone", "llama", "--loss", "apao_pairwise", "--num-negatives", "20",
                          "--beta", "1e39", "--epochs", "2",
                          "--max-failures", "3", "--output-dir", str(tmp_path / "runs"), "--run-name", "nan"],

@@ -15,7 +15,7 @@ from apao_ray.semantic_ids import report, semantic_ids, tokenize
 from apao_ray.semantic_ids.quantize import disambiguate
 from apao_ray.config import TINY_MODEL
 from conftest import ROOT
-from test_tables import needs_office, office_as_table
+from test_own_data import needs_office, office_as_table
 
 
 def clustered_vectors(seed: int = 0) -> np.ndarray:
