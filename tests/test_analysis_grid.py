@@ -74,14 +74,12 @@ def test_the_grid_holds_the_heuristics_and_a_cell_below_the_last_item_heuristic_
     hit at rank 2 for 2% of the users (N@10 ~0.013), APAO at rank 1 for all; the last-item heuristic (N@10 ~0.048)
     stands between them."""
     import numpy as np
-    import pytest
 
     from apao_ray.analysis.bar import dataset_heuristics
     from test_analysis_bar import _export
-    from test_heuristics import SHARED
+    from datasets_helpers import SHARED_DATASETS as SHARED, require_shared
 
-    if not (SHARED / "Office").is_dir():
-        pytest.skip(f"Office's files are not at {SHARED} (set APAO_DATA_DIR)")
+    require_shared()
     tables = dataset_heuristics(["office"], str(SHARED))["office"]
     users = sorted(tables["last_item"]["user"])
     exports = []

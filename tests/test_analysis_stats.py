@@ -6,7 +6,7 @@ import pytest
 
 from apao_ray.analysis.stats import (MAX_SEEDS_NEEDED, ONE_SEED, Comparison, bootstrap_ci, crossed_t, holm,
                                      paired_comparison, seeds_comparison, seeds_for_verdict, wilcoxon_p, with_holm)
-from test_gpu_evidence import evidence_script
+from test_gpu_full_protocol import evidence_script
 
 
 def _hits(rng: np.random.Generator, num_users: int, rate: float) -> np.ndarray:

@@ -101,7 +101,7 @@ def test_one_cli_lists_and_delegates_its_subcommands(capsys):
 
 
 def test_best_prints_a_row_for_a_method_whose_trials_were_all_pruned_or_failed(tmp_path, capsys):
-    from test_report import _study
+    from test_record_report import _study
 
     from apao_ray.study.cli.sweep import best_main
 

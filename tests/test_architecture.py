@@ -181,3 +181,48 @@ def test_no_module_or_test_file_is_over_400_lines():
     assert len(files) > 50  # the walk found the package and the tests
     long = {str(f.relative_to(PACKAGE.parent)): n for f in files if (n := len(f.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"
+
+
+# test files named for no module, command or script, each for what it checks across the package
+CROSS_CUTTING = {
+    "test_architecture": "the package's import graph and file sizes",
+    "test_docs": "the documentation's links and the rules it states",
+    "test_documented_commands": "the commands the documentation shows",
+    "test_own_data": "a user's own dataset directory, through load_dataset and `data stats`",
+    "test_postgres": "a study whose Optuna and MLflow stores are on PostgreSQL",
+    "test_toy_loss": "a loss defined outside the package, loaded as a plugin by this module's name",
+}
+
+
+def _test_file_subjects() -> set[str]:
+    """What a test file may be named for: a module or package of apao_ray (``budget``, ``record_report`` where
+    two folders share the name, ``semantic_ids``), a command (``sweep``, ``export_study``) or a script of
+    benchmarks/ (``wheelset``)."""
+    from apao_ray.cli.commands import build_parser
+
+    subjects = set()
+    for module in _modules():
+        parts = module.split(".")[1:]
+        if parts and parts[-1] != "__main__":
+            subjects.update({parts[-1], "_".join(parts[-2:])})
+    commands = build_parser()._subparsers._group_actions[0].choices
+    subjects.update(name.replace("-", "_") for name in commands)
+    subjects.update(path.stem for path in (PACKAGE.parent / "benchmarks").rglob("*.py"))
+    return subjects
+
+
+def _misnamed(names: list[str], subjects: set[str]) -> list[str]:
+    """Test files named neither test_<subject> nor test_<subject>_<aspect>, nor in CROSS_CUTTING."""
+    return sorted(name for name in names if name not in CROSS_CUTTING
+                  and not any(name == f"test_{s}" or name.startswith(f"test_{s}_") for s in subjects))
+
+
+def test_every_test_file_is_named_for_a_module_a_command_or_a_script():
+    """docs/testing.md's "Where a test goes": a newcomer finds a module's tests by its name."""
+    subjects = _test_file_subjects()
+    assert {"budget", "record_report", "analysis_report", "semantic_ids", "export_study", "sweep", "wheelset"} <= subjects
+    assert _misnamed(["test_budget", "test_loop_two_stage", "test_sweep_s3", "test_misc", "test_unit_losses"],
+                     subjects) == ["test_misc", "test_unit_losses"]
+    names = [path.stem for path in (PACKAGE.parent / "tests").glob("test_*.py")]
+    assert len(names) > 50 and set(CROSS_CUTTING) <= set(names), "a named cross-cutting file is gone: drop it here"
+    assert _misnamed(names, subjects) == [], "name it test_<module>[_<aspect>].py, or see docs/testing.md"

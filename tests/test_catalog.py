@@ -8,10 +8,7 @@ import pytest
 import torch
 
 from apao_ray.data import NUM_SPECIAL_TOKENS, Catalog, load_dataset
-from conftest import SHARED_DATASETS
-
-needs_shared = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
-                                  reason=f"shared datasets not found at {SHARED_DATASETS}")
+from datasets_helpers import SHARED_DATASETS, needs_shared, require_shared
 
 # level sizes (3, 3, 2, 3); items "a" and "b" share one semantic ID
 TINY_IDS = ["a", "b", "c", "d", "e", "f"]
@@ -25,8 +22,7 @@ def tiny() -> Catalog:
 
 @pytest.fixture(scope="module")
 def office() -> Catalog:
-    if not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file():
-        pytest.skip(f"shared datasets not found at {SHARED_DATASETS}")
+    require_shared()
     return load_dataset("office", data_dir=SHARED_DATASETS, allow_download=False).catalog
 
 

@@ -14,7 +14,7 @@ from apao_ray.training.checkpoint import (BEST_MODEL_FILE, MANIFEST_FILE, RESTAR
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.training.loop import run_trial
 from conftest import InterruptedHooks
-from test_training import apao_run, epoch_reports, prefixed, short  # noqa: F401 - fixtures
+from test_loop import apao_run, epoch_reports, prefixed, short  # noqa: F401 - fixtures
 
 
 def _write(directory, epoch: int = 1):

@@ -19,7 +19,7 @@ from apao_ray.training.cohort import check_cohort, run_cohort
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.training.loop import run_trial
 from conftest import InterruptedHooks
-from test_training import WEIGHT_KEYS, epoch_reports, make_config, short  # noqa: F401 - short: a fixture
+from test_loop import WEIGHT_KEYS, epoch_reports, make_config, short  # noqa: F401 - short: a fixture
 
 # float32 losses of a member and its solo trial after several AdamW steps: they differ by rounding only
 # (batched products, and the padded history pass where a lone CPU trial packs): ~1e-6 seen (2026-11-28); a

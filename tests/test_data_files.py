@@ -16,10 +16,7 @@ from apao_ray import paths
 from apao_ray.data import load_dataset
 from apao_ray.data.files import CHECKSUMS, known_dataset_names, locate, parse_index, parse_interactions
 from apao_ray.data.synthetic import make_synthetic
-from conftest import SHARED_DATASETS
-
-needs_shared = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
-                                  reason=f"shared datasets not found at {SHARED_DATASETS}")
+from datasets_helpers import SHARED_DATASETS, needs_shared
 
 # a tiny valid dataset: 4 items, 3 users
 GOOD_INDEX = {

@@ -2,15 +2,14 @@
 reference, scored by the metric code on semantic IDs like a model."""
 from __future__ import annotations
 
-import os
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from apao_ray.analysis.heuristics import heuristic_per_user, last_item_ranking, popularity_ranking
 from apao_ray.data import Catalog, Dataset, build_splits
+from datasets_helpers import SHARED_DATASETS, needs_shared
 
 # items 0..4 have semantic IDs 0..4; item 5 collides with item 4 (semantic ID 4)
 CODES = np.array([[0, 0, 0, i] for i in range(5)] + [[0, 0, 0, 4]])
@@ -79,10 +78,7 @@ def test_last_item_transitions_equal_a_slow_reference(seed):
                                   reference_last_item(sequences, data.catalog.item_sem, 20))
 
 
-SHARED = Path(os.environ.get("APAO_DATA_DIR") or Path(__file__).parents[1].parent / "shared" / "datasets")
-
-
-@pytest.mark.skipif(not (SHARED / "Office" / "Office.inter.json").is_file(), reason=f"no shared datasets at {SHARED}")
+@needs_shared
 def test_the_report_sets_the_baselines_and_the_field_beside_a_study(tmp_path):
     from apao_ray.analysis.export import load_export
     from apao_ray.analysis.report import build_report
@@ -90,8 +86,8 @@ def test_the_report_sets_the_baselines_and_the_field_beside_a_study(tmp_path):
     from test_analysis_report import _fabricate
 
     exports = [load_export(_fabricate(tmp_path / "exports", 0, effect=0.03))]  # an Office study
-    text = build_report(exports, tmp_path / "out", num_resamples=200, data_dir=str(SHARED)).read_text()
-    office = load_dataset("office", str(SHARED))
+    text = build_report(exports, tmp_path / "out", num_resamples=200, data_dir=str(SHARED_DATASETS)).read_text()
+    office = load_dataset("office", str(SHARED_DATASETS))
     rows = {line.split(" | ")[1]: line for line in text.splitlines() if line.startswith("| office | ")}
     for name, label in (("popularity", "popularity (training-free)"), ("last_item", "last-item transitions (training-free)")):
         table = heuristic_per_user(office, name)

@@ -12,10 +12,10 @@ import pytest
 
 from apao_ray.data import load_dataset
 from apao_ray.data.tables import five_core, table_sequences
-from conftest import ROOT, SHARED_DATASETS
+from conftest import ROOT
+from datasets_helpers import SHARED_DATASETS, needs_shared as needs_office  # test_semantic_ids.py imports it so
 
 OFFICE = SHARED_DATASETS / "Office"
-needs_office = pytest.mark.skipif(not (OFFICE / "Office.inter.json").is_file(), reason="shared Office files absent")
 INDEX = {"i1": ["<a_0>", "<b_0>", "<c_0>", "<d_0>"], "i2": ["<a_0>", "<b_1>", "<c_0>", "<d_0>"],
          "i3": ["<a_1>", "<b_0>", "<c_0>", "<d_0>"], "i4": ["<a_1>", "<b_1>", "<c_0>", "<d_0>"]}
 

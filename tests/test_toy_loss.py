@@ -17,7 +17,7 @@ import torch
 from apao_ray.losses import LOSSES, Knob, Loss, LossOutput, register
 from apao_ray.losses.registry import at_least_float32
 from apao_ray.names import PLUGINS_ENV
-from test_losses import catalog, make_inputs  # noqa: F401  (catalog: a fixture)
+from losses_helpers import catalog, make_inputs  # noqa: F401  (catalog: a fixture)
 
 NAME, KNOB = "toy_smooth", "gamma"
 PAPER_GAMMA = 0.05  # its "paper setting" on Office, hence on synthetic data too

@@ -12,7 +12,7 @@ import pytest
 
 from apao_ray.data import load_dataset
 from apao_ray.training.evaluation import write_per_user
-from test_gpu_evidence import evidence_script
+from test_gpu_full_protocol import evidence_script
 
 
 @pytest.fixture(scope="module")

@@ -176,7 +176,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Ten
     # its scores: rounded to bf16 they were 6-15x SDPA's error at spreads 4-16, 2026-11-25; dropout in bf16
     # rounds the probabilities twice, 2.7x the error), the product with v in v's dtype: in bf16 no float32
     # copy of the padded cross-attention values (or, in training, of their gradients).
-    # tests/test_models.py bounds the error against float64.
+    # tests/test_dropout.py bounds the error against float64.
     with torch.autocast("cpu", enabled=False):
         wide = torch.promote_types(q.dtype, torch.float32)
         scores = torch.matmul(q.to(wide), k.to(wide).transpose(-2, -1))                 # (..., S, L)

@@ -4,7 +4,7 @@ and does APAO's difference to CE on test depend on how popular a user's test tar
 APAO leads CE on validation at nearly every epoch of every Office/TIGER seed and ties on test. Validation and
 test are computed alike (one function, ``training.evaluation.evaluate_split_per_user``, on split ``valid`` or
 ``test``: the same checkpoint, beam and metric code; the test history is the validation history plus the
-validation item, ``data.splits.build_splits``, tested in tests/test_splits_batches.py). What differs is the
+validation item, ``data.splits.build_splits``, tested in tests/test_splits.py). What differs is the
 target: each user's second-to-last item (validation) against the last (test). This script measures, with no
 model:
 

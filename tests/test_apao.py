@@ -1,65 +1,15 @@
-"""Every loss against a slow float64 reference written from SPEC §3 with explicit loops."""
+"""losses/apao.py: prefix scores, APAO's pointwise and pairwise losses and its adaptive prefix weights against slow
+float64 references written from SPEC §3 with explicit loops."""
 from __future__ import annotations
 
 import math
-import re
 
-import numpy as np
 import pytest
 import torch
 
 from apao_ray.config import WEIGHTING_MODES, LossConfig
-from apao_ray.data.catalog import Catalog
-from apao_ray.losses import (LOSSES, AdaptivePrefixWeights, LossInputs, LossOutput, apao_pairwise_losses,
-                             apao_pointwise_losses, build_loss, prefix_scores, sample_negatives)
-
-T = 4
-
-
-@pytest.fixture(scope="module")
-def catalog() -> Catalog:
-    rng = np.random.default_rng(0)
-    codes = np.stack([rng.integers(0, size, 18) for size in (2, 3, 2, 3)], axis=1)  # dense prefix sharing
-    codes[0] = (1, 2, 1, 2)  # every level reaches its max code
-    codes[1] = codes[2]      # one collision
-    return Catalog.from_codes([f"item{i}" for i in range(len(codes))], codes)
-
-
-def make_inputs(catalog: Catalog, num_rows: int, num_negatives: int, seed: int, with_ref: bool = False,
-                scale: float = 2.0) -> LossInputs:
-    gen = torch.Generator().manual_seed(seed)
-    targets = torch.randint(0, catalog.num_semantic_ids, (num_rows,), generator=gen)
-    negatives = sample_negatives(targets, catalog.num_semantic_ids, num_negatives, gen)
-    sem = torch.cat([targets[:, None], negatives], dim=1).numpy()                 # (B, C)
-    logits = scale * torch.randn(num_rows, 1 + num_negatives, T, catalog.vocab_size, generator=gen,
-                                 dtype=torch.float64)
-    ref = -torch.rand(num_rows, 1 + num_negatives, T, generator=gen, dtype=torch.float64) * 3 if with_ref else None
-    return LossInputs(logits=logits.requires_grad_(), candidates=torch.as_tensor(catalog.sem_tokens[sem]),
-                      candidate_nodes=torch.as_tensor(catalog.leaf_prefix_nodes[sem]), ref_token_logp=ref)
-
-
-# --- references: loops over rows, candidates, depths; no code shared with the package --------
-def ref_token_logp(logits, candidates):
-    num_rows, num_cands, num_levels, _ = logits.shape
-    values = [logits[b, c, t, candidates[b, c, t]] - torch.log(torch.exp(logits[b, c, t]).sum())
-              for b in range(num_rows) for c in range(num_cands) for t in range(num_levels)]
-    return torch.stack(values).reshape(num_rows, num_cands, num_levels)
-
-
-def ref_ce(lp):
-    return -sum(lp[b, 0, t] for b in range(lp.shape[0]) for t in range(T)) / (lp.shape[0] * T)
-
-
-def ref_msl(catalog, logits, candidates, tau):
-    codes = catalog.tokens_to_codes(candidates[:, 0].numpy())
-    total = 0.0
-    for b in range(len(codes)):
-        for t in range(T):
-            children = sorted({int(c[t]) for c in catalog.sem_codes if tuple(c[:t]) == tuple(codes[b, :t])})
-            z = logits[b, 0, t] / tau
-            allowed = [int(catalog.token_offsets[t]) + c for c in children]
-            total = total - (z[candidates[b, 0, t]] - torch.log(torch.exp(z[allowed]).sum()))
-    return total / (len(codes) * T)
+from apao_ray.losses import AdaptivePrefixWeights, apao_pairwise_losses, apao_pointwise_losses, build_loss, prefix_scores
+from losses_helpers import T, assert_close, catalog, grad, make_inputs, ref_ce, ref_token_logp  # noqa: F401 - catalog: a fixture
 
 
 def ref_pointwise(lp):
@@ -109,14 +59,6 @@ def ref_weights(mode, history, eta, lam=0.5, drop=None):
     if drop is not None:
         w[drop - 1] = 0.0
     return [x / sum(w) for x in w]
-
-
-def grad(loss, inputs):
-    return torch.autograd.grad(loss, inputs.logits, retain_graph=True)[0]
-
-
-def assert_close(actual, expected):
-    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=1e-9, atol=1e-10)
 
 
 # --- the public functions --------------------------------------------------------------------
@@ -188,53 +130,6 @@ def test_apao_matches_reference_over_steps(catalog, name, extra):
         history.append(prefix_values)
 
 
-@pytest.mark.parametrize("tau", [1.0, 2.5])
-def test_ce_and_msl_match_reference(catalog, tau):
-    tensors = catalog.tensors()
-    inputs = make_inputs(catalog, 5, 0, seed=3)
-    lp = ref_token_logp(inputs.logits, inputs.candidates)
-    ce = build_loss(LossConfig(name="ce"), tensors)(inputs).loss
-    assert_close(ce, ref_ce(lp).detach())
-    assert_close(grad(ce, inputs), grad(ref_ce(lp), inputs))
-    msl = build_loss(LossConfig(name="msl", tau=tau), tensors)(inputs).loss
-    expected = ref_msl(catalog, inputs.logits, inputs.candidates, tau)
-    assert_close(msl, expected.detach())
-    assert_close(grad(msl, inputs), grad(expected, inputs))
-    assert msl < ce or tau != 1.0                          # fewer tokens in the softmax: smaller loss
-
-
-def ref_preference(name, lp, ref, beta_pref, lam):
-    rows = []
-    for b in range(lp.shape[0]):
-        r = [beta_pref * (sum(lp[b, c, t] for t in range(T)) - (sum(ref[b, c, t] for t in range(T))
-                                                                 if ref is not None else 0.0))
-             for c in range(lp.shape[1])]
-        negatives = r[1:]
-        if name == "dpo":
-            z = r[0] - negatives[0]
-        elif name == "dmpo":
-            z = r[0] - sum(negatives) / len(negatives)
-        else:
-            z = -torch.log(sum(torch.exp(rj - r[0]) for rj in negatives))
-        rows.append(-torch.log(1.0 / (1.0 + torch.exp(-z))))
-    pref = sum(rows) / len(rows)
-    return ref_ce(lp) + lam * pref if name == "ce_sdpo" else pref
-
-
-@pytest.mark.parametrize("name,with_ref", [("dpo", True), ("dmpo", True), ("sdpo", True),
-                                           ("ce_sdpo", True), ("ce_sdpo", False)])
-def test_preference_losses_match_reference(catalog, name, with_ref):
-    config = LossConfig(name=name, beta=0.2, beta_pref=1.5, num_negatives=4)
-    loss_fn = build_loss(config, catalog.tensors())
-    assert loss_fn.num_negatives == (1 if name == "dpo" else 4)
-    inputs = make_inputs(catalog, 3, loss_fn.num_negatives, seed=4, with_ref=with_ref)
-    out = loss_fn(inputs)
-    lp = ref_token_logp(inputs.logits, inputs.candidates)
-    expected = ref_preference(name, lp, inputs.ref_token_logp, config.beta_pref, config.beta)
-    assert_close(out.loss, expected.detach())
-    assert_close(grad(out.loss, inputs), grad(expected, inputs))
-
-
 # --- adaptive weights ---------------------------------------------------------------------------
 @pytest.mark.parametrize("drop_level", [None, 2])
 def test_mirror_update_equals_closed_form_of_appendix_a(drop_level):
@@ -277,37 +172,3 @@ def test_state_dict_round_trip_restores_weights(catalog):
     other = build_loss(config.replace(weighting="per_batch"), catalog.tensors())
     with pytest.raises(ValueError, match="mode 'mirror'"):
         other.load_state_dict(first.state_dict())
-
-
-# --- registry, interface, errors ----------------------------------------------------------------
-def test_registry_names_counts_and_metric_names(catalog):
-    assert sorted(LOSSES) == sorted(["ce", "msl", "apao_pointwise", "apao_pairwise", "dpo", "dmpo", "sdpo", "ce_sdpo",
-                                     "bear", "token_weighted"])
-    expected_negatives = dict(ce=0, msl=0, apao_pointwise=0, apao_pairwise=7, dpo=1, dmpo=7, sdpo=7, ce_sdpo=7, bear=0,
-                              token_weighted=0)
-    for name in LOSSES:
-        loss_fn = build_loss(LossConfig(name=name, num_negatives=7), catalog.tensors())
-        assert loss_fn.name == name and loss_fn.num_negatives == expected_negatives[name]
-        assert loss_fn.needs_reference == (name in ("dpo", "dmpo", "sdpo"))
-        out = loss_fn(make_inputs(catalog, 2, loss_fn.num_negatives, seed=5, with_ref=True))
-        assert isinstance(out, LossOutput) and out.loss.dim() == 0 and "loss" in out.metrics
-        for key, value in out.metrics.items():
-            assert re.fullmatch(r"[a-z0-9_]+", key) and not value.requires_grad, key
-    keys = build_loss(LossConfig(name="apao_pairwise", num_negatives=3), catalog.tensors())(
-        make_inputs(catalog, 2, 3, seed=6)).metrics
-    assert {f"loss_prefix_m{m}" for m in range(1, 5)} | {f"apao_weight_m{m}" for m in range(1, 5)} <= set(keys)
-    assert {"loss_ce", "loss_apao"} <= set(keys)
-
-
-def test_clear_errors(catalog):
-    tensors = catalog.tensors()
-    with pytest.raises(ValueError, match=r"unknown loss 'nope'; choose from \['apao_pairwise', "):
-        build_loss(LossConfig(name="nope"), tensors)
-    for name in ("dpo", "dmpo", "sdpo"):
-        loss_fn = build_loss(LossConfig(name=name, num_negatives=2), tensors)
-        with pytest.raises(ValueError, match="needs inputs.ref_token_logp"):
-            loss_fn(make_inputs(catalog, 2, loss_fn.num_negatives, seed=7))
-    with pytest.raises(ValueError, match="C = 1 \\+ num_negatives = 4 candidates per row; got C=3"):
-        build_loss(LossConfig(name="apao_pairwise", num_negatives=3), tensors)(make_inputs(catalog, 2, 2, seed=8))
-    with pytest.raises(ValueError, match="nothing to minimise"):
-        build_loss(LossConfig(name="apao_pointwise", use_ce=False, use_prefix_loss=False), tensors)

@@ -13,11 +13,10 @@ import pytest
 from apao_ray import paths
 from apao_ray.cli import commands as cli
 from apao_ray.data import files
-from conftest import SHARED_DATASETS, closed_port
+from conftest import closed_port
+from datasets_helpers import SHARED_DATASETS, has_shared, needs_shared
 
 REPO = Path(__file__).parents[1]
-needs_shared = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
-                                  reason=f"shared datasets not found at {SHARED_DATASETS}")
 
 
 def start_cli(workdir: Path, *args: str) -> subprocess.Popen:
@@ -34,7 +33,7 @@ def start_cli(workdir: Path, *args: str) -> subprocess.Popen:
 # importing torch, and this way that overlaps the other test files instead of adding to them.
 _CLI_TMP = tempfile.TemporaryDirectory(prefix="apao-cli-test-")  # removed at interpreter exit
 _CLI_PROCESSES = {"unknown": start_cli(Path(_CLI_TMP.name) / "unknown", "data", "stats", "--dataset", "nosuchdataset")}
-if (SHARED_DATASETS / "Office" / "Office.inter.json").is_file():
+if has_shared():
     _CLI_PROCESSES["office"] = start_cli(Path(_CLI_TMP.name) / "office", "data", "stats", "--dataset", "office",
                                          "--data-dir", str(SHARED_DATASETS), "--json")
 

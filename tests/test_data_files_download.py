@@ -19,10 +19,9 @@ import pytest
 from apao_ray import paths
 from apao_ray.data import files, load_dataset
 from apao_ray.data.files import CHECKSUMS, download
-from conftest import SHARED_DATASETS
+from datasets_helpers import SHARED_DATASETS, needs_shared
 
-pytestmark = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
-                                reason=f"shared datasets not found at {SHARED_DATASETS}")
+pytestmark = needs_shared
 OFFICE_FILES = list(CHECKSUMS["Office"])  # inter, then index: the order download fetches them
 
 

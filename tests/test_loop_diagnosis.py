@@ -8,7 +8,7 @@ import torch
 from apao_ray.names import DIAGNOSIS_PREFIX
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.training.loop import run_trial
-from test_training import epoch_reports, make_config, prefixed, truncated
+from test_loop import epoch_reports, make_config, prefixed, truncated
 
 
 @pytest.mark.e2e  # two 3-epoch runs of a tiny model: ~20 s on 2 CPUs

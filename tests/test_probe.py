@@ -1,6 +1,6 @@
 """study/plan/probe.py and probe_cache.py: the probe that times a trial's sustained training rate, its cache read
 per hardware and config, finished trials' rates replacing the probes', and two studies writing the cache at once (no
-study run; the fitting arithmetic that uses the rates: test_plan.py)."""
+study run; the fitting arithmetic that uses the rates: test_budget.py)."""
 from __future__ import annotations
 
 import json
