@@ -216,7 +216,6 @@ def register_tiny(root: Path, dataset, backbone: str = "tiger", precision: str =
 def serving(registered: dict, *flags: str):
     """``python -m apao_ray serve MODEL_URI FLAGS`` on a free port until /ping answers: its URL; then the
     server's whole process group is stopped."""
-    import signal
     import subprocess
     import time
     import urllib.request
@@ -346,32 +345,6 @@ def launch_until(command: list[str], cwd: Path, ready, timeout: float = 400) -> 
 
 def mid_trial(state) -> bool:
     return any(status == "RUNNING" and epoch >= 1 for _, status, epoch in state)
-
-
-def every_trial_finished_once(uri: str, num_trials: int, optuna_db: Path, epochs: int) -> dict:
-    """Asserts a synthetic study's end: ``num_trials`` child runs, one per trial, each FINISHED with its ``epochs``
-    validated exactly once and one test; the Optuna study holds each trial once, COMPLETE with MLflow's value. Returns the
-    child runs by trial id."""
-    import optuna
-
-    from apao_ray.tracking import Tracker
-
-    tracker = Tracker(uri, "apao-synthetic")
-    runs = tracker.child_runs()
-    children = {run.data.tags["apao.trial_id"]: run for run in runs}
-    assert len(runs) == len(children) == num_trials, [(r.data.tags["apao.trial_id"], r.info.status) for r in runs]
-    for trial_id, run in children.items():
-        assert run.info.status == "FINISHED" and run.data.tags["apao.outcome"] == "finished", (trial_id, run.data.tags)
-        steps = [step for step, _ in tracker.metric_history(run.info.run_id, "val/ndcg_at_10")]
-        assert steps == list(range(1, epochs + 1)), (trial_id, steps)
-        assert len(tracker.metric_history(run.info.run_id, "test/ndcg_at_10")) == 1, trial_id
-    trials = optuna.load_study(study_name="apao-synthetic/synthetic-study", storage=f"sqlite:///{optuna_db}").trials
-    assert sorted(t.user_attrs["tune_trial_id"] for t in trials) == sorted(children), trials
-    for trial in trials:
-        assert trial.state == optuna.trial.TrialState.COMPLETE, trial
-        run = children[trial.user_attrs["tune_trial_id"]]
-        assert trial.value == pytest.approx(run.data.metrics["best/val/ndcg_at_10"], rel=1e-9)
-    return {"tracker": tracker, "children": children}
 
 
 def study_runs(tracker) -> dict:

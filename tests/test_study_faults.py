@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SWEEP, every_trial_finished_once, launch_until, mid_trial, mlflow_sqlite
+from conftest import SWEEP, launch_until, mid_trial, mlflow_sqlite
+from study_helpers import every_trial_finished_once
 from test_study_cluster import _alive_nodes, two_node_cluster  # noqa: F401 - a fixture
 
 EPOCHS = 6  # the fault comes with several epochs still to train

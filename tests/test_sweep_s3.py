@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from apao_ray import storage
-from conftest import SWEEP, best_rows, every_trial_finished_once, launch_until, mid_trial, mlflow_sqlite, run_script
+from conftest import SWEEP, best_rows, launch_until, mid_trial, mlflow_sqlite, run_script
+from study_helpers import every_trial_finished_once
 
 
 EPOCHS = 3
