@@ -13,10 +13,9 @@ from apao_ray.data.files import DATA_URL_ENV
 from apao_ray.paths import DATA_DIR_ENV
 from apao_ray.training.memory import ALLOCATOR_ENV, find_tcmalloc
 from conftest import ROOT, SHARED_DATASETS, mlflow_sqlite, run_script
+from datasets_helpers import needs_shared
 
 SWEEP, TRAIN = str(ROOT / "studies" / "sweep.py"), str(ROOT / "studies" / "train.py")
-needs_office = pytest.mark.skipif(not (SHARED_DATASETS / "Office" / "Office.inter.json").is_file(),
-                                  reason=f"shared datasets not found at {SHARED_DATASETS}")
 
 
 def _children(uri: str, dataset: str) -> dict[str, object]:
@@ -81,7 +80,7 @@ OFFICE_TINY = ["--dataset", "office", "--model-size", "tiny", "--epochs", "1", "
 
 
 @pytest.mark.e2e
-@needs_office
+@needs_shared
 def test_a_study_started_elsewhere_with_a_relative_data_dir_trains_on_the_users_files(tmp_path):
     workdir, env = _elsewhere(tmp_path)
     uri = mlflow_sqlite(tmp_path)
@@ -95,7 +94,7 @@ def test_a_study_started_elsewhere_with_a_relative_data_dir_trains_on_the_users_
 
 
 @pytest.mark.e2e
-@needs_office
+@needs_shared
 def test_train_py_started_elsewhere_with_a_relative_data_dir_trains_on_the_users_files(tmp_path):
     workdir, env = _elsewhere(tmp_path)
     result = run_script([TRAIN, *OFFICE_TINY, "--output-dir", "runs", "--run-name", "office-ce", "--quiet",
