@@ -130,7 +130,7 @@ def test_diagnosis_re_evaluates_each_trials_selected_weights_as_its_test_metrics
     for loss, metrics in final.items():
         selected = rows[(loss, "selected", "test")]
         assert selected["epoch"] == metrics["best/epoch"] and rows[(loss, "last", "test")]["epoch"] == 2
-        for name in ("recall_at_10", "ndcg_at_10", "ndcg_at_20"):
+        for name in ("recall_at_10", "ndcg_at_10", "ndcg_at_20", "mrr_at_10"):  # every registered metric
             assert selected[name] == pytest.approx(metrics[f"test/{name}"], abs=1e-6)
         assert rows[(loss, "selected", "valid")]["ndcg_at_10"] == pytest.approx(metrics["best/val/ndcg_at_10"], abs=1e-6)
         last_epoch = trials[loss]["epochs"][-1]
