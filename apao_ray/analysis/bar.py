@@ -14,9 +14,10 @@ from typing import Any, Iterable
 
 import pandas as pd
 
+from .comparisons import Paired, holm_per_dataset
 from .heuristics import HEURISTIC_LABELS, HEURISTICS, heuristic_per_user
 from .per_user import PER_USER_METRICS
-from .results import Method, Paired, holm_per_dataset, pooled_test_values, standing
+from .results import Method, pooled_test_values, standing
 from .stats import paired_comparison, seeds_comparison
 
 BAR_HEURISTIC = "last_item"

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from ..names import PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY
+from ..names import LAST_RULE, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, RESUMED_HISTORY_KEY, rule_name, test_by_key
 from ..rank_metrics import PER_USER_METRICS
 from .checkpoint import FINAL_METRICS_FILE, rule_model_file, save_catalog, save_checkpoint, seal_checkpoint
 from .evaluation import evaluate_split_per_user, tests_full_sort, write_per_user
-from .selection import LAST, per_user_column, rule_name, test_by_key
+from .selection import per_user_column
 from .trial_setup import CE_STAGE_PREFIX, TrialSetup
 from .weights import unwrap
 
@@ -34,7 +34,7 @@ def finish(run: TrialSetup) -> dict[str, Any]:
         return final
     best_weights, others = run.best_weights, run.others
     last_weights = copy.deepcopy(unwrap(model).state_dict())  # the model's own tensors change below
-    kept = {run.select_by: (state["best_epoch"], best_weights), LAST: (state["epoch"], last_weights),
+    kept = {run.select_by: (state["best_epoch"], best_weights), LAST_RULE: (state["epoch"], last_weights),
             **{rule: (state["rules"][rule]["best_epoch"], run.rule_weights[rule]) for rule in others}}
     tested: dict[int, tuple[dict[str, float], dict[str, Any]]] = {}  # epoch -> its test metrics, per-user table
     for rule, (rule_epoch, weights) in kept.items():  # the trial's own rule first: the model it keeps

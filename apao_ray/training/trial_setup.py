@@ -17,7 +17,7 @@ from ..config import LossConfig, TrialConfig
 from ..data import Dataset, load_dataset
 from ..losses import build_loss
 from ..models import build_model
-from ..names import RESUMED_HISTORY_KEY
+from ..names import LAST_RULE, RESUMED_HISTORY_KEY
 from ..protocol import check_select_by, decoding_scoring
 from .checkpoint import FINAL_METRICS_FILE, load_checkpoint
 from .cost import CostMeter
@@ -26,7 +26,7 @@ from .failures import memory_errors_named
 from .hooks import TrainingHooks
 from .precision import resolve_precision
 from .progress import EpochProgress
-from .selection import LAST, selection_rules
+from .selection import selection_rules
 from .steps import EpochRunner
 from .system_metrics import SystemSampler
 from .weights import frozen_copy, unwrap
@@ -99,7 +99,7 @@ class TrialSetup:
         self.scoring = decoding_scoring(config)  # how this loss's model is decoded (MSL: valid children only)
         # the other selection rules' best epochs (the last epoch needs no tracking), from the main stage's first epoch
         self.others = others = [rule for rule in dict.fromkeys(selection_rules(train_cfg.metric))
-                                if rule not in (self.select_by, LAST)]
+                                if rule not in (self.select_by, LAST_RULE)]
         self.state: dict[str, Any] = {
             "epoch": 0, "best_value": -math.inf, "best_epoch": 0, "history": [], "stage": self.stage,
             "rules": {rule: {"best_value": -math.inf, "best_epoch": ce_epochs} for rule in others}}

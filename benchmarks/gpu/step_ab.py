@@ -143,7 +143,7 @@ def check_loss_watch() -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from apao_ray.training.steps import LossWatch, NonFiniteLossError
+    from apao_ray.training.loss_watch import LossWatch, NonFiniteLossError
 
     outcome = {}
     for case in ("next", "flush"):

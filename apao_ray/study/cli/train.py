@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
     from ..cluster.interrupt import RunInterrupted, exit_code
     from ..run.trial import run_single_trial
 
-    from ...training.worker import TrialFailedError
+    from ...training.failures import TrialFailedError
 
     try:
         metrics = run_single_trial(config, name=name, storage_path=output_dir, address=args.address,

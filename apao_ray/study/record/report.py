@@ -8,7 +8,7 @@ from typing import Any
 
 from ...analysis.bar import TRAINING_FREE, bar_words, metric_means, with_bar
 from ...analysis.heuristics import HEURISTIC_LABELS
-from ...analysis.export import trial_record
+from ...analysis.export import cost_totals, trial_record
 from ...analysis.outcome import FAILED, PRUNED_STATE, Outcome, best_trial
 from ...analysis.results import EARLY_LEARNING, is_early_learning, joined_verdicts, popularity_check, recorded_knobs, \
     seeds_text
@@ -19,7 +19,7 @@ from ...rank_metrics import PER_USER_METRICS
 from ...tracking import Tracker
 from ..spec.space import PAPER_KNOBS, knob_names
 from .outcomes import short_reason
-from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
+from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, seed_columns, seed_methods, significance_cells, \
     significance_column
 
 COST_COLUMNS = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb", "cost/energy_kwh")

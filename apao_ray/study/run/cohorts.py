@@ -148,7 +148,7 @@ def relay(run_dir: Path, directory: Path, report: Callable[[dict[str, Any]], Non
         RuntimeError: the leader has started once (its heartbeat exists) and nothing was heard of it for
             ``silent_s``, counted from this follower's start (a restarted leader beats again at once).
     """
-    from ...training.worker import TrialFailedError
+    from ...training.failures import TrialFailedError
 
     cursor_path, reports = run_dir / RELAYED_FILE, run_dir / REPORTS_FILE
     relayed = int(cursor_path.read_text()) if cursor_path.exists() else 0  # bytes: only what is new is read

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import storage
 from ...config import TrialConfig
-from ...names import SELECTION_TAG
+from ...names import OUTCOME_TAG, SELECTION_TAG
 from ...protocol import Selection, recorded_selection, run_tags
 from ...tracking import redact
 from ..cluster import interrupt, worker_output
@@ -24,13 +24,11 @@ from ..setup import parent_run, parent_tags, study_state_exists
 from ..spec import space
 from ..spec.space import PAPER_KNOBS, SearchSpec, loss_knobs, trial_choices
 from . import cohorts
-from .study import Study, invocation
+from .study import Study
 from .trial import Resources
 
-if TYPE_CHECKING:  # the types only: the driver runs a Plan, it never makes one
+if TYPE_CHECKING:  # the types only
     from ...tracking import Tracker
-    from ..plan.plan import Plan
-    from ..setup import StudySetup
     from ..spec.study import StudySpec
 
 
@@ -187,7 +185,7 @@ def run_study(study: Study, example_history: list[str]) -> StudyOutcome:
     """Runs (or resumes) the study. On SIGINT or SIGTERM it saves its state, records the unfinished
     trials and the parent run as interrupted, and returns ``interrupted=True`` with the signal."""
     from ...tracking import Tracker, experiment_name
-    from ..record.outcomes import INTERRUPTED, OUTCOME_TAG
+    from ..record.outcomes import INTERRUPTED
     from ..cluster.ray_cluster import init_ray
 
     spec, setup, plan = study.spec, study.setup, study.plan
@@ -218,7 +216,6 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
     from ...tracking import experiment_name
     from ..record import live_callbacks
     from ..record.mlflow_callback import MlflowStudyCallback, log_study_summary
-    from ..record.outcomes import OUTCOME_TAG
     from ..record.progress import ProgressCallback
     from ..search import optuna_storage, optuna_summary
 

@@ -18,7 +18,8 @@ from ... import storage
 from ...config import TrialConfig
 from ...names import remove_scratch, scratch_prefix
 from ...training.checkpoint import FINAL_METRICS_FILE
-from ...training.worker import DATASET_FILES_KEY, TrialFailedError, train_in_tune_actor, train_loop_per_worker
+from ...training.failures import TrialFailedError
+from ...training.worker import DATASET_FILES_KEY, train_in_tune_actor, train_loop_per_worker
 from ..cluster.interrupt import stop_signals_end_the_run
 from ..cluster.ray_cluster import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV, init_ray
 
