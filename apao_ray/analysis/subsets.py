@@ -21,6 +21,8 @@ from ..data.transitions import MEMORIZATION_COLUMN, SEEN_TARGET_COLUMN, transiti
 from ..rank_metrics import AT_10_METRICS, metric_label
 from .results import Method, seeds_text
 from .stats import Comparison, seeds_comparison, with_holm
+from ..data import load_dataset
+from .heuristics import HEURISTIC_LABELS, heuristic_per_user
 
 SUBSETS = {"memorization": MEMORIZATION_COLUMN, "generalization": f"~{MEMORIZATION_COLUMN}",
            "seen target": SEEN_TARGET_COLUMN, "unseen target": f"~{SEEN_TARGET_COLUMN}"}
@@ -136,9 +138,6 @@ def subset_sections(methods: list[Method], data_dir: str | None, baseline_loss: 
     """The report's section: per dataset, :func:`subset_table` with the labels the per-user tables hold (a trial
     writes them), else computed from the dataset's files; the training-free baselines where those files are
     here. Nothing for a dataset with neither."""
-    from ..data import load_dataset  # lazy: loading a dataset imports torch
-    from .heuristics import HEURISTIC_LABELS, heuristic_per_user
-
     lines: list[str] = []
     for name in sorted({m.dataset.lower() for m in methods}):
         ours = [m for m in methods if m.dataset.lower() == name]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import tempfile
 from typing import Any
+import pandas as pd
 
 from ...analysis.comparisons import compare_methods
 from ...analysis.per_user import PER_USER_FILE, read_per_user
@@ -51,8 +52,6 @@ class RunSource:
 
     def history(self, run_id: str, key: str) -> Any:
         """(step -> value) of one metric of one run, from MLflow (empty without a tracker)."""
-        import pandas as pd
-
         points = self.tracker.metric_history(run_id, key) if self.tracker is not None else []
         return pd.Series(dict(points), dtype=float).sort_index()
 
