@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .rank_metrics import mrr_from_ranks, ndcg_from_ranks, recall_from_ranks  # noqa: F401 - the per-user values
+from .rank_metrics import ndcg_from_ranks, recall_from_ranks
 
 ArrayLike = torch.Tensor | np.ndarray
 

@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
+from . import storage
 
 # modules that define losses outside the package (comma-separated), imported by apao_ray.losses in the
 # driver and in every Ray worker (the study passes it through Ray's runtime_env)
@@ -112,8 +113,6 @@ def train_run_name(trial_id: str) -> str:
 
 def read_reports(train_root: str | Path, trial_id: str) -> list[dict]:
     """The reports a trial's runs have written so far under ``train_root`` (none if it never ran), oldest first."""
-    from . import storage
-
     text = storage.read_text(storage.join(train_root, train_run_name(trial_id), REPORTS_FILE))
     return [json.loads(line) for line in (text or "").splitlines() if line.strip()]
 
@@ -122,8 +121,6 @@ def scratch_prefix(run_dir: str | Path) -> str:
     """The prefix of a run's scratch directories: its name and a digest of its absolute directory, so that two
     runs of one name in different output directories (two checkouts trained side by side) never share one. A
     run on an object store (a URI) is named by its URI, the same in every process."""
-    from . import storage
-
     location = storage.absolute(run_dir)
     digest = hashlib.sha1(location.encode()).hexdigest()[:10]
     return f"{SCRATCH_PREFIX}{storage.name(location).replace('=', '_')}-{digest}-"

@@ -35,7 +35,7 @@ from apao_ray.hardware import cpu_description  # noqa: E402
 from apao_ray.losses import build_loss  # noqa: E402
 from apao_ray.models import build_model  # noqa: E402
 from apao_ray.models.fused import FusedModels  # noqa: E402
-from apao_ray.training.loop import _optimizer, _schedule  # noqa: E402
+from apao_ray.training.trial_setup import build_optimizer, warmup_cosine  # noqa: E402
 from apao_ray.training.precision import resolve_precision  # noqa: E402
 from apao_ray.training.steps import EpochMember, EpochRunner, train_members  # noqa: E402
 from bench_roofline import flops_per_sample  # noqa: E402 - benchmarks/, this script's own folder
@@ -58,8 +58,8 @@ def members(dataset, backbone: str, loss: str, k: int, args: argparse.Namespace,
         tensors = dataset.catalog.tensors(device)
         model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels).to(device)
         runner = EpochRunner(config, dataset, tensors, device)
-        optimizer = _optimizer(model, config.train.lr, config.train.weight_decay)
-        scheduler = _schedule(optimizer, 1000, 0.0)
+        optimizer = build_optimizer(model, config.train.lr, config.train.weight_decay)
+        scheduler = warmup_cosine(optimizer, 1000, 0.0)
         result.append(EpochMember(runner, model, build_loss(config.loss, tensors), optimizer, scheduler))
     return result
 

@@ -185,7 +185,7 @@ def decode_rows(dataset, args) -> list[dict]:
 
 def compile_rows(args) -> dict:
     """Eager vs torch.compile(model) for TIGER CE bf16 training at micro-batch 1024."""
-    from apao_ray.training.loop import _optimizer, _schedule
+    from apao_ray.training.trial_setup import build_optimizer, warmup_cosine
     from apao_ray.training.steps import EpochRunner
 
     device = torch.device(args.device)
@@ -200,8 +200,8 @@ def compile_rows(args) -> dict:
         model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels).to(device)
         runner_model = torch.compile(model, dynamic=True) if mode == "compiled" else model
         loss = build_loss(config.loss, tensors)
-        optimizer = _optimizer(model, 5e-4, 0.01)
-        scheduler = _schedule(optimizer, 100, 0.01)
+        optimizer = build_optimizer(model, 5e-4, 0.01)
+        scheduler = warmup_cosine(optimizer, 100, 0.01)
         runner = EpochRunner(config, dataset, tensors, device)
         times = []
         for epoch in range(3):  # the first includes compilation

@@ -34,7 +34,7 @@ from apao_ray.data import load_dataset  # noqa: E402
 from apao_ray.losses import build_loss  # noqa: E402
 from apao_ray.models import build_model  # noqa: E402
 from apao_ray.hardware import cpu_description  # noqa: E402
-from apao_ray.training.loop import _optimizer, _schedule  # noqa: E402
+from apao_ray.training.trial_setup import build_optimizer, warmup_cosine  # noqa: E402
 from apao_ray.training.precision import autocast, cpu_has_native_bf16  # noqa: E402
 from apao_ray.training.steps import EpochRunner  # noqa: E402
 
@@ -48,11 +48,11 @@ def flops_per_sample(dataset, backbone: str, loss_name: str, num_negatives: int,
     model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels)
     tensors = dataset.catalog.tensors()
     loss = build_loss(config.loss, tensors)
-    optimizer = _optimizer(model, 5e-4, 0.01)
+    optimizer = build_optimizer(model, 5e-4, 0.01)
     counter = FlopCounterMode(display=False)
     with counter:
         EpochRunner(config, dataset, tensors, torch.device("cpu")).train_epoch(
-            1, model, loss, optimizer, _schedule(optimizer, 10, 0.01), None)
+            1, model, loss, optimizer, warmup_cosine(optimizer, 10, 0.01), None)
     return counter.get_total_flops() / samples
 
 

@@ -56,7 +56,7 @@ def measure(args: argparse.Namespace) -> dict:
     from apao_ray.data import load_dataset
     from apao_ray.losses import build_loss
     from apao_ray.models import build_model
-    from apao_ray.training.loop import _optimizer, _schedule
+    from apao_ray.training.trial_setup import build_optimizer, warmup_cosine
     from apao_ray.training.precision import resolve_precision
     from apao_ray.training.steps import EpochRunner
 
@@ -72,8 +72,8 @@ def measure(args: argparse.Namespace) -> dict:
     model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels).to(device)
     tensors = dataset.catalog.tensors(device)
     loss = build_loss(config.loss, tensors)
-    optimizer = _optimizer(model, 5e-4, 0.01)
-    scheduler = _schedule(optimizer, 10 * args.steps, 0.01)
+    optimizer = build_optimizer(model, 5e-4, 0.01)
+    scheduler = warmup_cosine(optimizer, 10 * args.steps, 0.01)
     warmup = config.train.replace(max_train_samples=args.batch_size, effective_batch_size=args.batch_size)
     EpochRunner(config.replace(train=warmup), dataset, tensors, device).train_epoch(
         1, model, loss, optimizer, scheduler, None)

@@ -74,7 +74,7 @@ def measure(args: argparse.Namespace) -> dict:
     from apao_ray.losses import build_loss
     from apao_ray.models import build_model, packing
     from apao_ray.training.evaluation import evaluate_split, select_users
-    from apao_ray.training.loop import _optimizer, _schedule
+    from apao_ray.training.trial_setup import build_optimizer, warmup_cosine
     from apao_ray.training.memory import allocator_in_use
     from apao_ray.training.precision import resolve_precision
     from apao_ray.training.steps import EpochRunner
@@ -89,8 +89,8 @@ def measure(args: argparse.Namespace) -> dict:
     model = build_model(config.model, dataset.catalog.vocab_size, dataset.catalog.num_levels)
     tensors = dataset.catalog.tensors()
     loss = build_loss(config.loss, tensors)
-    optimizer = _optimizer(model, 5e-4, 0.01)
-    scheduler = _schedule(optimizer, 10 * args.epochs * args.steps, 0.01)
+    optimizer = build_optimizer(model, 5e-4, 0.01)
+    scheduler = warmup_cosine(optimizer, 10 * args.epochs * args.steps, 0.01)
     runner = EpochRunner(config, dataset, tensors, torch.device("cpu"))
     epochs = []
     for epoch in range(1, args.epochs + 1):

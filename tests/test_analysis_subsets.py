@@ -10,6 +10,7 @@ from apao_ray.analysis.export import load_export
 from apao_ray.analysis.results import finished_trials, group_methods
 from apao_ray.analysis.subsets import subset_difference, subset_table, transition_labels
 from apao_ray.data import load_dataset
+from apao_ray.rank_metrics import AT_10_METRICS
 from test_analysis_report import NUM_USERS, _fabricate
 
 
@@ -44,12 +45,13 @@ def test_subset_table_shows_each_subsets_difference_with_its_interval(tmp_path):
     memorization = subset_difference(apao, ce, labels, "memorization", num_resamples=200)
     expected = np.mean([len(g) / len(memorized) for g in gained])
     assert memorization.mean_difference == pytest.approx(expected)
-    heuristic = apao.trials[0].per_user()[["user", "ndcg_at_10", "recall_at_10"]]
+    heuristic = apao.trials[0].per_user()[["user", *AT_10_METRICS]]
     rows = subset_table(methods, labels, {"a heuristic": heuristic}, num_resamples=200)
     memo = [r for r in rows if r.startswith(f"| memorization | {len(memorized)} |")]
     on_memo = heuristic[heuristic["user"].isin(memorized)]
-    assert len(memo) == 3 and memo[0].endswith(f"| a heuristic | - | {on_memo['ndcg_at_10'].mean():.4f} | "
-                                               f"{on_memo['recall_at_10'].mean():.4f} | |")
+    means = " | ".join(f"{on_memo[metric].mean():.4f}" for metric in AT_10_METRICS)  # every metric at 10, in order
+    assert len(memo) == 3 and memo[0].endswith(f"| a heuristic | - | {means} | |")
+    assert rows[0].startswith("| subset | users | method | seeds | R@10 | N@10 | MRR@10 |")
     assert any(f"+{expected:.4f} [" in r and "over seeds and users (2 seeds), p_holm = " in r for r in memo)
     assert not any(r.startswith("| unseen target |") for r in rows)  # no user in it: no rows
     assert len([r for r in rows if r.startswith(f"| generalization | {NUM_USERS - len(memorized)} |")]) == 3

@@ -158,7 +158,8 @@ def test_the_ranks_shards_are_disjoint_and_interleave_into_one_workers_epoch(syn
     """Rank r trains positions r, r + 2, ... of the one worker's order, and draws the same negatives there."""
     import numpy as np
 
-    from apao_ray.training.steps import EpochRunner, PositionNegatives
+    from apao_ray.training.draws import PositionNegatives
+    from apao_ray.training.steps import EpochRunner
 
     def order(world_size: int, rank: int) -> np.ndarray:
         config = trial_config(LOSSES["apao_pairwise"], world_size, group_by_length=group_by_length)
@@ -189,7 +190,8 @@ def test_each_micro_batch_is_in_order_of_history_length_and_each_sample_keeps_it
     from apao_ray.data.batches import collate
     from apao_ray.losses import build_loss
     from apao_ray.models import build_model
-    from apao_ray.training.steps import EpochRunner, PositionNegatives
+    from apao_ray.training.draws import PositionNegatives
+    from apao_ray.training.steps import EpochRunner
 
     config = trial_config(LOSSES["apao_pairwise"], 1)
     config = config.replace(train=config.train.replace(max_train_samples=96, batch_size=16, effective_batch_size=32))

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 
+from apao_ray.rank_metrics import PER_USER_METRICS
 from conftest import ROOT
 
 
@@ -130,7 +131,7 @@ def test_diagnosis_re_evaluates_each_trials_selected_weights_as_its_test_metrics
     for loss, metrics in final.items():
         selected = rows[(loss, "selected", "test")]
         assert selected["epoch"] == metrics["best/epoch"] and rows[(loss, "last", "test")]["epoch"] == 2
-        for name in ("recall_at_10", "ndcg_at_10", "ndcg_at_20"):
+        for name in ("recall_at_10", "ndcg_at_10", "ndcg_at_20", "mrr_at_10"):  # every registered metric
             assert selected[name] == pytest.approx(metrics[f"test/{name}"], abs=1e-6)
         assert rows[(loss, "selected", "valid")]["ndcg_at_10"] == pytest.approx(metrics["best/val/ndcg_at_10"], abs=1e-6)
         last_epoch = trials[loss]["epochs"][-1]
@@ -138,7 +139,8 @@ def test_diagnosis_re_evaluates_each_trials_selected_weights_as_its_test_metrics
         for name in ("recall_at_20", "ndcg_at_10"):
             assert rows[(loss, "last", "valid")][name] == pytest.approx(last_epoch[f"val/{name}"], abs=1e-6)
     differences = {(c["weights"], c["split"], c["metric"]): c for c in result["comparisons"]}
-    assert {c["method"] for c in result["comparisons"]} == {"apao_pointwise"} and len(differences) == 16
+    assert {c["method"] for c in result["comparisons"]} == {"apao_pointwise"}
+    assert len(differences) == 2 * 2 * len(PER_USER_METRICS)  # (selected, last) x (valid, test) x every metric
     for weights in ("selected", "last"):
         for metric in ("recall_at_20", "ndcg_at_10"):
             c = differences[(weights, "test", metric)]

@@ -25,7 +25,7 @@ from apao_ray.training.evaluation import select_users
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.names import RESUMED_HISTORY_KEY
 from apao_ray.training.loop import run_trial
-from apao_ray.training.steps import NonFiniteLossError
+from apao_ray.training.loss_watch import NonFiniteLossError
 from apao_ray.training.precision import resolve_precision
 
 from apao_ray.config import TINY_MODEL

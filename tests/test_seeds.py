@@ -121,7 +121,7 @@ def test_a_method_without_per_user_tables_or_baseline_says_why():
 
 
 def test_cost_is_summed_over_every_trial_of_a_method_and_peak_memory_is_the_largest():
-    from apao_ray.study.record.seeds import cost_totals
+    from apao_ray.analysis.export import cost_totals
 
     records = [_record("a", "ce", 0, 0.5, 0.4, cost={"cost/wall_seconds": 10.0, "cost/peak_rss_mb": 300.0}),
                _record("a1", "ce", 1, 0.5, 0.4, repeats="a", cost={"cost/wall_seconds": 5.0, "cost/peak_rss_mb": 500.0}),
@@ -154,7 +154,7 @@ def test_repeat_configs_read_back_as_the_searched_choices_and_tag_their_seed_and
 
 
 def test_the_best_trial_rule_breaks_ties_by_start_time_and_skips_trials_without_a_value():
-    from apao_ray.analysis.results import best_of
+    from apao_ray.analysis.outcome import best_of
 
     trials = [("late", 0.5, 30), ("early", 0.5, 10), ("worse", 0.4, 0), ("untested", None, 5)]
     for order in (trials, trials[::-1]):

@@ -8,7 +8,8 @@ import torch
 
 from apao_ray.analysis.per_user import read_per_user
 from apao_ray.models import build_model
-from apao_ray.names import PER_USER_FILE, PER_USER_VALID_FILE
+from apao_ray.names import PER_USER_FILE, PER_USER_VALID_FILE, rule_name
+from apao_ray.names import test_by_key as by_key  # not collected as a test
 from apao_ray.protocol import decoding_scoring
 from apao_ray.rank_metrics import PER_USER_METRICS
 from apao_ray.training.checkpoint import load_checkpoint, rule_model_file
@@ -16,8 +17,7 @@ from apao_ray.training.evaluation import evaluate_split
 from apao_ray.training.hooks import TrainingHooks
 from apao_ray.training.loop import run_trial
 from apao_ray.training.precision import resolve_precision
-from apao_ray.training.selection import per_user_column, rule_name
-from apao_ray.training.selection import test_by_key as by_key  # not collected as a test
+from apao_ray.training.selection import per_user_column
 from test_protocol import short, tiny_config  # noqa: F401  (short: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -77,7 +77,8 @@ def test_the_kept_epoch_is_also_ranked_by_the_full_sort_when_asked(short, tmp_pa
     equal a full sort computed here from the final checkpoint's weights. ``auto`` on a CPU leaves it off."""
     from apao_ray.data import iter_batches
     from apao_ray.decoding.full_sort import full_sort, topk_from_scores
-    from apao_ray.metrics import mrr_from_ranks, ndcg_from_ranks, recall_from_ranks, target_ranks
+    from apao_ray.metrics import target_ranks
+    from apao_ray.rank_metrics import mrr_from_ranks, ndcg_from_ranks, recall_from_ranks
     from apao_ray.training.precision import autocast
 
     config = tiny_config("paper", lr=2e-2, epochs=2, full_sort_test="on")

@@ -62,7 +62,7 @@ def _append(path, line: str) -> None:
 
 
 def test_a_follower_relays_whole_reports_once_across_restarts_and_fails_with_its_leader(tmp_path):
-    from apao_ray.training.worker import TrialFailedError
+    from apao_ray.training.failures import TrialFailedError
 
     run_dir, directory = tmp_path / "run", tmp_path / "cohort"
     run_dir.mkdir(), directory.mkdir()

@@ -142,8 +142,9 @@ def test_a_trials_failure_record_in_the_bucket_stops_its_restart_until_retry_fai
     """The record a trial that failed for good leaves beside its checkpoints (a non-finite loss, out of memory)
     is written to, read from and removed from the bucket, as from a local run directory."""
     from apao_ray.study.run.trial import FAILURE_FILE, forget_failures
-    from apao_ray.training.steps import NonFiniteLossError
-    from apao_ray.training.worker import TrialFailedError, _start_in_tune_actor, leave_failure
+    from apao_ray.training.failures import TrialFailedError, leave_failure
+    from apao_ray.training.loss_watch import NonFiniteLossError
+    from apao_ray.training.worker import _start_in_tune_actor
 
     train_root = f"{s3_bucket}/{tmp_path.name}/train_runs"
     loop_config = {"failure_file": storage.join(train_root, "train-trial_id=a", FAILURE_FILE), "trial": {}}

@@ -14,10 +14,12 @@ from typing import Any, Iterable
 
 import pandas as pd
 
+from .comparisons import Paired, holm_per_dataset
 from .heuristics import HEURISTIC_LABELS, HEURISTICS, heuristic_per_user
 from .per_user import PER_USER_METRICS
-from .results import Method, Paired, holm_per_dataset, pooled_test_values, standing
+from .results import Method, pooled_test_values, standing
 from .stats import paired_comparison, seeds_comparison
+from ..data import load_dataset
 
 BAR_HEURISTIC = "last_item"
 BAR_METRIC = "ndcg_at_10"
@@ -32,8 +34,6 @@ def heuristic_tables(dataset: Any) -> dict[str, pd.DataFrame]:
 def dataset_heuristics(names: Iterable[str], data_dir: str | None) -> dict[str, dict[str, pd.DataFrame]]:
     """Lower-cased dataset name -> :func:`heuristic_tables`, for the datasets whose files are here (never
     downloaded; the training-free section of a report says which are not)."""
-    from ..data import load_dataset  # lazy: loading a dataset imports torch
-
     found: dict[str, dict[str, pd.DataFrame]] = {}
     for name in sorted({n.lower() for n in names}):
         try:

@@ -34,6 +34,8 @@ from ..paths import add_tracking_uri_argument
 from ..names import PER_USER_VALID_FILE, SUMMED, counted
 from ..protocol import Selection, recorded_selection
 from .per_user import PER_USER_FILE, read_per_user, recompute_per_user
+from .. import storage
+from ..training.checkpoint import DamagedCheckpointError, check_checkpoint
 
 STUDY_FILE = "study.json"
 EPOCHS_FILE = "epochs.csv.gz"
@@ -124,9 +126,6 @@ def _checkpoint_for(run: Any) -> str | None:
     """The trial's final checkpoint: the location tagged at its end (a local directory or a URI, ``storage``) when
     it loads (a local one is checked here, a remote one where its local copy is loaded; a damaged one is said, in
     one line), else the logged model's copy."""
-    from .. import storage
-    from ..training.checkpoint import DamagedCheckpointError, check_checkpoint
-
     tagged = run.data.tags.get("apao.checkpoint")
     with contextlib.suppress(Exception):  # a store that does not answer: the logged model's copy will do
         if tagged and storage.is_dir(tagged):
@@ -148,7 +147,6 @@ def _checkpoint_for(run: Any) -> str | None:
 
 def _recompute(run: Any, destination: Path, num_threads: int) -> str:
     """Writes the per-user table recomputed from the run's checkpoint; returns how it went (a sentence)."""
-    from .. import storage
     from ..training.evaluation import write_per_user  # lazy: torch, only when a table is recomputed
 
     checkpoint = _checkpoint_for(run)

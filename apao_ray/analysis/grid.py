@@ -13,11 +13,11 @@ from pathlib import Path
 
 from ..rank_metrics import AT_10_METRICS, metric_label
 from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_paired, metric_means, with_bar
+from .comparisons import Paired, compare_methods
 from .export import StudyExport
 from .heuristics import baseline_sections, recorded_datasets
 from .paper import TABLE1
-from .results import (SELECTION_METRIC, Method, Paired, Trial, compare_methods, finished_trials, group_methods,
-                      unfinished_trials)
+from .results import SELECTION_METRIC, Method, Trial, finished_trials, group_methods, unfinished_trials
 from .stats import INTERVALS_NOTE
 from .subsets import subset_sections
 

@@ -13,12 +13,14 @@ items. Both read only the training split: its targets are every training positio
 from __future__ import annotations
 
 from typing import Any, Callable
+import json
 
 import numpy as np
 import pandas as pd
 
 from ..rank_metrics import PER_USER_CUTOFFS, PER_USER_METRICS, metric_label, rank_metric_values
 from .paper import field_table
+from ..data import load_dataset
 
 HEURISTIC_CUTOFF = max(PER_USER_CUTOFFS)  # the longest list a per-user metric reads (at 20)
 
@@ -92,8 +94,6 @@ def heuristic_per_user(dataset: Any, name: str, split: str = "test") -> pd.DataF
 def recorded_datasets(exports: list[Any]) -> dict[str, dict[str, str] | None]:
     """Dataset name -> the file checksums the exports' studies recorded (their parent runs' ``dataset_checksums``
     tag; None where none did), for ``training_free_table``; every trial's dataset is named."""
-    import json
-
     found: dict[str, dict[str, str] | None] = {}
     for export in exports:
         for trial in export.trials:
@@ -114,8 +114,6 @@ def training_free_table(datasets: dict[str, dict[str, str] | None], data_dir: st
     """Markdown: each heuristic's test metrics on each dataset (loaded from ``data_dir`` or the usual places, never
     downloaded), or a line saying why a dataset's could not be computed. ``datasets`` maps a dataset name to the
     file checksums its studies recorded (None: not recorded); different files here are said so."""
-    from ..data import load_dataset  # lazy: loading a dataset imports torch
-
     header = ["dataset", "baseline", *map(metric_label, PER_USER_METRICS), "users"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []

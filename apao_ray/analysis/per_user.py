@@ -14,6 +14,7 @@ from ..data import load_dataset
 from ..names import PER_USER_FILE
 from ..protocol import decoding_scoring
 from ..rank_metrics import PER_USER_CUTOFFS, PER_USER_METRICS, rank_metrics_at
+from ..training.checkpoint import CONFIG_FILE, load_checkpoint
 
 
 def read_per_user(path: str | os.PathLike) -> pd.DataFrame:
@@ -51,7 +52,6 @@ def recompute_per_user(checkpoint_dir: str | os.PathLike, num_threads: int = 1) 
     import torch
 
     from ..models import build_model
-    from ..training.checkpoint import CONFIG_FILE, load_checkpoint
     from ..training.evaluation import evaluate_split_per_user
     from ..training.precision import resolve_precision
 

@@ -16,26 +16,24 @@ from pathlib import Path
 from typing import Any
 
 from ..cli.types import OneOf, positive_int
-from ..names import CPU, ENERGY, GPU_MEMORY, PLAN_TAG, PLUGINS_ENV, RSS, WALL, counted
+from ..names import PLAN_TAG, PLUGINS_ENV, counted
 from ..paths import add_tracking_uri_argument
 from ..rank_metrics import AT_10_METRICS, FULL_SORT, metric_label
-from .export import STUDY_FILE, StudyExport, cost_totals, export_study, load_export, sole_study
-from .grid import build_grid, load_queue, queue_path_default
 from .bar import TRAINING_FREE, bar_words, dataset_heuristics, heuristic_method, heuristic_paired, metric_means, \
     with_bar
+from .comparisons import Paired, compare_methods
+from .cost_table import cost_table, epoch_seconds, number
+from .export import STUDY_FILE, StudyExport, export_study, load_export, sole_study
+from .grid import build_grid, load_queue, queue_path_default
 from .heuristics import baseline_sections, recorded_datasets
+from .results import (EARLY_LEARNING, NO_BETTER_THAN_POPULARITY, ONE_EPOCH, SELECTION_METRIC, STEEP_LAST_GAIN,
+                      STILL_RISING, TEST_METRICS, TRIAL_CHOICES, Method, Trial, finished_trials, group_methods,
+                      is_early_learning, seeds_text, selection_of, unfinished_trials, unknown_knobs)
+from .stats import INTERVALS_NOTE
 from .subsets import subset_sections
 from .ties import selection_ties
-from .results import (EARLY_LEARNING, NO_BETTER_THAN_POPULARITY, ONE_EPOCH, SELECTION_METRIC, STEEP_LAST_GAIN,
-                      STILL_RISING, TEST_METRICS, TRIAL_CHOICES, Method, Paired, Trial, compare_methods, finished_trials,
-                      group_methods, is_early_learning, seeds_text, selection_of, unfinished_trials, unknown_knobs)
-from .stats import INTERVALS_NOTE
 
 REPORT_FILE = "report.md"
-
-
-def _number(value: float | None, digits: int = 4) -> str:
-    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
 def _mean_std(method: Method, key: str, digits: int = 4, whole: bool = False) -> str:
@@ -45,7 +43,7 @@ def _mean_std(method: Method, key: str, digits: int = 4, whole: bool = False) ->
         return "-"
     mean, std = stats
     if math.isnan(std):
-        return str(int(mean)) if whole and float(mean).is_integer() else _number(mean, digits)
+        return str(int(mean)) if whole and float(mean).is_integer() else number(mean, digits)
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
@@ -68,13 +66,13 @@ def _metrics_table(methods: list[Method], bars: dict[str, dict[str, Any]]) -> li
                  method.tag_values("apao.protocol", "paper"), method.tag_values("apao.schedule"),
                  method.tag_values("apao.precision"), _mean_std(method, "best/epoch", 1, whole=True),
                  ",".join(str(n) for n in map(_epochs_trained, method.trials) if n is not None) or "-",
-                 _epoch_seconds(method),
+                 epoch_seconds(method),
                  with_bar(method.convergence, bar_words(method, bars.get(method.dataset.lower())))]
         lines.append("| " + " | ".join(cells) + " |")
     for dataset in dict.fromkeys(m.dataset for m in methods):
         for name, table in bars.get(dataset.lower(), {}).items():
             row = heuristic_method(dataset, "-", name)
-            lines.append("| " + " | ".join([dataset, "-", row.label, "-", *map(_number, metric_means(table)),
+            lines.append("| " + " | ".join([dataset, "-", row.label, "-", *map(number, metric_means(table)),
                                             *["-"] * 7, TRAINING_FREE]) + " |")
     return lines
 
@@ -87,64 +85,6 @@ def _epochs_trained(trial: Trial) -> int | None:
     return None if history.empty else int(history.index.max())
 
 
-def _epoch_medians(method: Method) -> list[float]:
-    return [float(t.history("perf/epoch_seconds").median()) for t in method.trials
-            if not t.history("perf/epoch_seconds").empty]
-
-
-def _mixed_devices(method: Method) -> bool:
-    """Whether the seeds' median epochs differ by more than 2x, as between a CPU seed and a GPU seed: their mean
-    or sum would describe neither, so the report lists them per seed."""
-    medians = _epoch_medians(method)
-    return bool(medians) and max(medians) > 2 * min(medians)
-
-
-def _epoch_seconds(method: Method) -> str:
-    """The trials' median epoch, averaged over seeds (per seed, ``a / b / c``, on mixed devices)."""
-    medians = _epoch_medians(method)
-    if not medians:
-        return "-"
-    if _mixed_devices(method):
-        return " / ".join(_number(m, 1) for m in medians)
-    return _number(sum(medians) / len(medians), 1)
-
-
-def _minutes(method: Method, *keys: str) -> str:
-    """The trials' first recorded ``keys`` in minutes: summed over seeds, or per seed on mixed devices."""
-    per_trial = [next((t.metrics[k] for k in keys if k in t.metrics), None) for t in method.trials]
-    if _mixed_devices(method):
-        return " / ".join("-" if v is None else _number(v / 60, 1) for v in per_trial)
-    known = [v for v in per_trial if v is not None]
-    return _number(sum(known) / 60, 1) if known else "-"
-
-
-def _cost_table(methods: list[Method]) -> list[str]:
-    """Per method, its cost: every trial of its (backbone, loss) in its studies (finished, pruned or failed: the
-    price of the answer, as ``sweep``, ``best`` and the study's MLflow page give it) summed (peak memory: the largest);
-    then the chosen trial's own wall time (summed over seeds, or per seed on mixed devices)."""
-    header = ["dataset", "backbone", "method", "seeds", "trials", "wall min", "CPU min", "peak RSS MB", "peak GPU MB",
-              "energy kWh", "energy method", "chosen trial's time (wall min)"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for method in methods:
-        records = method_records(method)
-        cost = cost_totals(records).get((method.backbone, method.loss), {})
-        cells = [method.dataset, method.backbone, method.label, seeds_text(method.seeds), str(len(records)),
-                 *(_number(cost[key] / 60, 1) if key in cost else "-" for key in (WALL, CPU)),
-                 *(_number(cost[key], 0) if key in cost else "-" for key in (RSS, GPU_MEMORY)),
-                 f"{cost[ENERGY]:.3g}" if ENERGY in cost else "-",
-                 method.tag_values("apao.energy_method", "not recorded"),
-                 _minutes(method, WALL, "perf/total_seconds")]  # perf/: runs before cost/ existed
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def method_records(method: Method) -> list[dict[str, Any]]:
-    """Every trial record of the method's (backbone, loss) in the studies its seeds come from, whatever its end."""
-    exports = {trial.export.name: trial.export for trial in method.trials}.values()
-    return [record for export in exports for record in export.trials
-            if (record["tags"].get("backbone"), record["tags"].get("loss")) == (method.backbone, method.loss)]
-
-
 def _unfinished_table(methods: list[Method]) -> list[str]:
     header = ["study", "backbone", "method", "seed", "status", "outcome", "epochs so far", "val NDCG@10 (last)",
               "best val NDCG@10", "s/epoch (median)"]
@@ -155,8 +95,8 @@ def _unfinished_table(methods: list[Method]) -> list[str]:
             seconds = trial.history("perf/epoch_seconds")
             cells = [trial.export.name, method.backbone, method.label, str(trial.seed), trial.record["status"],
                      trial.tags.get("apao.outcome", "-")[:80], str(int(curve.index.max())) if not curve.empty else "0",
-                     _number(float(curve.iloc[-1])) if not curve.empty else "-",
-                     _number(trial.metrics.get(SELECTION_METRIC)), _number(float(seconds.median()), 1) if not seconds.empty else "-"]
+                     number(float(curve.iloc[-1])) if not curve.empty else "-",
+                     number(trial.metrics.get(SELECTION_METRIC)), number(float(seconds.median()), 1) if not seconds.empty else "-"]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -264,7 +204,7 @@ def build_report(exports: list[StudyExport], out_dir: str | Path, baseline: str 
              "heuristic` (`within noise of` it: above by less than two).", "",
              "## Cost per method: all its trials (the price of the answer, as `sweep` and `best` give it; peak memory: "
              "the largest), and the chosen trial's own time (summed over seeds, or per seed where their epochs differ "
-             "by more than 2x, as between a CPU and a GPU)", "", *_cost_table(methods), ""]
+             "by more than 2x, as between a CPU and a GPU)", "", *cost_table(methods), ""]
     lines += [f"## Paired differences against `{baseline}` (same seed, same test users)", ""]
     if compared:
         lines += [f"`over seeds`: {INTERVALS_NOTE} `seed N`: that seed alone, 95% bootstrap CI over test users only (no verdict). A one-seed "

@@ -6,7 +6,7 @@ not (arXiv 2603.19809, "How Well Does Generative Recommendation Generalize?": ge
 the second, item-ID and transition models the first). A second cut: whether the target was a training target at
 all (``seen target``) or never (``unseen target``). The labels need no model: the dataset's splits hold them.
 
-The report shows every method's test NDCG@10 and Recall@10 on each subset beside the training-free baselines,
+The report shows every method's test metrics at 10 (the registry's: ``rank_metrics.AT_10_METRICS``) on each subset beside the training-free baselines,
 and each method's difference to the baseline on each subset with the report's intervals (``stats``; Holm over
 the methods compared on one subset of one dataset).
 """
@@ -18,12 +18,14 @@ import numpy as np
 import pandas as pd
 
 from ..data.transitions import MEMORIZATION_COLUMN, SEEN_TARGET_COLUMN, transition_flags
+from ..rank_metrics import AT_10_METRICS, metric_label
 from .results import Method, seeds_text
 from .stats import Comparison, seeds_comparison, with_holm
+from ..data import load_dataset
+from .heuristics import HEURISTIC_LABELS, heuristic_per_user
 
 SUBSETS = {"memorization": MEMORIZATION_COLUMN, "generalization": f"~{MEMORIZATION_COLUMN}",
            "seen target": SEEN_TARGET_COLUMN, "unseen target": f"~{SEEN_TARGET_COLUMN}"}
-SUBSET_METRICS = ("ndcg_at_10", "recall_at_10")
 
 
 def transition_labels(dataset: Any, split: str = "test") -> pd.DataFrame:
@@ -76,15 +78,19 @@ def subset_difference(method: Method, baseline: Method, labels: pd.DataFrame, su
 
 def _mean_over_seeds(method: Method, labels: pd.DataFrame, subset: str, metric: str) -> str:
     values = [float(_on_subset(t, labels, subset)[metric].mean()) for t in
-              (trial.per_user() for trial in method.trials) if t is not None]
+              (trial.per_user() for trial in method.trials) if t is not None and metric in t]
     return f"{np.mean(values):.4f}" if values else "-"
+
+
+def _mean_of(rows: pd.DataFrame, metric: str) -> str:
+    return f"{rows[metric].mean():.4f}" if metric in rows else "-"
 
 
 def subset_table(methods: list[Method], labels: pd.DataFrame, heuristics: dict[str, pd.DataFrame],
                  baseline_loss: str = "ce", num_resamples: int = 10_000) -> list[str]:
     """Markdown rows for one dataset: per subset, its users, the heuristics' and each method's metrics (mean over
     seeds) and each method's N@10 difference to ``baseline_loss`` of its backbone (Holm over one subset)."""
-    header = ["subset", "users", "method", "seeds", "N@10", "R@10", f"N@10 - {baseline_loss}"]
+    header = ["subset", "users", "method", "seeds", *map(metric_label, AT_10_METRICS), f"N@10 - {baseline_loss}"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for subset in SUBSETS:
         count = int(_mask(labels, subset).sum())
@@ -92,8 +98,8 @@ def subset_table(methods: list[Method], labels: pd.DataFrame, heuristics: dict[s
             continue  # nothing to average or compare
         for name, table in heuristics.items():
             rows = _on_subset(table, labels, subset)
-            lines.append(f"| {subset} | {count} | {name} | - | {rows['ndcg_at_10'].mean():.4f} | "
-                         f"{rows['recall_at_10'].mean():.4f} | |")
+            means = " | ".join(_mean_of(rows, metric) for metric in AT_10_METRICS)
+            lines.append(f"| {subset} | {count} | {name} | - | {means} | |")
         differences: dict[int, Comparison] = {}
         for index, method in enumerate(methods):
             baseline = next((m for m in methods if (m.backbone, m.loss) == (method.backbone, baseline_loss)), None)
@@ -108,9 +114,9 @@ def subset_table(methods: list[Method], labels: pd.DataFrame, heuristics: dict[s
         for index, method in enumerate(methods):
             shown = differences[index].text() if index in differences else (
                 "baseline" if method.loss == baseline_loss else "-")
+            means = " | ".join(_mean_over_seeds(method, labels, subset, metric) for metric in AT_10_METRICS)
             lines.append(f"| {subset} | {count} | {method.backbone}/{method.label} | "
-                         f"{seeds_text(method.seeds)} | {_mean_over_seeds(method, labels, subset, 'ndcg_at_10')} | "
-                         f"{_mean_over_seeds(method, labels, subset, 'recall_at_10')} | {shown} |")
+                         f"{seeds_text(method.seeds)} | {means} | {shown} |")
     return lines
 
 
@@ -132,9 +138,6 @@ def subset_sections(methods: list[Method], data_dir: str | None, baseline_loss: 
     """The report's section: per dataset, :func:`subset_table` with the labels the per-user tables hold (a trial
     writes them), else computed from the dataset's files; the training-free baselines where those files are
     here. Nothing for a dataset with neither."""
-    from ..data import load_dataset  # lazy: loading a dataset imports torch
-    from .heuristics import HEURISTIC_LABELS, heuristic_per_user
-
     lines: list[str] = []
     for name in sorted({m.dataset.lower() for m in methods}):
         ours = [m for m in methods if m.dataset.lower() == name]

@@ -5,13 +5,14 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..names import reached_test
+from ..names import CONVERGED_TAG, reached_test
 from .record.outcomes import short_reason
 from .plan.make import cost_summary, make_plan, validation_users
 from .plan.plan import Plan, method_config
 from .plan.probe_cache import record_observed
 from .setup import StudySetup, prepare, study_state_exists
 from .spec.study import StudySpec
+from .run.study import Study, invocation
 
 
 @dataclass
@@ -105,11 +106,9 @@ def run_study(spec: StudySpec, plan: Plan | None = None, command_line: list[str]
 
     from ..analysis.bar import TRAINING_FREE, heuristic_tables
     from ..tracking import Tracker, experiment_name
-    from ..names import CONVERGED_TAG
     from .record.answer import ANSWER_ARTIFACT, DESCRIPTION_TAG, SUBSETS_ARTIFACT, study_description, wide_table
     from .record.report import RECORDED_KNOBS, subset_lines, table_rows
     from .run.driver import StudyOutcome, check_same_schedule
-    from .run.study import Study, invocation
     from .run.driver import run_study as run_planned
 
     setup = setup if setup is not None else prepare(spec)

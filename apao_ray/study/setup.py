@@ -24,6 +24,10 @@ from ..config import LossConfig, TrialConfig
 from ..hardware import available_cpus
 from .spec.study import StudySpec, with_pretrain
 from .spec.trial import trial_config
+from ..data import load_dataset
+from ..protocol import apply_protocol, check_select_by
+from .cluster.ray_cluster import check_ray_address
+from .record.outcomes import STUDY_TAG
 
 PARENT_ROLE_TAG = "apao.role"  # with the study tag, what finds a study's MLflow parent run
 
@@ -68,11 +72,8 @@ def prepare(spec: StudySpec) -> StudySetup:
         ValueError, FileNotFoundError, ConnectionError: naming what is wrong and what would do.
     """
     # lazy: torch, MLflow and Ray load when a study is checked, not when apao_ray or a StudySpec is imported
-    from ..data import load_dataset
-    from ..protocol import check_select_by
     from ..tracking import check_tracking_uri, resolve_tracking_uri
     from ..training.checks import check_against_catalog
-    from .cluster.ray_cluster import check_ray_address
     from .record.mlflow_callback import dataset_record_of
     from .search.optuna_storage import resolve_storage_url
 
@@ -135,8 +136,6 @@ def checked_output_dir(spec: StudySpec, tracking_uri: str) -> str:
 def trial_base(spec: StudySpec, data_dir: str) -> TrialConfig:
     """Every trial's config as asked, reading the dataset from ``data_dir`` (where the driver found it: the
     trials read it there, from any working directory, never downloading)."""
-    from ..protocol import apply_protocol
-
     base = trial_config(spec, LossConfig(num_negatives=int(spec.search.range_named("num_negatives")[1])),
                         seed=spec.search_seed, workers=spec.workers_per_trial, use_gpu=spec.gpus_per_trial > 0,
                         data_dir=data_dir, retention_users=spec.retention_users)
@@ -164,8 +163,6 @@ def study_state_exists(study_dir: str | Path) -> bool:
 
 def parent_tags(study_name: str) -> dict[str, str]:
     """The tags that identify a study's MLflow parent run."""
-    from .record.outcomes import STUDY_TAG
-
     return {STUDY_TAG: study_name, PARENT_ROLE_TAG: "study"}
 
 

@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, TypeVar
 
+import numpy as np
+
 from .. import storage
 from ..data.files import sha256_of
 
@@ -326,13 +328,9 @@ def say_on_stderr(line: str) -> None:
 
 def save_catalog(directory: str | os.PathLike, item_ids: tuple[str, ...], item_codes: Any) -> None:
     """Stores the item catalog beside the weights so a saved model recommends on its own."""
-    import numpy as np
-
     np.savez_compressed(Path(directory) / CATALOG_FILE, item_ids=np.asarray(item_ids, dtype=str), item_codes=item_codes)
 
 
 def load_catalog_arrays(directory: str | os.PathLike) -> tuple[list[str], Any]:
-    import numpy as np
-
     with np.load(Path(directory) / CATALOG_FILE) as arrays:
         return [str(i) for i in arrays["item_ids"]], arrays["item_codes"]

@@ -21,7 +21,7 @@ from ..data import Dataset, iter_batches
 from ..losses import sample_negatives
 from ..losses.base import LossInputs
 from ..models.base import label_log_probs
-from ..names import LAST_RULE as LAST, LOSS_RULE as LOSS, rule_name, test_by_key  # noqa: F401  (this module's names)
+from ..names import LAST_RULE, LOSS_RULE, rule_name
 from ..protocol import lower_is_better
 from .precision import autocast
 
@@ -29,7 +29,7 @@ from .precision import autocast
 def selection_rules(metric: str) -> tuple[str, ...]:
     """The rules every trial records: its validation ``metric`` (the trial's --metric), the validation loss, the
     last epoch; each names what it keeps, as ``protocol.select_by`` does."""
-    return (metric, LOSS, LAST)
+    return (metric, LOSS_RULE, LAST_RULE)
 
 
 def per_user_column(rule: str, metric: str) -> str:

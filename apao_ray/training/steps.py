@@ -1,7 +1,6 @@
 """One training epoch: shuffled micro-batches, per-epoch negatives, gradient accumulation."""
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import math
@@ -15,12 +14,13 @@ from torch import nn
 from ..config import TrialConfig
 from ..data import PAD_TOKEN, CatalogTensors, Dataset, ResidentSplit
 from ..data.batches import group_by_length
-from ..losses.negatives import skip_targets
 from ..losses.base import LossInputs, LossOutput
-from .memory import MemoryReleaser
 from ..models.base import label_log_probs
 from ..protocol import gradient_scale, with_end_token
+from .draws import PositionNegatives, seed_of
 from .evaluation import select_users
+from .loss_watch import LossWatch
+from .memory import MemoryReleaser
 from .precision import autocast
 
 
@@ -29,10 +29,6 @@ from .precision import autocast
 # 101 candidates peaked at 7.7 GiB (TIGER) and 11.6 GiB (Llama) of an H200 (benchmarks/RESULTS.md, 2026-11-26);
 # 1024 x 201 would need ~8x that. On a CPU the micro-batch is the chunk (a worker's memory cap decides there).
 GPU_CANDIDATES_PER_CHUNK = 256 * 101
-
-
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; the trial stops with this reason."""
 
 
 def chunk_size(batch_size: int, num_negatives: int, device: torch.device) -> int:
@@ -50,87 +46,6 @@ def average_over_ranks(tensor: torch.Tensor) -> torch.Tensor:
             and torch.distributed.get_world_size() > 1:
         torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.AVG)
     return tensor
-
-
-def seed_of(*keys: int) -> int:
-    """A 32-bit seed that is a function of ``keys`` (e.g. seed, epoch, rank), well mixed."""
-    return int(np.random.SeedSequence(list(keys)).generate_state(1)[0])
-
-
-class PositionNegatives:
-    """An epoch's negatives, drawn by position in the epoch's sample order (SPEC §3's uniform draw).
-
-    Positions come in blocks of ``BLOCK``; block k is drawn from a generator seeded with (seed, epoch, k). A
-    sample's negatives are thus a function of the seed, the epoch and its place in the epoch's order, not of
-    the rank that trains it, its micro-batch or what was drawn before: two ranks draw for their samples what
-    one worker draws for the same samples, disjoint positions get independent draws, and a resumed epoch
-    draws what the interrupted one did. Each rank draws every block it touches (a few ms per block).
-    """
-
-    BLOCK = 4096
-
-    def __init__(self, seed: int, epoch: int, num_semantic_ids: int, num_negatives: int) -> None:
-        self.seed, self.epoch = seed, epoch
-        self.num_semantic_ids, self.num_negatives = num_semantic_ids, num_negatives
-        self._blocks: dict[int, torch.Tensor] = {}
-
-    def _block(self, index: int) -> torch.Tensor:
-        if index not in self._blocks:
-            generator = torch.Generator().manual_seed(seed_of(self.seed, self.epoch, index))
-            self._blocks[index] = torch.randint(0, self.num_semantic_ids - 1, (self.BLOCK, self.num_negatives),
-                                                generator=generator)             # (BLOCK, N) in [0, U-2]
-        return self._blocks[index]
-
-    def __call__(self, positions: np.ndarray, target_sem: torch.Tensor) -> torch.Tensor:
-        """(S,) increasing positions in the epoch's order and their (S,) targets (on the host: no device
-        sync) -> (S, N) negatives, on the host."""
-        blocks = positions // self.BLOCK
-        for old in [k for k in self._blocks if k < blocks[0]]:  # a rank's positions only increase
-            del self._blocks[old]
-        draws = torch.cat([self._block(int(k))[positions[blocks == k] % self.BLOCK] for k in np.unique(blocks)])
-        return skip_targets(draws, target_sem)                                 # (S, N)
-
-
-class LossWatch:
-    """Stops training at a non-finite loss without reading each loss as it is computed.
-
-    On a CPU each loss is checked at once. On a CUDA device reading a loss waits for the device to finish
-    all the work queued before it, so the host would stop preparing the next step while the device runs this
-    one: there each loss is copied to the host asynchronously and read one loss later (when the next one is
-    queued), and the last at the epoch's end (``flush``). A non-finite loss then stops the trial one
-    optimizer step later than it arose; the weights of that epoch are discarded all the same (the trial keeps
-    the checkpoint of an earlier epoch).
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.deferred = device.type == "cuda"
-        self.pending: collections.deque[tuple[torch.Tensor, Any, Callable[[float], str]]] = collections.deque()
-
-    def push(self, loss: torch.Tensor, describe: Callable[[float], str]) -> None:
-        """Checks ``loss`` (a scalar), now or after the next push; ``describe(value)`` is the error's text."""
-        if not self.deferred:
-            self._check(float(loss.detach()), describe)
-            return
-        host = loss.detach().to("cpu", non_blocking=True)  # into pinned memory, ordered on the stream
-        done = torch.cuda.Event()
-        done.record()
-        self.pending.append((host, done, describe))
-        while len(self.pending) > 1:
-            self._read(*self.pending.popleft())
-
-    def flush(self) -> None:
-        """Checks every loss not read yet."""
-        while self.pending:
-            self._read(*self.pending.popleft())
-
-    def _read(self, host: torch.Tensor, done: Any, describe: Callable[[float], str]) -> None:
-        done.synchronize()  # waits for this loss alone, not for the work queued after it
-        self._check(float(host), describe)
-
-    @staticmethod
-    def _check(value: float, describe: Callable[[float], str]) -> None:
-        if not math.isfinite(value):
-            raise NonFiniteLossError(describe(value))
 
 
 class EpochRunner:

@@ -3,13 +3,12 @@
 ``--num-workers``: ``train_loop_per_worker``). Both set the worker up the same way (``setup_worker``)."""
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import ray
 import torch
@@ -24,15 +23,9 @@ from .checkpoint import (RESTARTS, SET_ASIDE_FILE, check_checkpoint, checkpoints
                          with_storage_retries)
 from .cohort import run_cohort
 from .hooks import TrainingHooks, append_report
-from .failures import TrialOutOfMemoryError, is_out_of_memory
+from .failures import TrialFailedError, failures_left, leave_failure, stops_for_good
 from .loop import run_trial
 from .memory import MemoryCap, allocator_in_use
-from .steps import NonFiniteLossError
-
-
-class TrialFailedError(RuntimeError):
-    """A trial stopped for a reason a restart from its checkpoint cannot fix (non-finite loss,
-    out of memory); raised once by the trial's driver, never retried by Ray Train."""
 
 
 def worker_facts(node_id: str) -> dict[str, Any]:
@@ -215,27 +208,6 @@ def setup_worker(loop_config: dict[str, Any]) -> MemoryCap | None:
     return MemoryCap(int(loop_config["max_memory_bytes"])) if loop_config.get("max_memory_bytes") else None
 
 
-def stops_for_good(error: BaseException) -> bool:
-    """A failure a restart from the checkpoint would meet again: a non-finite loss, an allocation failure."""
-    return isinstance(error, NonFiniteLossError) or is_out_of_memory(error)
-
-
-def leave_failure(loop_config: dict[str, Any], error: BaseException, cap: MemoryCap | None = None) -> str:
-    """Writes why a trial failed for a reason a restart from its checkpoint would meet again (non-finite loss,
-    out of memory; with the cap and what the trial held of it) where its driver finds it, and returns that reason."""
-    reason = f"{type(error).__name__}: {error}"
-    if is_out_of_memory(error):
-        message = str(error) if isinstance(error, TrialOutOfMemoryError) else \
-            "out of memory outside an epoch's training and validation: " + (str(error).strip().splitlines() or [""])[0][:300]
-        # the cap first: a table shows a failure's first 200 characters. The allocator too: what a trial holds of
-        # the cap depends on it, and a trial that fails before its first report has no allocator tag
-        noted = (f"out of memory ({cap.describe()}; allocator {allocator_in_use()})" if cap is not None
-                 else "out of memory")
-        reason = f"{TrialOutOfMemoryError.__name__}: {noted}{message.removeprefix('out of memory')}"
-    storage.write_text(loop_config["failure_file"], reason)
-    return reason
-
-
 def _start_in_tune_actor(loop_config: dict[str, Any]) -> tuple[MemoryCap | None, torch.device]:
     """Refuses a trial whose earlier attempt failed for good (its failure file), then sets the worker up;
     returns the memory cap and the device the trial trains on."""
@@ -245,19 +217,6 @@ def _start_in_tune_actor(loop_config: dict[str, Any]) -> tuple[MemoryCap | None,
     cap = setup_worker(loop_config)
     use_gpu = TrialConfig.from_dict(loop_config["trial"]).train.use_gpu
     return cap, torch.device("cuda" if use_gpu and torch.cuda.is_available() else "cpu")
-
-
-@contextlib.contextmanager
-def _failures_left(loop_configs: list[dict[str, Any]], cap: MemoryCap | None) -> Iterator[None]:
-    """Re-raises a failure a restart would meet again (``stops_for_good``) as TrialFailedError, its reason left in
-    the failure file of every trial in ``loop_configs``; any other as it is (Tune retries the trial)."""
-    try:
-        yield
-    except Exception as error:  # noqa: BLE001 - re-raised unless a restart would meet it again
-        if not stops_for_good(error):
-            raise
-        reasons = [leave_failure(loop_config, error, cap) for loop_config in loop_configs]
-        raise TrialFailedError(reasons[0]) from None
 
 
 def _tune_hooks(cls: type[TuneTrialHooks], loop_config: dict[str, Any], device: torch.device) -> TuneTrialHooks:
@@ -277,7 +236,7 @@ def train_in_tune_actor(loop_config: dict[str, Any]) -> dict[str, Any]:
     cap, device = _start_in_tune_actor(loop_config)
     hooks = _tune_hooks(TuneTrialHooks, loop_config, device)
     try:
-        with _failures_left([loop_config], cap):
+        with failures_left([loop_config], cap):
             config = TrialConfig.from_dict(loop_config["trial"])
             return run_trial(config, hooks, trial_dataset(loop_config, config))
     finally:
@@ -329,7 +288,7 @@ def train_cohort_in_tune_actor(loop_configs: list[dict[str, Any]]) -> list[dict[
     hooks = [leader, *(CohortMemberHooks(c["output_dir"], device, c.get("scratch_prefix", SCRATCH_PREFIX))
                        for c in loop_configs[1:])]
     try:
-        with _failures_left(loop_configs, cap):
+        with failures_left(loop_configs, cap):
             configs = [TrialConfig.from_dict(c["trial"]) for c in loop_configs]
             finals = run_cohort(configs, hooks, trial_dataset(loop_configs[0], configs[0]))
     finally:

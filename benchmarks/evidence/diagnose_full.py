@@ -36,10 +36,11 @@ from apao_ray.data import load_dataset
 from apao_ray.hardware import cpu_description
 from apao_ray.reuse.inference import Recommender
 from apao_ray.protocol import decoding_scoring
+from apao_ray.rank_metrics import PER_USER_METRICS
 from apao_ray.training.checkpoint import CONFIG_FILE, FINAL_METRICS_FILE, STATE_FILE
 from apao_ray.training.evaluation import evaluate_split_per_user
 
-METRICS = ("recall_at_10", "recall_at_20", "ndcg_at_10", "ndcg_at_20")
+METRICS = PER_USER_METRICS  # every registered metric at the per-user tables' cutoffs
 
 
 def trial_checkpoints(study_dir: Path) -> dict[str, tuple[Path, Path]]:

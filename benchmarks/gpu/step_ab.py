@@ -41,7 +41,7 @@ def one(args: argparse.Namespace, row: str) -> dict:
     from apao_ray.data import load_dataset
     from apao_ray.losses import LOSSES, build_loss
     from apao_ray.models import build_model
-    from apao_ray.training.loop import _optimizer, _schedule
+    from apao_ray.training.trial_setup import build_optimizer, warmup_cosine
     from apao_ray.training.precision import resolve_precision
     from apao_ray.training.steps import EpochRunner
 
@@ -61,8 +61,8 @@ def one(args: argparse.Namespace, row: str) -> dict:
         model.pack_histories = pack == "packed"
     tensors = dataset.catalog.tensors(device)
     loss = build_loss(config.loss, tensors)
-    optimizer = _optimizer(model, 5e-4, 0.01)
-    scheduler = _schedule(optimizer, 10_000, 0.01)
+    optimizer = build_optimizer(model, 5e-4, 0.01)
+    scheduler = warmup_cosine(optimizer, 10_000, 0.01)
     warmup = config.train.replace(max_train_samples=args.warmup_samples)
     EpochRunner(config.replace(train=warmup), dataset, tensors, device).train_epoch(
         1, model, loss, optimizer, scheduler, None)
@@ -143,7 +143,7 @@ def check_loss_watch() -> dict:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from apao_ray.training.steps import LossWatch, NonFiniteLossError
+    from apao_ray.training.loss_watch import LossWatch, NonFiniteLossError
 
     outcome = {}
     for case in ("next", "flush"):

@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
+import shlex
+import signal
 
 from ...names import counted
 from ...paths import absolute_data_dir_env, add_tracking_uri_argument
@@ -17,6 +19,11 @@ from ...protocol import KNOBS, selectable_metrics
 from ..spec.study import StudySpec, quick_changes
 from .fields import add_field_arguments, field_values, number, registry_names
 from .protocol import add_protocol_arguments
+from ..api import plan_study, prepare, run_study
+from ..record.outcomes import describe
+from ..spec.space import knob_names
+from ..cluster.interrupt import exit_code
+from ...data import dataset_label
 
 SWEEP_EPILOG = """\
 defaults: TIGER with CE, APAO-pointwise and APAO-pairwise; 3 Optuna trials per tuned loss (7 trials), up to 20
@@ -129,7 +136,6 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
         parser.error(f"--smoke runs on the built-in synthetic dataset, not --dataset {args.dataset}; a small study of "
                      f"it: --quick --dataset {args.dataset}")
     apply_quick(args, given)
-    from ..api import plan_study, prepare, run_study
     from ..record.report import format_rows
 
     try:
@@ -168,10 +174,6 @@ def main(argv: list[str] | None = None, prog: str = "studies/sweep.py") -> int:
 
 def print_failures(trials: Any) -> None:
     """Each failed trial and why, one line each (the table keeps one reason per method)."""
-    from ..record.outcomes import describe
-
-    from ..spec.space import knob_names
-
     failed = [row for row in table_records(trials) if str(row.get("status")).startswith("failed")]
     if failed:
         print(f"failed trials ({len(failed)}):", file=sys.stderr)
@@ -190,11 +192,6 @@ def table_records(table: Any) -> list[dict[str, Any]]:
 def report_interrupted(result: Any, argv: list[str]) -> int:
     """Tells what an interrupted study kept and how to continue it; returns the exit code
     (128 + the signal: 130 for SIGINT / Ctrl-C, 143 for SIGTERM)."""
-    import shlex
-    import signal
-
-    from ..cluster.interrupt import exit_code
-
     done = sum(status != "stopped" for status in result.trials.get("status", []))
     num_trials, study_name = result.plan.num_trials, result.study_name
     script = [sys.argv[0]] if sys.argv[0].endswith("sweep.py") else ["-m", "apao_ray", "sweep"]
@@ -245,7 +242,6 @@ def best_main(argv: list[str] | None = None, prog: str = "studies/best.py") -> i
     parser = build_best_parser(prog)
     args = parser.parse_args(argv)
     from ...tracking import Tracker, check_tracking_uri, experiment_name, resolve_tracking_uri
-    from ...data import dataset_label
     from ..record.answer import register_best
     from ..record.report import format_rows, study_selection, table_rows
 

@@ -18,6 +18,7 @@ from ..spec.study import StudySpec
 from ..spec.trial import trial_config
 from .fields import add_field_arguments, registered_names
 from .protocol import add_protocol_arguments, apply_protocol_arguments
+from ..cluster.interrupt import RunInterrupted, exit_code
 
 
 
@@ -160,10 +161,9 @@ def main(argv: list[str] | None = None, prog: str = "studies/train.py") -> int:
     if not args.quiet:
         knobs = " ".join(f"{k}={v}" for k, v in resolved_knobs(config).items())
         print(f"protocol {protocol_tag(config)}: {knobs}", file=sys.stderr)
-    from ..cluster.interrupt import RunInterrupted, exit_code
     from ..run.trial import run_single_trial
 
-    from ...training.worker import TrialFailedError
+    from ...training.failures import TrialFailedError
 
     try:
         metrics = run_single_trial(config, name=name, storage_path=output_dir, address=args.address,

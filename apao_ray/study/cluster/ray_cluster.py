@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+import importlib.util
 
 from ...names import PLUGINS_ENV
 from ...training.memory import ALLOCATOR_ENV, allocator_env
@@ -44,8 +45,6 @@ CODE_EXCLUDES = ["__pycache__", "*.pyc"]
 def plugin_paths(names: str) -> list[str]:
     """The files or package folders of the top-level modules named in ``names`` ($APAO_PLUGINS, comma-separated)
     that are found here; a name not found is left to ``losses.import_plugins``, which names it."""
-    import importlib.util
-
     paths = []
     for name in dict.fromkeys(part.strip().split(".")[0] for part in names.split(",") if part.strip()):
         try:

@@ -11,6 +11,7 @@ from ...training.memory import find_tcmalloc
 from .budget import TRIAL_START_S, MethodCost, fit_budget
 from .plan import Plan, method_config
 from .probe_cache import SIDE_BY_SIDE_SLOWDOWN, probe
+from ..spec.space import is_baseline
 
 if TYPE_CHECKING:  # the types only
     from ...config import TrialConfig
@@ -44,8 +45,6 @@ def make_plan(spec: StudySpec, setup: StudySetup, slots: int, use_cache: bool = 
     Raises:
         ValueError: the budget is too small for ``min_epochs`` of any method (naming the estimate).
     """
-    from ..spec.space import is_baseline
-
     base, dataset, search = setup.base, setup.dataset, spec.search
     splits = dataset.splits
     train_samples = min(len(splits["train"]), base.train.max_train_samples or len(splits["train"]))

@@ -13,6 +13,7 @@ import time
 
 from ...training.memory import allocator_in_use
 from .probe_cache import PROBE_MAX_STEPS, PROBE_SECONDS, PROBE_STEPS, PROBE_TRIAL_SHARE
+from ...config import TrialConfig
 
 
 class _Enough(Exception):
@@ -28,7 +29,6 @@ def run_probe(config_dict: dict, threads: int, steps: int = PROBE_STEPS, min_sec
     import numpy as np
     import torch
 
-    from ...config import TrialConfig
     from ...data import load_dataset
     from ...losses import build_loss
     from ...models import build_model

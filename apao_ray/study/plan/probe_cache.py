@@ -16,6 +16,7 @@ from typing import Any
 
 from ...hardware import cpu_features, cpu_model
 from ...training.memory import allocator_env
+from ...paths import user_cache_dir
 
 PROBE_STEPS = 3           # timed optimizer steps at least (after one warm-up step)
 PROBE_SECONDS = 8.0       # ... and timed training for at least this long (a sustained rate: 3 steps read ~5% fast)
@@ -68,8 +69,6 @@ def probe_key(config_dict: dict[str, Any], threads: int) -> str:
 
 def probe_cache_path() -> Path:
     """``$APAO_PROBE_CACHE`` (the test suite's own), else ``probes.json`` in the user cache."""
-    from ...paths import user_cache_dir
-
     return Path(os.environ.get(PROBE_CACHE_ENV) or user_cache_dir() / PROBE_CACHE_FILE)
 
 

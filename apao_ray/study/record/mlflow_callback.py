@@ -12,21 +12,23 @@ from typing import Any
 from ray import tune
 
 from ... import storage
+from ...analysis.export import cost_totals, trial_record
 from ...config import TrialConfig
-from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, PER_USER_FILE, PER_USER_VALID_FILE, PRECISION_KEY, REPEATS_TAG,
-                     RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY, remove_scratch, shown_knob,
-                     train_run_name)
+from ...names import (ALLOCATOR_KEY, ENERGY_METHOD_KEY, ERROR_TAG, OUTCOME_TAG, PER_USER_FILE, PER_USER_VALID_FILE,
+                     PRECISION_KEY, PRUNED, REPEATS_TAG, RESUMED_HISTORY_KEY, SEED_TAG, TEST_BY, WORKER_NODE_KEY,
+                     remove_scratch, shown_knob, train_run_name)
 from ...rank_metrics import AT_10_METRICS
-from ...tracking import Tracker
+from ...tracking import Tracker, dataset_record
 from ...training.checkpoint import FINAL_METRICS_FILE, newest_checkpoint_at, say_on_stderr
 from ..cluster import interrupt
 from . import plots, rule_models
 from .prefix_recall import log_trial_prefix_recall
-from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, ERROR_TAG, INTERRUPTED, NODE_TAG, OUTCOME_TAG, PRECISION_TAG,
-                       PREVIOUS_ERROR_TAG, PREVIOUS_OUTCOME_TAG, PRUNED, PRUNED_EPOCH_TAG, STOPPED_BY_TUNE,
+from .outcomes import (ALLOCATOR_TAG, ENERGY_TAG, INTERRUPTED, NODE_TAG, PRECISION_TAG,
+                       PREVIOUS_ERROR_TAG, PREVIOUS_OUTCOME_TAG, PRUNED_EPOCH_TAG, STOPPED_BY_TUNE,
                        STUDY_TAG, TERMINAL, TRIAL_TAG, describe, failure_outcome, is_final_report, pruned_epoch,
                        seed_tags)
 from ..spec.space import trial_choices, trial_config
+from .report import TEST_COLUMNS, study_selection, table_rows
 
 MODEL_METRICS = ("test/", "best/val/")  # what a trial's logged model shows on its page: how it tests, why chosen
 
@@ -251,9 +253,6 @@ class MlflowStudyCallback(tune.Callback):
 def log_cost_per_method(tracker: Tracker, parent_run_id: str) -> dict[str, dict[str, float]]:
     """Sums every child run's ``cost/*`` (wall and CPU seconds, energy; the largest peak memory) per
     (backbone, loss) and logs them on the parent run as ``cost/<backbone>/<loss>/<name>``."""
-    from ...analysis.export import trial_record
-    from .seeds import cost_totals
-
     totals = {f"{backbone}/{loss}": sums for (backbone, loss), sums in
               cost_totals([trial_record(run) for run in tracker.child_runs(parent_run_id)]).items()}
     tracker.log_metrics(parent_run_id, {f"cost/{method}/{key.removeprefix('cost/')}": value
@@ -264,8 +263,6 @@ def log_cost_per_method(tracker: Tracker, parent_run_id: str) -> dict[str, dict[
 def dataset_record_of(dataset: Any, data_dir: str | None = None) -> dict[str, Any]:
     """The study's dataset as an MLflow dataset input (``tracking.dataset_record``): its name, the
     SHA-256 of its files (the checksums the study already verified), split sizes and where it is."""
-    from ...tracking import dataset_record
-
     source = "apao_ray.data.synthetic (generated)"
     if dataset.checksums:
         from ...data.files import locate
@@ -301,8 +298,6 @@ def log_study_summary(tracker: Tracker, parent_run_id: str, study_name: str) -> 
     """Gives the parent run the study's result as metrics: per (backbone, loss), the best trial's (by the study's
     selection, as the table names it) validation and test metrics, so the parent's chart view is not empty.
     Returns them."""
-    from .report import TEST_COLUMNS, study_selection, table_rows
-
     key = study_selection(tracker, study_name).key
     summary: dict[str, float] = {}
     for row in table_rows(tracker, study=study_name, baseline=None):  # means over seeds; no significance needed

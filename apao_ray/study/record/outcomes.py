@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...names import COHORT_TAG, ERROR_TAG, OUTCOME_TAG, PRUNED, REPEATS_TAG, SEED_TAG  # noqa: F401  (read from here too)
+from ...names import COHORT_TAG, REPEATS_TAG, SEED_TAG
 from ..spec.space import COHORT_KEY, MEMBER_KEY, REPEATS_KEY, SEED_KEY, SIZE_KEY, trial_choices
 
 TRIAL_TAG = "apao.trial_id"
@@ -70,7 +70,7 @@ def failure_outcome(reason: str) -> str:
 
 def short_reason(error: str, width: int = 200) -> str:
     """A failed trial's error in one line for a table: its last line, without the wrapper the trial's driver
-    raised it in (``apao_ray.training.worker.TrialFailedError: ``), cut at ``width`` characters."""
+    raised it in (``apao_ray.training.failures.TrialFailedError: ``), cut at ``width`` characters."""
     line = (error.strip().splitlines() or ["unknown error"])[-1]
     wrapper, _, reason = line.partition(" ")
     return (reason if wrapper.endswith("TrialFailedError:") else line)[:width]

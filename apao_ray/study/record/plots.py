@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from typing import Any
+import warnings
 
 import matplotlib
 
@@ -72,8 +73,6 @@ def optuna_figures(study: Any, method_studies: dict[str, Any], importance_method
     importances per method in ``importance_methods`` (``method_studies``: method -> a study of its
     trials with knob names): one method's knobs ranked against another's would mean nothing.
     """
-    import warnings
-
     from optuna.exceptions import ExperimentalWarning
     from optuna.visualization import matplotlib as optuna_plots
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from ray import tune
 
-from ...names import TESTED_KEY, reached_test
-from .outcomes import PRUNED, TERMINAL, describe, is_final_report, pruned_epoch
+from ...names import PRUNED, TESTED_KEY, reached_test
+from .outcomes import TERMINAL, describe, is_final_report, pruned_epoch
 from ..spec.space import trial_choices
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from ...analysis.bar import TRAINING_FREE, bar_words, metric_means, with_bar
 from ...analysis.heuristics import HEURISTIC_LABELS
-from ...analysis.export import trial_record
+from ...analysis.export import cost_totals, trial_record
 from ...analysis.outcome import FAILED, PRUNED_STATE, Outcome, best_trial
 from ...analysis.results import EARLY_LEARNING, is_early_learning, joined_verdicts, popularity_check, recorded_knobs, \
     seeds_text
@@ -19,8 +19,9 @@ from ...rank_metrics import PER_USER_METRICS
 from ...tracking import Tracker
 from ..spec.space import PAPER_KNOBS, knob_names
 from .outcomes import short_reason
-from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, cost_totals, seed_columns, seed_methods, significance_cells, \
+from .seeds import STD_SUFFIX, TEST_COLUMNS, RunSource, seed_columns, seed_methods, significance_cells, \
     significance_column
+from ...analysis.subsets import method_labels, subset_table
 
 COST_COLUMNS = ("cost/wall_seconds", "cost/cpu_seconds", "cost/peak_rss_mb", "cost/energy_kwh")
 CHOSEN_TIME = "chosen_trial/wall_seconds"  # the chosen trial's own wall time, beside the cost of all the method's
@@ -155,8 +156,6 @@ def subset_lines(tracker: Tracker, study: str, dataset: Any, heuristics: dict[st
                  num_resamples: int = 10_000) -> list[str]:
     """The study's best methods on memorization and generalization test cases (``analysis.subsets``) beside the
     training-free baselines (per-user tables ``heuristics`` by name), as markdown; nothing without per-user tables."""
-    from ...analysis.subsets import method_labels, subset_table
-
     methods = _best_methods(tracker, study_selection(tracker, study), study)[2]
     tables = [t for m in methods for t in (trial.per_user() for trial in m.trials) if t is not None]
     found = method_labels(tables, dataset) if tables else None

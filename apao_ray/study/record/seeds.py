@@ -3,7 +3,7 @@
 against the baseline, and the cost of every trial of the method summed.
 
 No Ray and no statistics of its own: the seeds are grouped into ``analysis.results.Method`` objects
-and compared by ``analysis.results.compare_methods`` (over seeds and users with >= 2 seeds, users only and no
+and compared by ``analysis.comparisons.compare_methods`` (over seeds and users with >= 2 seeds, users only and no
 verdict with 1; Holm over one family: ``analysis.stats``), exactly as ``python -m apao_ray report`` does. Runs are plain records
 (``analysis.export.trial_record``), so every function here is testable on synthetic rows.
 """
@@ -12,10 +12,11 @@ from __future__ import annotations
 import math
 import tempfile
 from typing import Any
+import pandas as pd
 
-from ...analysis.export import cost_totals  # noqa: F401 (the study table's cost, read from here)
+from ...analysis.comparisons import compare_methods
 from ...analysis.per_user import PER_USER_FILE, read_per_user
-from ...analysis.results import Method, Trial, compare_methods, with_repeats
+from ...analysis.results import Method, Trial, with_repeats
 from ...names import PER_USER_VALID_FILE
 from ...protocol import Selection
 from ...rank_metrics import PER_USER_METRICS
@@ -51,8 +52,6 @@ class RunSource:
 
     def history(self, run_id: str, key: str) -> Any:
         """(step -> value) of one metric of one run, from MLflow (empty without a tracker)."""
-        import pandas as pd
-
         points = self.tracker.metric_history(run_id, key) if self.tracker is not None else []
         return pd.Series(dict(points), dtype=float).sort_index()
 

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ...config import TrialConfig
-from ...names import REPORTS_FILE
+from ...names import REPORTS_FILE, remove_scratch
 from ..spec import space
 from ..spec.space import COHORT_KEY, MEMBER_KEY, SIZE_KEY
+from dataclasses import replace
 
 COHORTS_DIR = "cohorts"
 FOLLOWER_CPUS = 0.01  # a follower only reads a file and relays it to Tune
@@ -148,7 +149,7 @@ def relay(run_dir: Path, directory: Path, report: Callable[[dict[str, Any]], Non
         RuntimeError: the leader has started once (its heartbeat exists) and nothing was heard of it for
             ``silent_s``, counted from this follower's start (a restarted leader beats again at once).
     """
-    from ...training.worker import TrialFailedError
+    from ...training.failures import TrialFailedError
 
     cursor_path, reports = run_dir / RELAYED_FILE, run_dir / REPORTS_FILE
     relayed = int(cursor_path.read_text()) if cursor_path.exists() else 0  # bytes: only what is new is read
@@ -201,9 +202,6 @@ def run_member(config: dict[str, Any], base: TrialConfig, *, name: str, train_ro
 def _lead(config: dict[str, Any], base: TrialConfig, train_root: str, resources: Any,
           members: list[dict[str, Any]], dataset_files: Any = None) -> None:
     """The leader's training of its registered ``members``."""
-    from dataclasses import replace
-
-    from ...names import remove_scratch
     from ...training.worker import train_cohort_in_tune_actor
     from .trial import make_loop_config
 

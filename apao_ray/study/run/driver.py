@@ -12,25 +12,28 @@ from typing import TYPE_CHECKING, Any
 
 from ... import storage
 from ...config import TrialConfig
-from ...names import SELECTION_TAG
+from ...names import OUTCOME_TAG, PLAN_TAG, SELECTION_TAG, train_run_name
 from ...protocol import Selection, recorded_selection, run_tags
-from ...tracking import redact
+from ...tracking import Tracker, experiment_name, redact
 from ..cluster import interrupt, worker_output
-from ..cluster.ray_cluster import session_log
+from ..cluster.ray_cluster import init_ray, session_log
 from ..record.live_callbacks import run_callbacks
-from ..record.outcomes import summarize_results
+from ..record.outcomes import BUDGET_PROTOCOL_TAG, INTERRUPTED, STUDY_TAG, describe, summarize_results
 from ..search.scheduler import PerMethodASHA
 from ..setup import parent_run, parent_tags, study_state_exists
 from ..spec import space
 from ..spec.space import PAPER_KNOBS, SearchSpec, loss_knobs, trial_choices
 from . import cohorts
-from .study import Study, invocation
-from .trial import Resources
+from .study import Study
+from .trial import Resources, run_in_ray_train, run_in_tune_actor
+from ...mlflow_ui import save_runs_view, view_key
+from ..record import live_callbacks
+from ..record.progress import ProgressCallback
+from ...data.shipped import pack
+from .pruned import evaluate_pruned_trials
+from ..record.report import log_study_figures
 
-if TYPE_CHECKING:  # the types only: the driver runs a Plan, it never makes one
-    from ...tracking import Tracker
-    from ..plan.plan import Plan
-    from ..setup import StudySetup
+if TYPE_CHECKING:  # the types only
     from ..spec.study import StudySpec
 
 
@@ -46,11 +49,6 @@ def make_trial_function(base: TrialConfig, train_root: str, resources: Resources
 
     def apao_trial(config: dict[str, Any], dataset_files: Any = None) -> None:
         from ray import tune
-
-        from ..record.outcomes import describe
-        from .trial import run_in_ray_train, run_in_tune_actor
-
-        from ...names import train_run_name
 
         name = train_run_name(tune.get_context().get_trial_id())  # stable: a restored trial finds its checkpoints
         label = f"[{describe(trial_choices(config))}] "
@@ -132,8 +130,6 @@ def space_param(spec: SearchSpec) -> str:
 
 def open_parent_run(tracker: Tracker, study: Study) -> str:
     """The study's MLflow parent run: reopened when the study resumes, else created with its space."""
-    from ..record.outcomes import STUDY_TAG
-
     spec, setup, plan = study.spec, study.setup, study.plan
     tags = parent_tags(setup.study_name)
     parent_id = tracker.find_run(tags)
@@ -153,14 +149,11 @@ def open_parent_run(tracker: Tracker, study: Study) -> str:
                                        "seeds": json.dumps(study.seeds)})
     else:
         tracker.reopen(parent_id)
-    from ...names import PLAN_TAG
-    from ..record.outcomes import BUDGET_PROTOCOL_TAG
 
     record = plan.record()
     tracker.set_tags(parent_id, {PLAN_TAG: json.dumps(record), BUDGET_PROTOCOL_TAG: record.get("budget_protocol") or "none",
                                  # what every surface names the best trial by (a resume keeps it: check_same_schedule)
                                  SELECTION_TAG: Selection.of(plan.base).to_json()})
-    from ...mlflow_ui import save_runs_view, view_key
     from ..record.mlflow_callback import study_columns
 
     knobs = loss_knobs()
@@ -186,10 +179,6 @@ class StudyOutcome:
 def run_study(study: Study, example_history: list[str]) -> StudyOutcome:
     """Runs (or resumes) the study. On SIGINT or SIGTERM it saves its state, records the unfinished
     trials and the parent run as interrupted, and returns ``interrupted=True`` with the signal."""
-    from ...tracking import Tracker, experiment_name
-    from ..record.outcomes import INTERRUPTED, OUTCOME_TAG
-    from ..cluster.ray_cluster import init_ray
-
     spec, setup, plan = study.spec, study.setup, study.plan
     study_dir = study.study_dir
     if spec.overwrite:
@@ -215,11 +204,7 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
     """Builds (or restores) the Tuner, runs it, and records the study's end in the parent run."""
     from ray import tune
 
-    from ...tracking import experiment_name
-    from ..record import live_callbacks
     from ..record.mlflow_callback import MlflowStudyCallback, log_study_summary
-    from ..record.outcomes import OUTCOME_TAG
-    from ..record.progress import ProgressCallback
     from ..search import optuna_storage, optuna_summary
 
     spec, setup, plan = study.spec, study.setup, study.plan
@@ -240,7 +225,6 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                           memory_bytes(spec))
     callbacks = make_callbacks(plan.search.num_trials)
     recorder = callbacks[0]
-    from ...data.shipped import pack
 
     shipped = pack(plan.base.data)  # read once here: trials on any node load it from Ray's object store
     trainable = make_trainable(plan.base, train_root, resources, spec.driver_resource, shipped)
@@ -292,8 +276,6 @@ def _run_tuner(study: Study, tracker: Tracker, parent_id: str, example_history: 
                    or (spec.budget_s is None and len(rows) < plan.search.num_trials))
     if interrupted:
         return StudyOutcome(rows, interrupted=True)
-    from .pruned import evaluate_pruned_trials
-    from ..record.report import log_study_figures
 
     evaluate_pruned_trials(tracker, parent_id, train_root, resources.cpus_per_worker, resources.gpus_per_worker,
                            shipped)

@@ -16,8 +16,9 @@ from ... import storage
 from ...analysis.export import trial_record
 from ...analysis.outcome import PRUNED_STATE, Outcome
 from ...names import train_run_name
-from ...training.checkpoint import newest_checkpoint_at, say_on_stderr
+from ...training.checkpoint import CONFIG_FILE, load_checkpoint, newest_checkpoint_at, say_on_stderr
 from ..record.outcomes import PRUNED_EPOCH_TAG, TRIAL_TAG
+from ...config import TrialConfig
 
 TESTED_TAG = "apao.tested_on"
 TEST_TIMEOUT_S = 3600
@@ -40,9 +41,7 @@ def evaluate_checkpoint(location: str, num_threads: int = 1, dataset_files: Any 
 def _evaluate(directory: Path, num_threads: int, dataset_files: Any) -> dict[str, float]:
     import torch
 
-    from ...config import TrialConfig
     from ...models import build_model
-    from ...training.checkpoint import CONFIG_FILE, load_checkpoint
     from ...training.evaluation import evaluate_split
     from ...training.worker import DATASET_FILES_KEY, limit_threads, trial_dataset
 

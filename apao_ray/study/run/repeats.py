@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 from ... import storage
 from ..spec.space import REPEATS_KEY, SEED_KEY, knobs_of, param_name
 from . import cohorts
+from ..cluster import interrupt
+from ..record.outcomes import summarize_results
 
 REPEATS_DIR = "repeats"
 
@@ -42,11 +44,9 @@ def run_repeats(study: Study, tracker: Tracker, trainable: Any, callbacks: list[
     from ray import tune
     from ray.tune.search import BasicVariantGenerator
 
-    from ..cluster import interrupt
     from ..record import live_callbacks
     from ..record.live_callbacks import run_callbacks
     from ..record.report import best_rows
-    from ..record.outcomes import summarize_results
 
     spec, setup, plan = study.spec, study.setup, study.plan
     directory = storage.join(study.study_dir, REPEATS_DIR)

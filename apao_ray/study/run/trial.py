@@ -18,9 +18,11 @@ from ... import storage
 from ...config import TrialConfig
 from ...names import remove_scratch, scratch_prefix
 from ...training.checkpoint import FINAL_METRICS_FILE
-from ...training.worker import DATASET_FILES_KEY, TrialFailedError, train_in_tune_actor, train_loop_per_worker
+from ...training.failures import TrialFailedError
+from ...training.worker import DATASET_FILES_KEY, train_in_tune_actor, train_loop_per_worker
 from ..cluster.interrupt import stop_signals_end_the_run
 from ..cluster.ray_cluster import RAY_TRAIN_LOG_LEVEL_ENV, WORKER_START_TIMEOUT_ENV, init_ray
+from ...data.shipped import pack
 
 if TYPE_CHECKING:  # Ray Train is imported where a TorchTrainer is made: a trial in Tune's actor does without it
     import ray.train
@@ -248,8 +250,6 @@ def run_single_trial(config: TrialConfig, *, name: str, storage_path: str | Path
     """Runs one trial as a TorchTrainer job and returns its final metrics; a stop signal raises
     ``cluster.interrupt.RunInterrupted`` (the run's checkpoints stay under ``storage_path/name``)."""
     import ray
-
-    from ...data.shipped import pack
 
     init_ray(address)
     resources = Resources(num_workers=config.train.num_workers, cpus_per_worker=cpus_per_worker,

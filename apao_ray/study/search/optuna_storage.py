@@ -28,10 +28,13 @@ from ray.tune.search.optuna import OptunaSearch
 
 from ...paths import tool_command
 from ...protocol import Selection
-from ...tracking import redact, require_database_driver
+from ...tracking import Tracker, redact, require_database_driver
 from ...tracking.store import first_line, opened_despite_schema_race
 from .scheduler import TIME_ATTR
 from ..spec.space import SEPARATOR, SearchSpec
+from ... import storage
+from ...names import train_run_name
+from ..record.outcomes import STUDY_TAG, TRIAL_TAG, failure_outcome
 
 OPTUNA_DB_NAME = "optuna.db"
 STORAGE_TAG = "apao.optuna_storage"  # on the parent run: where the study's Optuna trials are
@@ -189,9 +192,6 @@ class PersistentOptunaSearch(OptunaSearch):
         record = getattr(self, "_failure_record", None)  # None in a searcher pickled before it existed
         if record is None:
             return None
-        from ... import storage
-        from ...names import train_run_name
-        from ..record.outcomes import failure_outcome
 
         train_root, failure_file = record
         reason = storage.read_text(storage.join(storage.absolute(train_root), train_run_name(trial_id), failure_file))
@@ -220,8 +220,6 @@ class PersistentOptunaSearch(OptunaSearch):
         record = getattr(self, "_run_record", None)  # None in a searcher pickled before it existed
         if record is None:
             return {}
-        from ...tracking import Tracker
-        from ..record.outcomes import STUDY_TAG, TRIAL_TAG
 
         tracking_uri, experiment, study_name, seed = record
         try:  # a label: a tracking server that does not answer this once must not stop the search

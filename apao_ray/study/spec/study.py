@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, replace
 from typing import Any
 
-from ...config import BACKBONE_NAMES, FULL_SORT_TEST, PRECISIONS, PROTOCOL_NAMES
+from ...config import BACKBONE_NAMES, FULL_SORT_TEST, PRECISIONS, PROTOCOL_NAMES, TrialConfig
 from ...data.files import canonical_dataset, dataset_label, is_dataset_path, known_dataset_names
 from ...paths import check_plain_name
 from .duration import parse_duration
 from .fields import check_bounds, document, option, table
 from .space import SearchSpec, tunes
+from ...protocol import apply_protocol
 
 DEFAULT_LOSSES = ("ce", "apao_pointwise", "apao_pairwise")
 # --quick / --smoke / StudySpec.quick(): a plumbing check in a few minutes on 2 CPUs, not a result
@@ -244,10 +245,8 @@ class StudySpec:
 
     def _check_names(self) -> None:
         """Backbones, losses, names that become paths, and flags that contradict each other."""
-        # lazy: the registry and the protocol import torch, which ``import apao_ray`` and --help never load
-        from ...config import TrialConfig
+        # lazy: the loss registry imports torch, which ``import apao_ray`` and --help never load
         from ...losses import LOSSES
-        from ...protocol import apply_protocol
 
         unknown = [b for b in self.backbones if b not in BACKBONE_NAMES]
         if unknown:
